@@ -1,0 +1,486 @@
+"""Load, merge and validate hostd's YAML configuration.
+
+One job: turn the files under the config root into typed config, remembering
+which file every value came from. Nothing here writes; a broken file raises
+ConfigError (every problem found, each naming the file, the key path and what
+was expected) and the caller changes nothing.
+
+Files, for model NAME, lowest first (a later file wins; mappings merge deeply,
+any other value is replaced whole):
+
+    hostd.yaml `defaults:`       keys shared by every model
+    models/NAME.yaml             the model
+    models/NAME.d/*.yaml         drop-ins, in lexical order of file name
+
+Trust: the files are written by root. Still, YAML is parsed with the safe
+loader only, files are capped in size, duplicate keys and recursive aliases
+are refused, and a drop-in directory holding anything but *.yaml files (hidden
+files aside) is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import msgspec
+import msgspec.inspect
+import yaml
+
+from hostd import paths
+from hostd.config import schema
+
+MAX_FILE_BYTES = 1 << 20
+MAX_NODES = 100_000
+DEFAULT_ORIGIN = "(default)"
+
+KeyPath = tuple[str, ...]
+
+
+def config_root(override: Optional[os.PathLike | str] = None) -> Path:
+    """The config root: an explicit override, else $HOSTD_CONFIG_DIR, else /etc/hostd."""
+    if override:
+        return Path(override)
+    return Path(os.environ.get("HOSTD_CONFIG_DIR") or paths.CONFIG_ROOT)
+
+
+# ---------------------------------------------------------------- problems
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the configuration."""
+
+    file: str
+    key: str  # dotted key path, "" for the whole file
+    message: str
+    line: Optional[int] = None  # 1-based
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        key = f" {self.key}:" if self.key else ""
+        return f"{where}:{key} {self.message}"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; `problems` lists every problem found."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def dotted(path: KeyPath) -> str:
+    return ".".join(path)
+
+
+# ---------------------------------------------------------------- YAML files
+
+
+@dataclass
+class YamlFile:
+    """One parsed file: its data and the line of every key path in it."""
+
+    path: str
+    data: dict
+    lines: dict[KeyPath, int] = field(default_factory=dict)
+
+
+def read_yaml(path: Path) -> YamlFile:
+    """Parse one YAML file whose top level must be a mapping (empty is {})."""
+    name = str(path)
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError([Problem(name, "", f"larger than {MAX_FILE_BYTES} bytes")])
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([Problem(name, "", f"not UTF-8 text ({exc.reason})")]) from None
+    except OSError as exc:
+        raise ConfigError([Problem(name, "", f"cannot read: {exc.strerror}")]) from None
+    return parse_yaml(text, name)
+
+
+def parse_yaml(text: str, name: str) -> YamlFile:
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        lines: dict[KeyPath, int] = {}
+        if node is not None:
+            _check_nodes(node, name, lines)
+            data = loader.construct_document(node)
+        else:
+            data = {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        message = " ".join(str(m) for m in (exc.context, exc.problem) if m)
+        raise ConfigError([Problem(name, "", f"malformed YAML: {message}", line)]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([Problem(name, "", f"malformed YAML: {exc}")]) from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # PyYAML's constructors raise these for values such as a bad timestamp.
+        raise ConfigError([Problem(name, "", f"malformed YAML value: {exc}")]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(
+            [Problem(name, "", f"the top level must be a mapping of keys, not {kind}", 1)]
+        )
+    return YamlFile(name, data, lines)
+
+
+def _check_nodes(root: yaml.Node, name: str, lines: dict[KeyPath, int]) -> None:
+    """Refuse duplicate and non-string keys and recursive or exploding aliases;
+    record the line of every key path."""
+    seen = 0
+    stack: list[tuple[yaml.Node, KeyPath, frozenset[int]]] = [(root, (), frozenset())]
+    while stack:
+        node, path, ancestors = stack.pop()
+        seen += 1
+        if seen > MAX_NODES:
+            raise ConfigError(
+                [Problem(name, dotted(path), f"more than {MAX_NODES} YAML nodes (alias bomb?)")]
+            )
+        if id(node) in ancestors:
+            raise ConfigError(
+                [Problem(name, dotted(path), "recursive alias", node.start_mark.line + 1)]
+            )
+        inner = ancestors | {id(node)}
+        if isinstance(node, yaml.MappingNode):
+            keys: set[str] = set()
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    stack.append((value_node, path, inner))
+                    continue
+                line = key_node.start_mark.line + 1
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != (
+                    "tag:yaml.org,2002:str"
+                ):
+                    raise ConfigError(
+                        [Problem(name, dotted(path), "keys must be plain strings", line)]
+                    )
+                if key_node.value in keys:
+                    raise ConfigError(
+                        [Problem(name, dotted(path + (key_node.value,)), "duplicate key", line)]
+                    )
+                keys.add(key_node.value)
+                lines.setdefault(path + (key_node.value,), line)
+                stack.append((value_node, path + (key_node.value,), inner))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                stack.append((item, path + (str(index),), inner))
+
+
+# ---------------------------------------------------------------- merging
+
+
+@dataclass
+class Merged:
+    """Merged data with, for every leaf key path, the file that set it."""
+
+    data: dict = field(default_factory=dict)
+    origins: dict[KeyPath, str] = field(default_factory=dict)
+    lines: dict[KeyPath, tuple[str, int]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    def add(self, source: YamlFile, data: Optional[dict] = None, prefix: KeyPath = ()) -> None:
+        """Merge SOURCE (or DATA taken from it, found at PREFIX) over what is here."""
+        self.files.append(source.path)
+        self._merge(self.data, source.data if data is None else data, source, (), prefix)
+
+    def _merge(self, into: dict, new: dict, source: YamlFile, path: KeyPath, prefix: KeyPath):
+        for key, value in new.items():
+            here = path + (key,)
+            line = source.lines.get(prefix + here)
+            if line is not None:
+                self.lines[here] = (source.path, line)
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                self._merge(into[key], value, source, here, prefix)
+                continue
+            self._forget(here)
+            into[key] = _copy(value)
+            if isinstance(value, dict) and value:
+                for leaf in _leaves(value, here):
+                    self.origins[leaf] = source.path
+            else:
+                self.origins[here] = source.path
+
+    def _forget(self, path: KeyPath) -> None:
+        n = len(path)
+        for key in [k for k in self.origins if k[:n] == path]:
+            del self.origins[key]
+
+    def origin(self, path: KeyPath) -> str:
+        """The file that set PATH (or the nearest enclosing key), else (default)."""
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.origins:
+                return self.origins[path[:n]]
+        below = {f for k, f in self.origins.items() if k[: len(path)] == path}
+        return below.pop() if len(below) == 1 else DEFAULT_ORIGIN
+
+    def where(self, path: KeyPath) -> tuple[str, Optional[int]]:
+        """The file and line of PATH, for error messages."""
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.lines:
+                return self.lines[path[:n]]
+        return (self.files[-1] if self.files else "(none)", None)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _leaves(data: dict, path: KeyPath) -> Iterable[KeyPath]:
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, path + (key,))
+        else:
+            yield path + (key,)
+
+
+# ---------------------------------------------------------------- validation
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<key>[^`]*)`$")
+_FIELD_MSG = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_]*): (?P<msg>.*)$", re.S)
+
+
+def _error_path(error: msgspec.ValidationError) -> tuple[KeyPath, str, bool]:
+    """(key path, message, can the key be dropped to look for more problems)."""
+    match = _AT.match(str(error))
+    message = match.group("msg")
+    path: KeyPath = tuple(
+        part for part in re.split(r"\.|\[(\d+)\]", match.group("path") or "") if part
+    )
+    if m := _UNKNOWN.match(message):
+        return path + (m.group("key"),), "unknown key", True
+    if m := _MISSING.match(message):
+        return path + (m.group("key"),), "required key is missing", False
+    if m := _FIELD_MSG.match(message):
+        return path + (m.group("key"),), m.group("msg"), True
+    return path, message.replace("Expected", "expected", 1), True
+
+
+def _choices(type_: type, path: KeyPath) -> str:
+    """The allowed values of the Literal field at PATH, for an error message."""
+    info: Any = msgspec.inspect.type_info(type_)
+    for key in path:
+        while isinstance(info, (msgspec.inspect.Metadata, msgspec.inspect.UnionType)):
+            info = info.type if isinstance(info, msgspec.inspect.Metadata) else info.types[0]
+        fields = {f.name: f.type for f in getattr(info, "fields", ())}
+        info = fields.get(key)
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return "one of " + ", ".join(map(str, info.values))
+    return "another value"
+
+
+def _drop(data: dict, path: KeyPath) -> bool:
+    node: Any = data
+    for part in path[:-1]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    if path and isinstance(node, dict) and path[-1] in node:
+        del node[path[-1]]
+        return True
+    return False
+
+
+def validate(merged: Merged, type_: type) -> Any:
+    """Convert MERGED to TYPE_, or raise ConfigError with every problem found.
+
+    msgspec stops at the first error; to report them all, the offending key is
+    dropped from a copy and validation runs again."""
+    data = _copy(merged.data)
+    problems: list[Problem] = []
+    dropped: set[KeyPath] = set()
+    for _ in range(200):
+        try:
+            value = msgspec.convert(data, type_)
+        except msgspec.ValidationError as exc:
+            path, message, droppable = _error_path(exc)
+            if path in dropped:
+                break  # a required key we dropped ourselves: already reported
+            dropped.add(path)
+            file, line = merged.where(path)
+            if message.startswith("Invalid enum value"):
+                message = f"{message[len('Invalid enum '):]}; expected {_choices(type_, path)}"
+            problems.append(Problem(file, dotted(path), message, line))
+            if not (droppable and _drop(data, path)):
+                break
+        else:
+            if not problems:
+                return value
+            break
+    raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------- public API
+
+
+@dataclass
+class LoadedModel:
+    """A model's effective config and where each value came from."""
+
+    name: str
+    config: schema.ModelConfig
+    merged: Merged
+
+    def origin(self, path: KeyPath) -> str:
+        return self.merged.origin(path)
+
+
+def model_file(name: str, root: Optional[Path] = None) -> Path:
+    return config_root(root) / "models" / f"{name}.yaml"
+
+
+def dropin_dir(name: str, root: Optional[Path] = None) -> Path:
+    return config_root(root) / "models" / f"{name}.d"
+
+
+def list_models(root: Optional[Path] = None) -> list[str]:
+    """Names of the models configured under ROOT (valid names or not)."""
+    models = config_root(root) / "models"
+    if not models.is_dir():
+        return []
+    return sorted(p.name[: -len(".yaml")] for p in models.glob("*.yaml") if p.is_file())
+
+
+def load_daemon(root: Optional[Path] = None) -> schema.DaemonConfig:
+    """hostd.yaml, or the defaults when it does not exist."""
+    path = config_root(root) / "hostd.yaml"
+    if not path.exists():
+        return schema.DaemonConfig()
+    source = read_yaml(path)
+    merged = Merged()
+    merged.add(source)
+    return validate(merged, schema.DaemonConfig)
+
+
+def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
+    """The drop-ins of NAME in the order they apply; anything else there is an error."""
+    directory = dropin_dir(name, root)
+    if not directory.exists():
+        return []
+    if not directory.is_dir():
+        raise ConfigError([Problem(str(directory), "", "must be a directory of *.yaml drop-ins")])
+    files, problems = [], []
+    for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+        if entry.name.startswith("."):
+            continue  # editors' swap files and the atomic writer's temp files
+        if entry.name.endswith(".yaml") and entry.is_file():
+            files.append(entry)
+        else:
+            problems.append(
+                Problem(
+                    str(entry),
+                    "",
+                    "not a *.yaml file: drop-ins must be files named *.yaml "
+                    "(rename it, or move it out of the directory)",
+                )
+            )
+    if problems:
+        raise ConfigError(problems)
+    return files
+
+
+def merge_model(name: str, root: Optional[Path] = None) -> tuple[Merged, list[Problem]]:
+    """Read and merge every readable file of model NAME (values not validated);
+    the problems of the files that could not be read come back beside it."""
+    root = config_root(root)
+    problem = schema.model_name_problem(name)
+    main = model_file(name, root)
+    if problem:
+        raise ConfigError([Problem(str(main), "", problem)])
+    if not main.is_file():
+        raise ConfigError([Problem(str(main), "", f"no such model: {name!r} is not configured")])
+    merged = Merged()
+    daemon_file = root / "hostd.yaml"
+    if daemon_file.exists():
+        daemon = read_yaml(daemon_file)
+        defaults = daemon.data.get("defaults")
+        if isinstance(defaults, dict):
+            merged.add(daemon, defaults, prefix=("defaults",))
+    sources, problems = [main], []
+    try:
+        sources += dropin_files(name, root)
+    except ConfigError as exc:
+        problems += exc.problems
+    for path in sources:
+        try:
+            merged.add(read_yaml(path))
+        except ConfigError as exc:
+            problems += exc.problems
+    return merged, problems
+
+
+def model_type(merged: Merged) -> type:
+    """The schema type for the backend named in MERGED."""
+    backend = merged.data.get("backend")
+    if isinstance(backend, str) and backend in schema.MODEL_TYPES:
+        return schema.MODEL_TYPES[backend]
+    file, line = merged.where(("backend",))
+    message = (
+        "required key is missing"
+        if backend is None
+        else f"unknown backend {backend!r}"
+    )
+    raise ConfigError(
+        [Problem(file, "backend", f"{message}: expected one of builtin, vllm, sglang", line)]
+    )
+
+
+def load_model(name: str, root: Optional[Path] = None) -> LoadedModel:
+    """The effective, validated config of model NAME."""
+    merged, problems = merge_model(name, root)
+    try:
+        config = validate(merged, model_type(merged))
+    except ConfigError as exc:
+        # With a file unreadable, a missing backend is its consequence, not news.
+        if not problems or "backend" in merged.data:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return LoadedModel(name, config, merged)
+
+
+def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[Problem]:
+    """Every problem in hostd.yaml and the given models (default: all)."""
+    root = config_root(root)
+    problems: list[Problem] = []
+    try:
+        load_daemon(root)
+    except ConfigError as exc:
+        problems += exc.problems
+    models_dir = root / "models"
+    if names is None:
+        names = list_models(root)
+        if models_dir.is_dir():
+            for entry in sorted(models_dir.iterdir()):
+                stem = entry.name[: -len(".d")] if entry.name.endswith(".d") else None
+                if entry.is_dir() and stem and not (models_dir / f"{stem}.yaml").exists():
+                    problems.append(
+                        Problem(str(entry), "", f"drop-ins for {stem!r}, which has no {stem}.yaml")
+                    )
+    for name in names:
+        try:
+            load_model(name, root)
+        except ConfigError as exc:
+            problems += exc.problems
+    return problems

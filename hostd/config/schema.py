@@ -1,0 +1,363 @@
+"""The configuration schema: every key hostd reads, its type, range and default.
+
+One job: say what a valid config is. Loading, merging and origins live in
+load.py; this module is the contract every process imports. The model YAML has
+two kinds of keys:
+
+- fixed keys (top level): what the weights are and how the units run. Changing
+  one needs `systemctl restart model@NAME` (a full restart reloads weights).
+- editable keys (everything under `engine:`): the engine's limits, named as the
+  backend itself names them. A reload may change these and only these.
+
+The docs/configuration.md reference is generated from this module
+(`python -m hostd.config.reference`); a unit test fails when they drift.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional, Union
+
+import msgspec
+from msgspec import Meta
+
+from hostd import paths
+
+Backend = Literal["builtin", "vllm", "sglang"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MODEL_NAME_RULE = (
+    "letters, digits, '_', '.', '-', starting with a letter or digit, "
+    f"at most {paths.max_model_name_length()} characters "
+    "(so every socket path under /run/hostd/NAME/ fits the 108-byte limit)"
+)
+
+
+def model_name_problem(name: str) -> Optional[str]:
+    """Why NAME cannot be a model name, or None when it can."""
+    if not MODEL_NAME_RE.fullmatch(name):
+        return f"model name {name!r} is not allowed: use {MODEL_NAME_RULE}"
+    if len(name) > paths.max_model_name_length():
+        return (
+            f"model name {name!r} is {len(name)} characters long: "
+            f"use {MODEL_NAME_RULE}"
+        )
+    return None
+
+
+def _doc(description: str, **constraints) -> Meta:
+    return Meta(description=description, **constraints)
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Unknown keys are errors: a typo must never be silently ignored."""
+
+
+# ---------------------------------------------------------------- daemon-wide
+
+
+class DaemonConfig(_Strict):
+    """/etc/hostd/hostd.yaml: settings for every model on the host."""
+
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error"],
+        _doc("Lowest level written to the journal by every hostd process."),
+    ] = "info"
+    admin_group: Annotated[
+        str,
+        _doc("Group whose members may call mutating D-Bus methods besides root."),
+    ] = "hostd-admin"
+    defaults: Annotated[
+        dict,
+        _doc(
+            "Model keys merged beneath every /etc/hostd/models/NAME.yaml "
+            "(the model's own files win)."
+        ),
+    ] = {}
+
+
+# ---------------------------------------------------------------- model parts
+
+
+class GatewayConfig(_Strict):
+    """How the model's front door admits requests while the engine is away."""
+
+    admission: Annotated[
+        Literal["reject", "queue"],
+        _doc(
+            "Outside 'serving': 'reject' answers 503 at once; 'queue' holds a "
+            "request up to queue_timeout, then answers 503."
+        ),
+    ] = "reject"
+    queue_timeout: Annotated[
+        float, _doc("Seconds a queued request may wait.", gt=0, le=3600)
+    ] = 30.0
+    queue_max: Annotated[
+        int, _doc("Requests that may wait at once; more get 503.", ge=0, le=100000)
+    ] = 256
+    retry_after: Annotated[
+        int, _doc("Retry-After header of a 503, in seconds.", ge=1, le=3600)
+    ] = 5
+
+
+class ReloadConfig(_Strict):
+    """How a reload treats the requests in flight."""
+
+    drain_timeout: Annotated[
+        float,
+        _doc(
+            "Seconds a reload waits for admitted requests to finish; when they "
+            "do not, the reload is abandoned and the old engine keeps serving.",
+            gt=0,
+            le=86400,
+        ),
+    ] = 120.0
+
+
+class TimeoutsConfig(_Strict):
+    """Unit start/stop timeouts written by the generator."""
+
+    start: Annotated[
+        int,
+        _doc(
+            "Seconds a unit may take to become ready (loading big weights).",
+            ge=1,
+            le=86400,
+        ),
+    ] = 1800
+    stop: Annotated[
+        int,
+        _doc("Seconds a unit may take to stop after SIGTERM.", ge=1, le=86400),
+    ] = 180
+
+
+# ------------------------------------------------------- editable engine limits
+
+PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+
+
+class BuiltinEngine(_Strict):
+    """Limits of hostd's own engine."""
+
+    max_num_seqs: Annotated[
+        int,
+        _doc("Requests generated at once; more wait their turn.", ge=1, le=4096),
+    ] = 8
+    max_model_len: Annotated[
+        Optional[PositiveInt],
+        _doc(
+            "Prompt plus completion tokens one request may use; unset: the "
+            "model's max_position_embeddings."
+        ),
+    ] = None
+    shutdown_timeout: Annotated[
+        float,
+        _doc(
+            "Seconds the engine lets admitted requests finish after SIGTERM.",
+            ge=0,
+            le=86400,
+        ),
+    ] = 60.0
+
+
+class VllmEngine(_Strict):
+    """vLLM engine arguments a reload may change (vLLM's own names)."""
+
+    max_num_seqs: Annotated[
+        Optional[PositiveInt], _doc("--max-num-seqs; unset: vLLM's default.")
+    ] = None
+    max_num_batched_tokens: Annotated[
+        Optional[PositiveInt], _doc("--max-num-batched-tokens; unset: vLLM's default.")
+    ] = None
+    max_model_len: Annotated[
+        Optional[PositiveInt], _doc("--max-model-len; unset: from the model config.")
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float, _doc("--gpu-memory-utilization, a fraction of the GPU.", gt=0, le=1)
+    ] = 0.9
+    enforce_eager: Annotated[
+        bool, _doc("--enforce-eager: no CUDA graphs.")
+    ] = False
+    cuda_graph_sizes: Annotated[
+        Optional[list[PositiveInt]],
+        _doc("--cuda-graph-sizes: batch sizes to capture; unset: vLLM's default."),
+    ] = None
+    shutdown_timeout: Annotated[
+        int,
+        _doc(
+            "--shutdown-timeout: seconds vLLM lets requests finish on SIGTERM.",
+            ge=0,
+            le=86400,
+        ),
+    ] = 60
+
+
+class SglangEngine(_Strict):
+    """SGLang server arguments a reload may change (SGLang's own names)."""
+
+    max_running_requests: Annotated[
+        Optional[PositiveInt], _doc("--max-running-requests; unset: SGLang's default.")
+    ] = None
+    max_prefill_tokens: Annotated[
+        Optional[PositiveInt], _doc("--max-prefill-tokens; unset: SGLang's default.")
+    ] = None
+    context_length: Annotated[
+        Optional[PositiveInt], _doc("--context-length; unset: from the model config.")
+    ] = None
+    chunked_prefill_size: Annotated[
+        Optional[int],
+        _doc("--chunked-prefill-size; -1 disables chunking; unset: SGLang's default."),
+    ] = None
+    mem_fraction_static: Annotated[
+        Optional[Annotated[float, Meta(gt=0, lt=1)]],
+        _doc("--mem-fraction-static, a fraction of the GPU."),
+    ] = None
+    disable_cuda_graph: Annotated[bool, _doc("--disable-cuda-graph.")] = False
+    cuda_graph_max_bs_decode: Annotated[
+        Optional[PositiveInt], _doc("Largest decode batch captured in a CUDA graph.")
+    ] = None
+    cuda_graph_max_bs_prefill: Annotated[
+        Optional[PositiveInt], _doc("Largest prefill batch captured in a CUDA graph.")
+    ] = None
+    schedule_conservativeness: Annotated[
+        Optional[Annotated[float, Meta(gt=0, le=100)]],
+        _doc("--schedule-conservativeness; larger is more cautious."),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size is not None and (
+            self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1
+        ):
+            raise ValueError(
+                "chunked_prefill_size: must be -1 (no chunking) or at least 1"
+            )
+
+
+# ---------------------------------------------------------------- the model
+
+ListenAddress = Annotated[
+    str,
+    _doc(
+        "Public address of the model's OpenAI endpoint: 'PORT', 'HOST:PORT', "
+        "'[IPv6]:PORT' or an absolute Unix socket path."
+    ),
+]
+
+
+class _ModelBase(_Strict):
+    """Keys every backend shares. All fixed: changing one needs a restart."""
+
+    backend: Annotated[Backend, _doc("builtin, vllm or sglang.")]
+    model: Annotated[
+        str,
+        _doc("Absolute path of the checkpoint directory (config.json, *.safetensors)."),
+    ]
+    served_model_name: Annotated[
+        Optional[str], _doc("Name clients pass as 'model'; unset: the model's NAME.")
+    ] = None
+    dtype: Annotated[Dtype, _doc("Weight dtype; 'auto' follows the checkpoint.")] = (
+        "auto"
+    )
+    listen: ListenAddress = "127.0.0.1:8000"
+    autostart: Annotated[
+        bool, _doc("Start the model at boot (multi-user.target wants it).")
+    ] = False
+    gpus: Annotated[
+        list[Annotated[int, Meta(ge=0, le=1023)]],
+        _doc("CUDA device indices the model's units may use."),
+    ] = msgspec.field(default_factory=lambda: [0])
+    env: Annotated[
+        dict[str, str], _doc("Extra environment for the weights and engine processes.")
+    ] = {}
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    reload: ReloadConfig = msgspec.field(default_factory=ReloadConfig)
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model.startswith("/"):
+            raise ValueError(
+                f"model: {self.model!r} is not an absolute path; give the "
+                "checkpoint directory as /path/to/checkpoint"
+            )
+        problem = listen_address_problem(self.listen)
+        if problem:
+            raise ValueError(f"listen: {problem}")
+        for key in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"env: {key!r} is not a valid variable name")
+
+
+class BuiltinModel(_ModelBase, kw_only=True):
+    """A model served by hostd's own weight daemon and engine."""
+
+    device: Annotated[
+        Literal["cpu", "cuda"],
+        _doc("Where the weights live: 'cpu' (shared memfd) or 'cuda' (CUDA IPC)."),
+    ] = "cpu"
+    engine: BuiltinEngine = msgspec.field(default_factory=BuiltinEngine)
+
+
+class _UpstreamModel(_ModelBase, kw_only=True):
+    quantization: Annotated[
+        Optional[str], _doc("Upstream quantization method; unset: none.")
+    ] = None
+    tensor_parallel_size: Annotated[
+        int, _doc("GPUs one replica spans (must equal the number of gpus).", ge=1, le=64)
+    ] = 1
+    pipeline_parallel_size: Annotated[
+        int, _doc("Pipeline stages (the weight caches support 1).", ge=1, le=64)
+    ] = 1
+    extra_args: Annotated[
+        list[str], _doc("More upstream flags, passed to both weights and engine.")
+    ] = []
+
+
+class VllmModel(_UpstreamModel, kw_only=True):
+    """A model served by `vllm serve --load-format ipc_cache`."""
+
+    engine: VllmEngine = msgspec.field(default_factory=VllmEngine)
+
+
+class SglangModel(_UpstreamModel, kw_only=True):
+    """A model served by SGLang in weight-cache client mode."""
+
+    engine: SglangEngine = msgspec.field(default_factory=SglangEngine)
+
+
+ModelConfig = Union[BuiltinModel, VllmModel, SglangModel]
+
+MODEL_TYPES: dict[str, type] = {
+    "builtin": BuiltinModel,
+    "vllm": VllmModel,
+    "sglang": SglangModel,
+}
+ENGINE_TYPES: dict[str, type] = {
+    "builtin": BuiltinEngine,
+    "vllm": VllmEngine,
+    "sglang": SglangEngine,
+}
+
+
+def editable_fields(backend: str) -> tuple[str, ...]:
+    """The keys a reload may change for BACKEND: the fields of its engine."""
+    return ENGINE_TYPES[backend].__struct_fields__
+
+
+def listen_address_problem(listen: str) -> Optional[str]:
+    """Why LISTEN is not a usable public address, or None."""
+    if listen.startswith("/"):
+        if len(listen.encode()) > paths.SUN_PATH_MAX:
+            return f"{listen!r} is longer than {paths.SUN_PATH_MAX} bytes"
+        return None
+    host, sep, port = listen.rpartition(":")
+    if not sep:
+        port = listen
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return (
+            f"{listen!r} has no port from 1 to 65535; use 'PORT', 'HOST:PORT', "
+            "'[IPv6]:PORT' or an absolute socket path"
+        )
+    if host.startswith("[") != host.endswith("]"):
+        return f"{listen!r}: an IPv6 host must be written in brackets, [::1]:PORT"
+    return None

@@ -1,0 +1,57 @@
+"""Where each model's sockets and state live on a host.
+
+One job: name the paths. Every process derives them from here, so the unit
+templates, the daemons and the config validator agree. The runtime directory
+/run/hostd/NAME is private (0700, owned by the service user); the longest socket
+path under it decides how long a model name may be (sun_path holds 107 bytes
+plus its terminating NUL).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+RUNTIME_ROOT = Path("/run/hostd")
+STATE_ROOT = Path("/var/lib/hostd")
+CONFIG_ROOT = Path("/etc/hostd")
+
+SUN_PATH_MAX = 107  # bytes, without the terminating NUL
+
+# Socket files inside /run/hostd/NAME. vLLM names its sockets itself, after the
+# GPU's UUID ("GPU-" + 36 characters), inside the socket directory we give it.
+WEIGHTS_SOCKET = "weights.sock"
+ENGINE_SOCKET = "engine.sock"
+CONTROL_SOCKET = "control.sock"
+VLLM_SOCKET_DIR = "vllm"
+SGLANG_SOCKET_DIR = "sglang"
+_LONGEST_UPSTREAM_SOCKET = (
+    "vllm/vllm_weight_cache_GPU-00000000-0000-0000-0000-000000000000.sock"
+)
+
+
+def runtime_root() -> Path:
+    """The runtime root; HOSTD_RUNTIME_DIR moves it for runs by hand and tests."""
+    return Path(os.environ.get("HOSTD_RUNTIME_DIR") or RUNTIME_ROOT)
+
+
+def runtime_dir(name: str) -> Path:
+    return runtime_root() / name
+
+
+def weights_socket(name: str) -> Path:
+    return runtime_dir(name) / WEIGHTS_SOCKET
+
+
+def engine_socket(name: str) -> Path:
+    return runtime_dir(name) / ENGINE_SOCKET
+
+
+def control_socket(name: str) -> Path:
+    return runtime_dir(name) / CONTROL_SOCKET
+
+
+def max_model_name_length() -> int:
+    """The longest model name whose every socket path fits in sun_path."""
+    fixed = len(f"{RUNTIME_ROOT}/") + len("/") + len(_LONGEST_UPSTREAM_SOCKET)
+    return SUN_PATH_MAX - fixed
