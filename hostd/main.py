@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional
 
 import hostd
+
+# (subcommand, module with add_arguments() and run(), help)
+SUBCOMMANDS = [
+    ("weights", "hostd.weights.daemon", "run the weight cache daemon of a model"),
+    ("engine", "hostd.engine.main", "run the builtin engine of a model"),
+    ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="configuration root (default: $HOSTD_CONFIG_DIR or /etc/hostd)",
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in SUBCOMMANDS:
+        sub = commands.add_parser(name, help=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(sub)
+        sub.set_defaults(func=mod.run)
     return parser
 
 

@@ -55,3 +55,8 @@ def max_model_name_length() -> int:
     """The longest model name whose every socket path fits in sun_path."""
     fixed = len(f"{RUNTIME_ROOT}/") + len("/") + len(_LONGEST_UPSTREAM_SOCKET)
     return SUN_PATH_MAX - fixed
+
+
+def state_dir(name: str) -> Path:
+    """Per-model state; HOSTD_STATE_DIR moves the root for runs by hand and tests."""
+    return Path(os.environ.get("HOSTD_STATE_DIR") or STATE_ROOT) / name

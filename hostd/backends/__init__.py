@@ -1,0 +1,19 @@
+"""Backends: for one model config, what the weights and engine units run.
+
+base.py is the interface (DESIGN.md §3); builtin.py the first implementation.
+"""
+
+from hostd.backends.base import Backend, Command, Refused
+from hostd.backends.builtin import BuiltinBackend
+
+BACKENDS: dict[str, type[Backend]] = {"builtin": BuiltinBackend}
+
+
+def for_config(cfg) -> Backend:
+    try:
+        return BACKENDS[cfg.backend]()
+    except KeyError:
+        raise Refused(f"backend: {cfg.backend!r} is not available in this hostd build") from None
+
+
+__all__ = ["BACKENDS", "Backend", "Command", "Refused", "for_config"]

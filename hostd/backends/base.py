@@ -1,0 +1,61 @@
+"""The backend interface: everything hostd needs to know to run one model.
+
+A backend answers, for a model's config: the weight daemon's and the engine's
+command and environment, which fields a reload may change, how to tell that
+the engine serves, what it refuses before anything is torn down, and how long
+it lets admitted requests finish when asked to stop (its drain).
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hostd.config import schema
+
+
+class Refused(Exception):
+    """The config asks for something this backend cannot do; nothing was touched."""
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    name: ClassVar[str]
+
+    def editable_fields(self) -> tuple[str, ...]:
+        return schema.editable_fields(self.name)
+
+    @abc.abstractmethod
+    def weights_command(self, model: str, cfg) -> Command:
+        """What model-weights@MODEL.service runs."""
+
+    @abc.abstractmethod
+    def engine_command(self, model: str, cfg) -> Command:
+        """What model-engine@MODEL.service runs; it serves HTTP on engine.sock."""
+
+    @abc.abstractmethod
+    def refusals(self, cfg) -> list[str]:
+        """Every reason CFG cannot be served, each naming the setting; empty when fine."""
+
+    def check(self, cfg) -> None:
+        problems = self.refusals(cfg)
+        if problems:
+            raise Refused("; ".join(problems))
+
+    health_path: ClassVar[str] = "/health"
+    """HTTP path on engine.sock that answers 200 once the engine serves."""
+
+    @abc.abstractmethod
+    def drain_seconds(self, cfg) -> float:
+        """How long the engine lets admitted requests finish after SIGTERM."""
+
+    @staticmethod
+    def hostd_argv(*args: str) -> list[str]:
+        return [sys.executable, "-m", "hostd.main", *args]

@@ -1,0 +1,1 @@
+"""Checkpoints hostd writes itself: tiny random models for tests and the demo."""

@@ -1,0 +1,1 @@
+"""The builtin inference engine: token generation and its OpenAI-compatible HTTP server."""

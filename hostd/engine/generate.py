@@ -1,0 +1,423 @@
+"""Generate the tokens of one request on a Hugging Face causal LM.
+
+One job: given a built model that already holds its weights (on CPU or CUDA),
+a prompt as token ids and the sampling parameters, produce the completion token
+by token, with the model's KV cache, and turn it into text. Nothing here knows
+about HTTP; the server (server.py) decides what to admit and how to answer.
+
+Three layers, each usable alone:
+
+- ``generate_tokens`` is the blocking loop for one request: prefill, then one
+  decode step per token, greedy at temperature 0 and sampled otherwise, until
+  an end-of-sequence token, ``max_tokens`` or cancellation (checked between
+  steps). It runs in a worker thread, never on the event loop.
+- ``TextDecoder`` turns those ids into text incrementally and applies stop
+  strings, holding back text that may still turn into a stop string or that
+  ends inside a multi-byte character.
+- ``Runner`` runs at most ``max_num_seqs`` generations at once, each in its own
+  worker thread, admits the rest in arrival order, and hands the results to
+  asyncio code as an async iterator. A request's slot is freed when its worker
+  thread has stopped, so "running" counts model work, not open connections.
+
+The tokenizer is only ever used on the event loop thread (prompt encoding in
+the server, decoding here in ``Runner.stream``): Hugging Face fast tokenizers
+are not safe to use from several threads at once.
+
+Trust: the inputs come from the server, which has already validated them; the
+model and tokenizer come from the process that built them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+# Prompt tokens decoded together with the first completion tokens, so that
+# tokenizers which change a token's text by its left neighbour (SentencePiece's
+# leading space) decode the completion as they would inside the whole text.
+_DECODE_CONTEXT_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: already validated by the caller."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step of a stream adds: new text, tokens so far, and, last, why it ended."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" on the last delta
+
+
+class GenerationCancelled(Exception):
+    """The runner was told to stop all work (shutdown) before this generation ended."""
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """Every token id that ends a sequence: generation config, model config, tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The forward() keyword for the KV cache: ``cache`` in transformers >= 5.x, else ``past_key_values``."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _new_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose the next token from the last position's logits."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set of tokens whose mass reaches top_p (the first always stays).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate_tokens(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    eos_ids: Iterable[int],
+    cancel: threading.Event | None = None,
+) -> Iterator[int]:
+    """Yield the completion's token ids one by one. Blocking: call it from a worker thread.
+
+    Stops after an end-of-sequence token (which is yielded), after
+    ``params.max_tokens`` tokens, or before the next model step once ``cancel``
+    is set. Each step runs under ``torch.inference_mode()``.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: the model needs at least one token to continue")
+    eos = frozenset(eos_ids)
+    device = model_device(model)
+    cache_keyword = _cache_keyword(model)
+    generator = None
+    if params.temperature != 0:
+        generator = torch.Generator(device=device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+    cache = _new_cache(model)
+    inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    for _ in range(params.max_tokens):
+        if cancel is not None and cancel.is_set():
+            return
+        with torch.inference_mode():
+            output = model(input_ids=inputs, use_cache=True, logits_to_keep=1, **{cache_keyword: cache})
+            token = _pick(output.logits[0, -1], params, generator)
+        yield token
+        if token in eos:
+            return
+        inputs = torch.tensor([[token]], dtype=torch.long, device=device)
+
+
+def warm_up(model: torch.nn.Module, tokenizer) -> None:
+    """Run one short greedy generation, so that lazy initialisation is not paid by a request."""
+    prompt = tokenizer.encode("Hello", add_special_tokens=True) or [0]
+    for _ in generate_tokens(model, prompt, SamplingParams(max_tokens=2, temperature=0.0), eos_ids=()):
+        pass
+
+
+class TextDecoder:
+    """Turns completion token ids into text deltas and applies stop strings.
+
+    ``add(token_id)`` returns the text that is now safe to show and whether a
+    stop string was reached (the stop string itself is never shown, as in the
+    OpenAI API). Text is held back while it ends inside a multi-byte character
+    or while its end could still become a stop string. ``flush()`` returns what
+    was held back once the completion has ended for another reason.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: Iterable[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(s for s in stop if s)
+        self._ids = list(prompt_ids[-_DECODE_CONTEXT_TOKENS:])
+        self._prefix = 0  # ids[prefix:read] decodes to text already in self._text
+        self._read = len(self._ids)
+        self._text = ""  # the completion's text so far
+        self._shown = 0  # characters of self._text already returned
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._release(final=False), self.stopped
+
+    def flush(self) -> str:
+        """The held-back text, once no more tokens will come."""
+        if self.stopped:
+            return ""
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before):
+            self._text += after[len(before):]
+            self._prefix = self._read = len(self._ids)
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        # A stop string cannot start before self._shown: text that could begin
+        # one is held back until it either completes the stop string or cannot.
+        found = [i for i in (self._text.find(s, self._shown) for s in self._stop) if i >= 0]
+        if found:
+            end = min(found)
+            self.stopped = True
+        elif final:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._held_back()
+        out = self._text[self._shown:end]
+        self._shown = max(self._shown, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest unshown suffix that is a proper prefix of a stop string."""
+        pending = self._text[self._shown:]
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(pending)), longest, -1):
+                if pending.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+class _Done:
+    """Sentinel a worker thread queues when its loop has ended."""
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+@dataclass
+class RunnerStats:
+    """Counters the server exports; only touched on the event loop thread."""
+
+    running: int = 0  # generations holding a slot (their worker thread has not ended)
+    waiting: int = 0  # generations admitted by the server, waiting for a slot
+    running_max: int = 0  # high-water marks since start
+    waiting_max: int = 0
+    prompt_tokens: int = 0  # prompt tokens of generations that got a slot
+    generated_tokens: int = 0  # tokens the model produced, shown to a client or not
+
+
+@dataclass
+class Runner:
+    """Runs generations in worker threads: at most ``max_num_seqs`` at once, the rest wait in FIFO order.
+
+    Create it anywhere; use ``stream`` from one event loop. ``on_change`` is
+    called on that loop whenever ``stats.running`` or ``stats.waiting`` changes.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    max_num_seqs: int
+    on_change: Callable[[], None] | None = None
+    stats: RunnerStats = field(default_factory=RunnerStats)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        self.model.eval()
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_num_seqs, thread_name_prefix="hostd-generate")
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._cancels: set[threading.Event] = set()
+        self._closed = False
+
+    # --- slots -----------------------------------------------------------
+
+    def _changed(self) -> None:
+        s = self.stats
+        s.waiting = len(self._waiters)
+        s.running_max = max(s.running_max, s.running)
+        s.waiting_max = max(s.waiting_max, s.waiting)
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _acquire(self) -> None:
+        if self._closed:
+            raise GenerationCancelled("the engine is shutting down")
+        if self.stats.running < self.max_num_seqs and not self._waiters:
+            self.stats.running += 1
+            self._changed()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._changed()
+        try:
+            await waiter  # _release hands its slot over: running is already counted
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release()  # granted while being cancelled: pass the slot on
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
+        finally:
+            self._changed()
+
+    def _release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                self._changed()
+                return
+        self.stats.running -= 1
+        self._changed()
+
+    # --- generation --------------------------------------------------------
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """Wait for a slot, then yield one Delta per completion token; the last has finish_reason.
+
+        Close the iterator (``contextlib.aclosing``) or cancel the task to stop
+        the generation early: the worker thread stops before its next model
+        step and then frees the slot. Raises GenerationCancelled after
+        ``cancel_all``.
+        """
+        await self._acquire()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        stats = self.stats
+
+        def arrived(item) -> None:  # on the loop thread
+            if isinstance(item, int):
+                stats.generated_tokens += 1
+            queue.put_nowait(item)
+
+        def put(item) -> None:  # on the worker thread
+            try:
+                loop.call_soon_threadsafe(arrived, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                cancel.set()
+
+        def work() -> None:
+            try:
+                for token in generate_tokens(self.model, prompt_ids, params, eos_ids=self.eos_ids, cancel=cancel):
+                    put(token)
+            except BaseException as error:  # reported to the consumer, which logs it
+                put(_Failed(error))
+            else:
+                put(_Done())
+
+        def finished(_future) -> None:
+            self._cancels.discard(cancel)
+            self._release()
+
+        self._cancels.add(cancel)
+        stats.prompt_tokens += len(prompt_ids)
+        try:
+            worker = loop.run_in_executor(self._pool, work)
+        except BaseException:
+            finished(None)
+            raise
+        worker.add_done_callback(finished)
+
+        decoder = TextDecoder(self.tokenizer, prompt_ids, params.stop)
+        count = 0
+        last = None
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, _Failed):
+                    raise item.error
+                if isinstance(item, _Done):
+                    break
+                count += 1
+                last = item
+                if item in self.eos_ids:
+                    break
+                text, stopped = decoder.add(item)
+                if stopped:
+                    yield Delta(text, count, "stop")
+                    return
+                if count >= params.max_tokens:
+                    break
+                yield Delta(text, count)
+            if last in self.eos_ids:
+                yield Delta(decoder.flush(), count, "stop")
+            elif count >= params.max_tokens:
+                yield Delta(decoder.flush(), count, "length")
+            else:
+                raise GenerationCancelled("the engine stopped this generation while shutting down")
+        finally:
+            cancel.set()
+
+    # --- shutdown ----------------------------------------------------------
+
+    def cancel_all(self) -> None:
+        """Stop every generation before its next step and refuse new ones (shutdown)."""
+        self._closed = True
+        for cancel in list(self._cancels):
+            cancel.set()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(GenerationCancelled("the engine is shutting down"))
+        self._changed()
+
+    def close(self) -> None:
+        """Cancel what is left and wait for the worker threads (each stops within one model step)."""
+        self.cancel_all()
+        self._pool.shutdown(wait=True, cancel_futures=True)

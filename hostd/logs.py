@@ -1,0 +1,74 @@
+"""Logging for every hostd process: the journal's native protocol under
+systemd, plain stderr by hand.
+
+One job: one call, setup(model, component), after which every record carries
+HOSTD_MODEL= (and HOSTD_COMPONENT=; HOSTD_OPERATION= and HOSTD_STAGE= when the
+caller passes them in `extra`), so `journalctl HOSTD_MODEL=NAME` follows one
+model across all its units. A record may set a fixed MESSAGE_ID through
+extra={"message_id": ...}.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from logging_journald import JournaldLogHandler, check_journal_stream
+
+FIELD_PREFIX = "hostd_"
+
+
+class _ModelFields(logging.Filter):
+    def __init__(self, model: str, component: str):
+        super().__init__()
+        self.model, self.component = model, component
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.hostd_model = getattr(record, "hostd_model", self.model)
+        record.hostd_component = self.component
+        return True
+
+
+class JournalHandler(JournaldLogHandler):
+    """Sends hostd_* record attributes as top-level journal fields (the
+    library would nest them under EXTRA_) and honours a fixed message_id."""
+
+    def _format_record(self, record: logging.LogRecord) -> list[tuple[str, Any]]:
+        fields = super()._format_record(record)
+        out: list[tuple[str, Any]] = []
+        fixed_id = getattr(record, "message_id", None)
+        for key, value in fields:
+            if key == "extra":
+                extra = dict(value)
+                for name in [k for k in extra if k.startswith(FIELD_PREFIX)]:
+                    out.append((name, extra.pop(name)))
+                extra.pop("message_id", None)
+                value = extra
+            elif key == "message_id" and fixed_id:
+                value = fixed_id
+            out.append((key, value))
+        return out
+
+
+def under_journal() -> bool:
+    return bool(os.environ.get("JOURNAL_STREAM")) and check_journal_stream()
+
+
+def setup(model: str, component: str, level: int = logging.INFO) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if under_journal():
+        handler: logging.Handler = JournalHandler(identifier=f"hostd-{component}")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s hostd-{component}[{model}] %(levelname)s %(message)s")
+        )
+    handler.addFilter(_ModelFields(model, component))
+    root.addHandler(handler)
+    root.setLevel(level)
+    for noisy in ("urllib3", "filelock", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

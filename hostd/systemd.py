@@ -1,0 +1,72 @@
+"""What a hostd process needs from systemd, and nothing when run by hand.
+
+One job: sd_notify (READY=1, STATUS=, EXTEND_TIMEOUT_USEC=, STOPPING=1) and
+socket activation (LISTEN_FDS). Outside systemd (no NOTIFY_SOCKET, no
+LISTEN_FDS) every call is a no-op, so each daemon runs the same by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Optional
+
+import sdnotify
+
+SD_LISTEN_FDS_START = 3
+
+_notifier: Optional[sdnotify.SystemdNotifier] = None
+
+
+def notify(*lines: str) -> None:
+    """Send sd_notify lines (e.g. "READY=1", "STATUS=serving"); no-op outside systemd."""
+    global _notifier
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return
+    if _notifier is None:
+        _notifier = sdnotify.SystemdNotifier()
+    _notifier.notify("\n".join(lines))
+
+
+def status(text: str) -> None:
+    notify(f"STATUS={text.splitlines()[0] if text else ''}")
+
+
+class ExtendTimeout:
+    """While a long step runs (loading weights), keep asking systemd for more
+    start-up time so TimeoutStartSec= bounds progress, not checkpoint size."""
+
+    def __init__(self, every: float = 10.0, extend_by: float = 30.0):
+        self._every, self._usec = every, int(extend_by * 1_000_000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0 if not self._thread.ident else self._every):
+            notify(f"EXTEND_TIMEOUT_USEC={self._usec}")
+
+    def __enter__(self) -> "ExtendTimeout":
+        if os.environ.get("NOTIFY_SOCKET"):
+            notify(f"EXTEND_TIMEOUT_USEC={self._usec}")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
+def listen_sockets() -> list[socket.socket]:
+    """Sockets passed by systemd socket activation (empty when run by hand).
+
+    The variables are removed so that children do not inherit them."""
+    pid, count = os.environ.get("LISTEN_PID"), os.environ.get("LISTEN_FDS")
+    for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(key, None)
+    if not count or pid != str(os.getpid()):
+        return []
+    sockets = []
+    for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + int(count)):
+        os.set_inheritable(fd, False)
+        sockets.append(socket.socket(fileno=fd))
+    return sockets

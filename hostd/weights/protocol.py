@@ -1,0 +1,215 @@
+"""The weights protocol: what the weight cache daemon and an engine say.
+
+Trust model: the socket lives in the model's private runtime directory
+(/run/hostd/NAME, 0700) and is itself 0600; the daemon also checks every peer
+with SO_PEERCRED (same uid or root) and refuses the rest. Even so, nothing a
+peer sends can make either side run code: messages are msgspec msgpack
+structs decoded against a fixed schema (no pickle), frames carry a 4-byte
+big-endian length and are capped at MAX_FRAME, and a malformed, truncated or
+oversized frame closes that one connection and nothing else.
+
+Exchange: the engine sends one request per connection; the daemon answers
+with one response. An Attach response carries the shared memory: on CPU one
+sealed memfd passed as SCM_RIGHTS ancillary data with the frame; on CUDA the
+IPC handle of one device allocation inside the message.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Optional, Union
+
+import msgspec
+
+MAX_FRAME = 16 << 20  # the largest tensor table of a real model is < 1 MiB
+HEADER = struct.Struct(">I")
+TIMEOUT = 30.0
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame or message."""
+
+
+# ---------------------------------------------------------------- fingerprint
+
+
+class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """What the weights are (not where they came from): a cache serves an
+    engine only when every field is equal."""
+
+    model_path: str  # resolved, symlinks followed
+    content_digest: str  # sha256 over the weight files and config.json
+    architecture: str
+    dtype: str
+    device: str  # "cpu", or "cuda:<GPU UUID>"
+    tensor_parallel_size: int
+    backend: str
+    torch_version: str
+    transformers_version: str
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """Names of the fields whose values differ from OTHER's."""
+        return [
+            name
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StatusRequest(msgspec.Struct, tag="status"):
+    pass
+
+
+class AttachRequest(msgspec.Struct, tag="attach"):
+    fingerprint: Fingerprint
+
+
+Request = Union[StatusRequest, AttachRequest]
+
+
+# ---------------------------------------------------------------- responses
+
+
+class TensorEntry(msgspec.Struct, array_like=True):
+    """One tensor inside the shared allocation. `aliases` are other module
+    paths that name the same tensor (tied weights)."""
+
+    name: str
+    kind: str  # "parameter" | "buffer"
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: list[int]
+    offset: int  # bytes from the start of the allocation
+    aliases: list[str] = []
+
+
+class MemfdStorage(msgspec.Struct, tag="memfd"):
+    """A sealed memfd of `size` bytes, passed as the frame's one SCM_RIGHTS fd."""
+
+    size: int
+    inode: int
+
+
+class CudaStorage(msgspec.Struct, tag="cuda"):
+    """The fields of torch's UntypedStorage._share_cuda_() for one allocation."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_uuid: str
+
+
+Storage = Union[MemfdStorage, CudaStorage]
+
+
+class Status(msgspec.Struct, tag="status"):
+    fingerprint: Fingerprint
+    pid: int
+    socket_inode: int
+    tensors: int
+    bytes_by_device: dict[str, int]
+    loaded_at: float
+    clients_served: int
+    upstream_pids: list[int] = []
+    upstream_socket_inodes: dict[str, int] = {}
+
+
+class Attach(msgspec.Struct, tag="attach"):
+    status: Status
+    storage: Storage
+    tensors: list[TensorEntry]
+
+
+class Mismatch(msgspec.Struct, tag="mismatch"):
+    fields: list[str]
+    daemon: Fingerprint
+    message: str
+
+
+class Error(msgspec.Struct, tag="error"):
+    message: str
+
+
+Response = Union[Status, Attach, Mismatch, Error]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+
+
+# ---------------------------------------------------------------- framing
+
+
+def send_frame(sock: socket.socket, message: msgspec.Struct, fds: tuple[int, ...] = ()) -> None:
+    payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME}-byte cap")
+    data = HEADER.pack(len(payload)) + payload
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: Optional[list[int]]) -> bytes:
+    chunks, have = [], 0
+    while have < n:
+        if fds is not None:
+            data, got, _flags, _addr = socket.recv_fds(sock, n - have, 4)
+            fds.extend(got)
+        else:
+            data = sock.recv(n - have)
+        if not data:
+            raise ProtocolError(f"connection closed after {have} of {n} bytes (truncated frame)")
+        chunks.append(data)
+        have += len(data)
+    return b"".join(chunks)
+
+
+def _recv_payload(sock: socket.socket, fds: Optional[list[int]]) -> bytes:
+    header = _recv_exact(sock, HEADER.size, fds)
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte cap")
+    return _recv_exact(sock, length, fds)
+
+
+def recv_request(sock: socket.socket) -> Request:
+    payload = _recv_payload(sock, None)
+    try:
+        return _request_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"not a valid request: {exc}") from None
+
+
+def recv_response(sock: socket.socket) -> tuple[Response, list[int]]:
+    """A response and the file descriptors that came with it (caller closes them)."""
+    fds: list[int] = []
+    payload = _recv_payload(sock, fds)
+    try:
+        return _response_decoder.decode(payload), fds
+    except msgspec.DecodeError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"not a valid response: {exc}") from None
+
+
+# ---------------------------------------------------------------- peers
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)

@@ -1,0 +1,158 @@
+"""Run hostd's daemons as real processes, by hand (no systemd), for tests.
+
+One model tree per test: a config root, a private runtime root and a state
+root under the test's tmp_path, exported through HOSTD_CONFIG_DIR,
+HOSTD_RUNTIME_DIR and HOSTD_STATE_DIR exactly as an administrator running the
+daemons by hand would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+import yaml
+
+
+def wait_for(probe: Callable[[], object], timeout: float, what: str, proc: Optional[subprocess.Popen] = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+@dataclass
+class ModelTree:
+    root: Path
+    name: str = "tiny"
+    daemons: list[Daemon] = field(default_factory=list)
+
+    @property
+    def config_dir(self) -> Path:
+        return self.root / "etc"
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.root / "run" / self.name
+
+    @property
+    def weights_socket(self) -> Path:
+        return self.runtime_dir / "weights.sock"
+
+    @property
+    def engine_socket(self) -> Path:
+        return self.runtime_dir / "engine.sock"
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "HOSTD_CONFIG_DIR": str(self.config_dir),
+            "HOSTD_RUNTIME_DIR": str(self.root / "run"),
+            "HOSTD_STATE_DIR": str(self.root / "state"),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def write_config(self, checkpoint: Path, **engine) -> None:
+        data = {"backend": "builtin", "model": str(checkpoint), "device": "cpu"}
+        if engine:
+            data["engine"] = engine
+        path = self.config_dir / "models" / f"{self.name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(data))
+
+    def _spawn(self, kind: str, *args: str) -> Daemon:
+        log_path = self.root / f"{kind}-{len(self.daemons)}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hostd.main", kind, self.name, *args],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        daemon = Daemon(proc, log_path)
+        self.daemons.append(daemon)
+        return daemon
+
+    def start_weights(self, *args: str, timeout: float = 120) -> Daemon:
+        daemon = self._spawn("weights", *args)
+        path = Path(args[args.index("--socket") + 1]) if "--socket" in args else self.weights_socket
+        wait_for(lambda: self._connectable(path), timeout, str(path), daemon.proc)
+        return daemon
+
+    def start_engine(self, *args: str, wait: bool = True, timeout: float = 180) -> Daemon:
+        daemon = self._spawn("engine", *args)
+        if wait:
+            wait_for(self.engine_healthy, timeout, "engine /health", daemon.proc)
+        return daemon
+
+    @staticmethod
+    def _connectable(path: Path) -> bool:
+        if not path.exists():
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                return False
+        return True
+
+    def http(self, timeout: float = 60) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=str(self.engine_socket))
+        return httpx.Client(transport=transport, base_url="http://engine", timeout=timeout)
+
+    def engine_healthy(self) -> bool:
+        if not self._connectable(self.engine_socket):
+            return False
+        try:
+            with self.http(timeout=5) as client:
+                return client.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def health(self) -> dict:
+        with self.http() as client:
+            response = client.get("/health")
+            response.raise_for_status()
+            return response.json()
+
+    def stop_all(self) -> None:
+        for daemon in reversed(self.daemons):
+            if daemon.proc.poll() is None:
+                daemon.proc.send_signal(signal.SIGTERM)
+                try:
+                    daemon.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    daemon.proc.kill()
+                    daemon.proc.wait()
