@@ -13,11 +13,12 @@ import hostd
 SUBCOMMANDS = [
     ("weights", "hostd.weights.daemon", "run the weight cache daemon of a model"),
     ("engine", "hostd.engine.main", "run the builtin engine of a model"),
+    ("gateway", "hostd.gateway.server", "run the front door of a model"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(wanted: Optional[str] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hostd", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hostd {hostd.__version__}")
     parser.add_argument(
@@ -28,14 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in SUBCOMMANDS:
         sub = commands.add_parser(name, help=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(sub)
-        sub.set_defaults(func=mod.run)
+        if wanted == name:  # import only the daemon that runs (torch is slow to import)
+            mod = importlib.import_module(module)
+            mod.add_arguments(sub)
+            sub.set_defaults(func=mod.run)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    names = {name for name, _, _ in SUBCOMMANDS}
+    wanted = next((a for a in argv if a in names), None)
+    parser = build_parser(wanted)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

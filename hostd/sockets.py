@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 
 
@@ -74,3 +75,12 @@ def check_socket_path(path: Path) -> os.stat_result:
     if st.st_uid not in (os.getuid(), 0):
         raise UnsafePath(f"{path} is owned by uid {st.st_uid}; refusing to connect")
     return st
+
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)

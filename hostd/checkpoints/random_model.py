@@ -82,10 +82,34 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def write_checkpoint(out: Path, size: str = "tiny", seed: int = 0, dtype: str = "bfloat16") -> Path:
-    """Write a random Qwen2 checkpoint of SIZE into OUT; returns OUT."""
+SHARD_BYTES = 4 << 30
+
+
+def _random_like(name: str, shape: tuple[int, ...], dtype, generator, tiny: bool):
+    """Random values whose spread keeps activations finite at any size; the
+    tiny model's larger spread makes its greedy output depend on every layer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if len(shape) > 1:
+        std = 0.5 if tiny else shape[-1] ** -0.5
+        return (torch.randn(shape, generator=generator) * std).to(dtype)
+    if tiny:
+        return (torch.randn(shape, generator=generator) * 0.1).to(dtype)
+    return torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else torch.zeros(shape, dtype=dtype)
+
+
+def write_checkpoint(out: Path, size: str = "tiny", seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Write a random Qwen2 checkpoint of SIZE into OUT; returns OUT.
+
+    Tensors are generated one at a time and written in safetensors shards, so
+    a 14B checkpoint needs no more memory than one shard."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    from hostd.weights.checkpoint import DTYPES, build_skeleton
 
     shape = dict(SIZES[size])
     tokenizer = build_tokenizer(512 if shape["vocab_size"] is None else 1024)
@@ -96,21 +120,42 @@ def write_checkpoint(out: Path, size: str = "tiny", seed: int = 0, dtype: str = 
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         rope_theta=1000000.0,
+        dtype=dtype,
+        architectures=["Qwen2ForCausalLM"],
         **shape,
     )
-    torch.manual_seed(seed)
-    torch_dtype = getattr(torch, dtype)
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config).to(torch_dtype)
-    # Random weights with a spread that keeps logits varied, so greedy output
-    # depends on every layer (a good check that attached weights are the same).
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.5 if param.dim() > 1 else 0.1)
     out.mkdir(parents=True, exist_ok=True)
-    model.config.dtype = torch_dtype
-    model.save_pretrained(out, safe_serialization=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+    skeleton = build_skeleton(out, dtype, meta_buffers=True)
+    generator = torch.Generator().manual_seed(seed)
+    shards: list[dict] = [{}]
+    sizes = [0]
+    for name, param in skeleton.named_parameters():  # tied weights appear once
+        tensor = _random_like(name, tuple(param.shape), DTYPES[dtype], generator, size == "tiny")
+        nbytes = tensor.numel() * tensor.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    index = {}
+    for filename, shard in zip(names, shards):
+        save_file(shard, str(out / filename), metadata={"format": "pt"})
+        (out / filename).chmod(0o644)  # weights are not secret; the service user reads them
+        index.update({key: filename for key in shard})
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": index}, indent=1)
+        )
     return out
 
 

@@ -54,6 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks, tests)
 
 
 @dataclass(frozen=True)
@@ -130,13 +131,13 @@ def generate_tokens(
 ) -> Iterator[int]:
     """Yield the completion's token ids one by one. Blocking: call it from a worker thread.
 
-    Stops after an end-of-sequence token (which is yielded), after
-    ``params.max_tokens`` tokens, or before the next model step once ``cancel``
-    is set. Each step runs under ``torch.inference_mode()``.
+    Stops after an end-of-sequence token (which is yielded; not with
+    ``params.ignore_eos``), after ``params.max_tokens`` tokens, or before the
+    next model step once ``cancel`` is set. Each step runs under ``torch.inference_mode()``.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: the model needs at least one token to continue")
-    eos = frozenset(eos_ids)
+    eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
     device = model_device(model)
     cache_keyword = _cache_keyword(model)
     generator = None
@@ -332,8 +333,8 @@ class Runner:
 
         Close the iterator (``contextlib.aclosing``) or cancel the task to stop
         the generation early: the worker thread stops before its next model
-        step and then frees the slot. Raises GenerationCancelled after
-        ``cancel_all``.
+        step and frees the slot, and the iterator ends only after that. Raises
+        GenerationCancelled after ``cancel_all``.
         """
         await self._acquire()
         loop = asyncio.get_running_loop()
@@ -375,6 +376,7 @@ class Runner:
         worker.add_done_callback(finished)
 
         decoder = TextDecoder(self.tokenizer, prompt_ids, params.stop)
+        eos_ids = frozenset() if params.ignore_eos else self.eos_ids
         count = 0
         last = None
         try:
@@ -386,7 +388,7 @@ class Runner:
                     break
                 count += 1
                 last = item
-                if item in self.eos_ids:
+                if item in eos_ids:
                     break
                 text, stopped = decoder.add(item)
                 if stopped:
@@ -395,7 +397,7 @@ class Runner:
                 if count >= params.max_tokens:
                     break
                 yield Delta(text, count)
-            if last in self.eos_ids:
+            if last in eos_ids:
                 yield Delta(decoder.flush(), count, "stop")
             elif count >= params.max_tokens:
                 yield Delta(decoder.flush(), count, "length")
@@ -403,11 +405,14 @@ class Runner:
                 raise GenerationCancelled("the engine stopped this generation while shutting down")
         finally:
             cancel.set()
+            # End only once the worker thread has (within one model step), so that
+            # a request that has ended never still holds its slot.
+            await asyncio.shield(worker)
 
     # --- shutdown ----------------------------------------------------------
 
     def cancel_all(self) -> None:
-        """Stop every generation before its next step and refuse new ones (shutdown)."""
+        """Stop every generation before its next step and refuse new ones (shutdown). On the loop thread."""
         self._closed = True
         for cancel in list(self._cancels):
             cancel.set()
@@ -417,7 +422,6 @@ class Runner:
                 waiter.set_exception(GenerationCancelled("the engine is shutting down"))
         self._changed()
 
-    def close(self) -> None:
-        """Cancel what is left and wait for the worker threads (each stops within one model step)."""
-        self.cancel_all()
+    def join(self) -> None:
+        """Wait for the worker threads to end (after cancel_all: within one model step). Blocking."""
         self._pool.shutdown(wait=True, cancel_futures=True)

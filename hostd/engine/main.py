@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -38,13 +39,31 @@ def expected_fingerprint(cfg, device: torch.device, state_dir):
     return fingerprint.compute(Path(cfg.model), dtype=dtype, device=device_id, cache_dir=state_dir)
 
 
-def load_model(cfg, name: str, args, timings: dict) -> tuple[torch.nn.Module, dict]:
+class Phases:
+    """Seconds spent in each start-up phase, for /health and the benchmarks."""
+
+    def __init__(self) -> None:
+        import hostd
+
+        self.seconds: dict[str, float] = {}
+        self._last = hostd.STARTED
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = round(now - self._last, 4)
+        self._last = now
+
+
+def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, dict]:
     """The model with its weights, and facts about where they came from."""
     model_dir = Path(cfg.model)
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.empty(1, device=device)  # create the CUDA context now, to time it apart
+        phases.mark("cuda_context")
     dtype = checkpoint.resolve_dtype(model_dir, cfg.dtype)
-    t0 = time.monotonic()
     model = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=True)
+    phases.mark("build_skeleton")
     if args.from_disk:
         skeleton = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=False)
         tensors = checkpoint.load_tensors(model_dir, skeleton, device)
@@ -52,6 +71,7 @@ def load_model(cfg, name: str, args, timings: dict) -> tuple[torch.nn.Module, di
     else:
         state = Path(args.state_dir) if args.state_dir else paths.state_dir(name)
         expected = expected_fingerprint(cfg, device, state if state.is_dir() else None)
+        phases.mark("fingerprint")
         socket_path = Path(args.weights) if args.weights else paths.weights_socket(name)
         attached = client.attach(socket_path, expected)
         tensors = attached.tensors
@@ -64,7 +84,16 @@ def load_model(cfg, name: str, args, timings: dict) -> tuple[torch.nn.Module, di
             "shared_bytes": attached.block.numel(),
         }
     checkpoint.attach(model, tensors)
-    timings["load_s"] = time.monotonic() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    phases.mark("load_weights" if args.from_disk else "attach")
+    if info["weights"] == "daemon":
+        # Evidence for operators and tests that nothing was copied: every
+        # parameter and buffer must point into the daemon's allocation.
+        low, high = info["shared_ptr"], info["shared_ptr"] + info["shared_bytes"]
+        every = [*model.parameters(), *model.buffers()]
+        info["tensors_total"] = len(every)
+        info["tensors_outside_shared"] = sum(not low <= t.data_ptr() < high for t in every)
     return model, info
 
 
@@ -83,24 +112,29 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot serve %s: %s", args.name, exc)
         systemd.status(f"refused: {exc}")
         return 1
-    timings: dict = {}
+    phases = Phases()
+    phases.mark("process_and_imports")
     systemd.status("loading weights from disk" if args.from_disk else "attaching weights")
     try:
         with systemd.ExtendTimeout():
-            model, info = load_model(cfg, args.name, args, timings)
+            model, info = load_model(cfg, args.name, args, phases)
     except (client.WeightsRefused, OSError, ValueError) as exc:
         log.error("cannot get the weights of %s: %s", args.name, exc)
         systemd.status(f"failed: {exc}")
         return 1
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if cfg.device == "cpu":
+        # One request per thread: give each its share of the cores rather than
+        # letting every request's matmuls fight over all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.engine.max_num_seqs))
     positions = getattr(model.config, "max_position_embeddings", None) or 2048
     max_model_len = cfg.engine.max_model_len or positions
-    log.info("weights from %s in %.3f s (%s)", info["weights"], timings["load_s"], json.dumps(info))
+    phases.mark("tokenizer")
+    log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = {
-        "model": args.name,
         "limits": {"max_num_seqs": cfg.engine.max_num_seqs, "max_model_len": max_model_len},
         **info,
-        "load_s": round(timings["load_s"], 4),
+        "phases_s": phases.seconds,
     }
     sock = next(iter(systemd.listen_sockets()), None)
     unix_path = None
@@ -110,8 +144,14 @@ def run(args: argparse.Namespace) -> int:
             sockets.ensure_private_dir(Path(unix_path).parent)
 
     def ready() -> None:
+        phases.mark("warm_up_and_listen")
+        log.info("ready; start-up phases %s", json.dumps(phases.seconds))
         systemd.notify("READY=1", f"STATUS=serving {args.name}")
-        log.info("serving %s on %s", args.name, unix_path or sock.getsockname())
+
+    def status(text: str) -> None:
+        systemd.status(text)
+        if text.startswith("shutting down"):
+            systemd.notify("STOPPING=1")
 
     from hostd.engine import server
 
@@ -125,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         unix_path=unix_path,
         sock=sock,
         on_ready=ready,
-        on_status=systemd.status,
+        on_status=status,
         health_info=health,
         log=log,
     )

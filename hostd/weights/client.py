@@ -38,7 +38,7 @@ def _exchange(path: Path, request) -> tuple[protocol.Response, list[int], int]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(protocol.TIMEOUT)
         conn.connect(str(path))
-        peer_pid, _uid, _gid = protocol.peer_credentials(conn)
+        peer_pid, _uid, _gid = sockets.peer_credentials(conn)
         protocol.send_frame(conn, request)
         response, fds = protocol.recv_response(conn)
     if isinstance(response, (protocol.Status, protocol.Attach)):

@@ -112,7 +112,7 @@ class WeightDaemon:
 
     def handle(self, conn: socket.socket) -> None:
         with conn:
-            pid, uid, _gid = protocol.peer_credentials(conn)
+            pid, uid, _gid = sockets.peer_credentials(conn)
             if uid not in (os.getuid(), 0):
                 log.warning("refused peer pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
                 return

@@ -202,14 +202,3 @@ def recv_response(sock: socket.socket) -> tuple[Response, list[int]]:
         for fd in fds:
             os.close(fd)
         raise ProtocolError(f"not a valid response: {exc}") from None
-
-
-# ---------------------------------------------------------------- peers
-
-_UCRED = struct.Struct("3i")
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return _UCRED.unpack(raw)

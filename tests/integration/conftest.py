@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-# processes.py is importable whatever pytest's --import-mode is.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from hostd.checkpoints.random_model import write_checkpoint  # noqa: E402
+from hostd.checkpoints.random_model import write_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import pytest
 
 from hostd.checkpoints.random_model import write_checkpoint
 from hostd.weights import client, protocol
-from processes import ModelTree, wait_for
+from hostd.local import ModelTree, as_other_user, wait_for
 
 
 @pytest.fixture
@@ -122,26 +122,13 @@ def _refuses_other_uid(tree: ModelTree, socket_path: Path) -> None:
     os.chmod(socket_path.parent, 0o711)
     os.chmod(socket_path, 0o666)
 
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # the other uid: nobody
-        os.close(read_end)
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            conn = raw_connection(socket_path)
-            protocol.send_frame(conn, protocol.StatusRequest())
-            got = conn.recv(1)
-            os.write(write_end, b"closed" if got == b"" else b"answered")
-        except Exception as exc:  # report, never raise out of the fork
-            os.write(write_end, f"error {exc}".encode())
-        os._exit(0)
-    os.close(write_end)
-    os.waitpid(child, 0)
-    outcome = os.read(read_end, 200).decode()
-    os.close(read_end)
+    def status_as_nobody() -> str:
+        conn = raw_connection(socket_path)
+        protocol.send_frame(conn, protocol.StatusRequest())
+        return "closed" if conn.recv(1) == b"" else "answered"
 
-    assert outcome in ("closed", "error [Errno 104] Connection reset by peer"), outcome
+    outcome = as_other_user(status_as_nobody)
+    assert outcome in ("closed", "error: [Errno 104] Connection reset by peer"), outcome
     wait_for(lambda: "uid 65534 is neither" in daemon.log(), 10, "refusal log line")
     assert client.status(socket_path).pid == daemon.pid
 

@@ -1,9 +1,9 @@
-"""Run hostd's daemons as real processes, by hand (no systemd), for tests.
+"""Run one model's daemons by hand (no systemd) in a directory tree.
 
-One model tree per test: a config root, a private runtime root and a state
-root under the test's tmp_path, exported through HOSTD_CONFIG_DIR,
-HOSTD_RUNTIME_DIR and HOSTD_STATE_DIR exactly as an administrator running the
-daemons by hand would.
+For integration tests, benchmarks and the GPU machine: a config root, a
+private runtime root and a state root under one directory, exported through
+HOSTD_CONFIG_DIR, HOSTD_RUNTIME_DIR and HOSTD_STATE_DIR exactly as an
+administrator running the daemons by hand would. Needs httpx (test extra).
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ class ModelTree:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def write_config(self, checkpoint: Path, **engine) -> None:
-        data = {"backend": "builtin", "model": str(checkpoint), "device": "cpu"}
+    def write_config(self, checkpoint: Path, device: str = "cpu", fixed: Optional[dict] = None, **engine) -> None:
+        """models/NAME.yaml: the builtin backend on CHECKPOINT, fixed keys from
+        FIXED (listen, gateway, ...), editable ones from ENGINE."""
+        data = {"backend": "builtin", "model": str(checkpoint), "device": device, **(fixed or {})}
         if engine:
             data["engine"] = engine
         path = self.config_dir / "models" / f"{self.name}.yaml"
@@ -116,6 +118,21 @@ class ModelTree:
         if wait:
             wait_for(self.engine_healthy, timeout, "engine /health", daemon.proc)
         return daemon
+
+    @property
+    def control_socket(self) -> Path:
+        return self.runtime_dir / "control.sock"
+
+    def start_gateway(self, *args: str, timeout: float = 60) -> Daemon:
+        daemon = self._spawn("gateway", *args)
+        wait_for(lambda: self._connectable(self.control_socket) if "--control" not in args else
+                 self._connectable(Path(args[args.index("--control") + 1])), timeout, "gateway control socket", daemon.proc)
+        return daemon
+
+    def control(self, verb: str, **request) -> dict:
+        from hostd.gateway import control
+
+        return control.call(self.control_socket, verb, **request)
 
     @staticmethod
     def _connectable(path: Path) -> bool:
@@ -156,3 +173,24 @@ class ModelTree:
                 except subprocess.TimeoutExpired:
                     daemon.proc.kill()
                     daemon.proc.wait()
+
+
+def as_other_user(action: Callable[[], str], uid: int = 65534) -> str:
+    """Run ACTION in a forked child whose uid and gid are UID (root only), for
+    tests of peer checks; returns what it returned, or "error: ..." if it raised."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            outcome = action()
+        except BaseException as exc:  # report, never raise out of the fork
+            outcome = f"error: {exc}"
+        os.write(write_end, outcome.encode()[:4000])
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(child, 0)
+    with os.fdopen(read_end, "rb") as result:
+        return result.read().decode()

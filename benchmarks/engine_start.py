@@ -1,0 +1,133 @@
+"""Benchmark: engine start from disk (cold) against attaching from the daemon.
+
+For each checkpoint size, one weight daemon is started and then the engine is
+started repeatedly in ABBA order, A = `hostd engine --from-disk` (reads the
+checkpoint itself), B = `hostd engine` (attaches the daemon's weights). Each
+start is timed from process spawn to the first successful greedy completion
+through the engine's socket; the engine's own start-up phases (from /health:
+process start and imports, CUDA context, skeleton, fingerprint check, attach or
+load, tokenizer, warm-up) are reported beside it, medians per phase. Prints
+Markdown tables and the command that produced them.
+
+    python benchmarks/engine_start.py --sizes tiny,0.5b --runs 6
+    python benchmarks/engine_start.py --sizes 7b --device cuda --runs 4   # GPU host
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hostd.checkpoints.random_model import write_checkpoint
+from hostd.local import ModelTree, wait_for
+
+
+def first_token(tree: ModelTree) -> None:
+    def ok() -> bool:
+        try:
+            with tree.http(timeout=60) as http:
+                response = http.post(
+                    "/v1/completions",
+                    json={"model": tree.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+                )
+            return response.status_code == 200
+        except Exception:
+            return False
+
+    wait_for(ok, 1800, "first greedy token")
+
+
+def drop_page_cache() -> None:
+    """Make the next read of the checkpoint come from the disk (root only)."""
+    import os
+
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def one_start(tree: ModelTree, from_disk: bool, drop_caches: bool) -> tuple[float, dict]:
+    if from_disk and drop_caches:
+        drop_page_cache()
+    started = time.monotonic()
+    engine = tree.start_engine(*(["--from-disk"] if from_disk else []), wait=False)
+    wait_for(lambda: tree.engine_healthy(), 1800, "engine /health", engine.proc)
+    first_token(tree)
+    elapsed = time.monotonic() - started
+    phases = tree.health()["phases_s"]
+    assert engine.stop() == 0, engine.log()[-2000:]
+    return elapsed, phases
+
+
+def bench(size: str, runs: int, device: str, workdir: Path, drop_caches: bool) -> dict:
+    checkpoint = workdir / f"checkpoint-{size}"
+    if not (checkpoint / "config.json").exists():
+        print(f"# writing a random {size} checkpoint to {checkpoint}", file=sys.stderr)
+        write_checkpoint(checkpoint, size)
+    tree = ModelTree(workdir / f"tree-{size}", name=f"bench-{size}".replace(".", "_"))
+    tree.write_config(checkpoint, device=device)
+    samples: dict[str, list[tuple[float, float]]] = {"disk": [], "daemon": []}
+    try:
+        started = time.monotonic()
+        tree.start_weights(timeout=3600)
+        daemon_load = time.monotonic() - started
+        order = ["disk", "daemon", "daemon", "disk"] * (-(-runs // 2))
+        for kind in order[: 2 * runs]:
+            samples[kind].append(one_start(tree, from_disk=kind == "disk", drop_caches=drop_caches))
+            print(f"# {size} {kind}: {samples[kind][-1][0]:.2f} s", file=sys.stderr)
+    finally:
+        tree.stop_all()
+    bytes_ = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    return {"size": size, "bytes": bytes_, "daemon_load": daemon_load, **samples}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,0.5b", help="comma-separated: tiny, 0.5b, 7b, 14b")
+    parser.add_argument("--runs", type=int, default=6, help="starts of each kind")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--workdir", type=Path, help="keep checkpoints here between runs")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="drop the page cache before each cold start (root): a checkpoint read from disk")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hostd-bench-"))
+    results = [bench(size, args.runs, args.device, workdir, args.drop_caches) for size in args.sizes.split(",")]
+
+    print(f"\nEngine start to first greedy token, {args.runs} runs each in ABBA order, "
+          f"median (min–max), seconds. Device: {args.device}; page cache "
+          f"{'dropped before each cold start' if args.drop_caches else 'warm'}; host: {platform.node()}, "
+          f"{platform.processor() or platform.machine()}.\n")
+    print("| checkpoint | weights | cold start (from disk) | start attaching to daemon | attach/cold | daemon load (once) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        cold = [s[0] for s in r["disk"]]
+        warm = [s[0] for s in r["daemon"]]
+        print(
+            f"| {r['size']} | {r['bytes'] / 2**20:.1f} MiB | {spread(cold)} | {spread(warm)} "
+            f"| {statistics.median(warm) / statistics.median(cold):.2f} | {r['daemon_load']:.2f} |"
+        )
+    print("\nWhere the time goes: median seconds per start-up phase (engine's own clock).\n")
+    phases = list(dict.fromkeys(p for r in results for k in ("disk", "daemon") for _, ph in r[k] for p in ph))
+    print("| checkpoint | start | " + " | ".join(phases) + " |")
+    print("|---|---|" + "---|" * len(phases))
+    for r in results:
+        for kind in ("disk", "daemon"):
+            cells = [
+                f"{statistics.median([ph.get(p, 0.0) for _, ph in r[kind]]):.3f}" for p in phases
+            ]
+            print(f"| {r['size']} | {'cold' if kind == 'disk' else 'attach'} | " + " | ".join(cells) + " |")
+    print(f"\nCommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The gateway's control socket: drain, resume, status.
+
+Trust model: /run/hostd/NAME/control.sock is 0600 in the private 0700 runtime
+directory, and every peer is checked with SO_PEERCRED (the gateway's uid or
+root); others are logged and disconnected before a byte is read. Requests are
+single JSON lines (at most MAX_LINE bytes) decoded against fixed msgspec
+types; anything else (bad JSON, an unknown verb, a wrong type) gets an error
+answer naming the problem and changes nothing.
+
+    -> {"verb": "drain", "timeout": 30}
+    <- {"ok": true, "drained": false, "remaining": 2, "state": "draining"}
+    -> {"verb": "resume"}            -> {"verb": "status"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Awaitable, Callable, Union
+
+import msgspec
+
+from hostd import sockets
+
+log = logging.getLogger("hostd.gateway.control")
+
+MAX_LINE = 64 << 10
+
+
+class Drain(msgspec.Struct, tag_field="verb", tag="drain", forbid_unknown_fields=True):
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+class Resume(msgspec.Struct, tag_field="verb", tag="resume", forbid_unknown_fields=True):
+    pass
+
+
+class Status(msgspec.Struct, tag_field="verb", tag="status", forbid_unknown_fields=True):
+    pass
+
+
+Request = Union[Drain, Resume, Status]
+_decoder = msgspec.json.Decoder(Request)
+
+Handler = Callable[[Request], Awaitable[dict]]
+
+
+class ControlError(Exception):
+    """The gateway refused a control request, or could not be reached."""
+
+
+def parse(line: bytes) -> Request:
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        if "Invalid value" in message and "$.verb" in message:
+            message = f"{message}; expected verb drain, resume or status"
+        raise ControlError(message) from None
+    except msgspec.DecodeError as exc:
+        raise ControlError(f"not a JSON object: {exc}") from None
+
+
+async def serve(path: Path, handle: Handler) -> asyncio.AbstractServer:
+    """Listen on PATH (0600, replacing a stale socket) and answer requests."""
+    listener = sockets.bind_private(path)
+    return await asyncio.start_unix_server(
+        lambda r, w: _connection(r, w, handle), sock=listener, limit=MAX_LINE
+    )
+
+
+async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handle: Handler) -> None:
+    sock = writer.get_extra_info("socket")
+    pid, uid, _ = sockets.peer_credentials(sock)
+    try:
+        if uid not in (os.getuid(), 0):
+            log.warning("control: refused pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
+            return
+        while True:
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError:
+                return
+            except asyncio.LimitOverrunError:
+                log.warning("control: pid %d sent a line over %d bytes; closing", pid, MAX_LINE)
+                await _answer(writer, {"ok": False, "error": f"request longer than {MAX_LINE} bytes"})
+                return
+            try:
+                request = parse(line)
+            except ControlError as exc:
+                log.warning("control: refused request from pid %d: %s", pid, exc)
+                await _answer(writer, {"ok": False, "error": str(exc)})
+                continue
+            await _answer(writer, {"ok": True, **await handle(request)})
+    except (ConnectionError, OSError):
+        return
+    finally:
+        writer.close()
+
+
+async def _answer(writer: asyncio.StreamWriter, answer: dict) -> None:
+    writer.write(json.dumps(answer).encode() + b"\n")
+    await writer.drain()
+
+
+# ---------------------------------------------------------------- clients
+
+
+def _request_line(verb: str, args: dict) -> bytes:
+    return json.dumps({"verb": verb, **args}).encode() + b"\n"
+
+
+def _answer_of(path: Path, answer: bytes) -> dict:
+    if not answer:
+        raise ControlError(f"{path}: the gateway closed the connection without answering")
+    data = json.loads(answer)
+    if not data.get("ok"):
+        raise ControlError(data.get("error", "refused"))
+    return data
+
+
+def call(path: Path, verb: str, **args: Any) -> dict:
+    """Send one request (ARGS are its fields) and return the answer;
+    ControlError when refused or unreachable."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(args.get("timeout", 0) + 30.0)
+        try:
+            conn.connect(str(path))
+            conn.sendall(_request_line(verb, args))
+            answer = conn.makefile("rb").readline(MAX_LINE + 1)
+        except OSError as exc:
+            raise ControlError(f"{path}: {exc}") from None
+    return _answer_of(path, answer)
+
+
+async def call_async(path: Path, verb: str, **args: Any) -> dict:
+    reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_LINE)
+    try:
+        writer.write(_request_line(verb, args))
+        await writer.drain()
+        answer = await reader.readline()
+    finally:
+        writer.close()
+    return _answer_of(path, answer)

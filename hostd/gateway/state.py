@@ -1,0 +1,144 @@
+"""The gateway's admission state: one object, one lock-free event loop.
+
+One job: decide, for each new request, admit / queue / reject, and count what
+is in flight so a drain knows when it is done. States:
+
+    starting     engine not yet seen healthy            -> 503
+    serving      engine healthy, requests admitted
+    draining     a drain is running: nothing new admitted; in-flight finish
+    paused       drained; the engine may be restarted   -> 503
+    engine-down  the engine stopped answering            -> 503
+
+Transitions: the health monitor moves starting/engine-down <-> serving; the
+control socket's drain moves serving -> draining -> paused (or stays draining
+when the deadline passes, with the count of what still runs); resume leaves
+draining/paused for serving (engine healthy) or engine-down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    PAUSED = "paused"
+    ENGINE_DOWN = "engine-down"
+
+
+HELD = (State.DRAINING, State.PAUSED)  # set by the control socket, not the monitor
+
+
+@dataclass
+class Counters:
+    admitted: int = 0
+    completed: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    drains: int = 0
+    proxied_bytes: int = 0
+
+
+class Admission:
+    def __init__(self, mode: str, queue_timeout: float, queue_max: int):
+        self.state = State.STARTING
+        self.mode = mode
+        self.queue_timeout = queue_timeout
+        self.queue_max = queue_max
+        self.in_flight = 0
+        self.queued = 0
+        self.counters = Counters()
+        self.changed_at = time.time()
+        self._changed = asyncio.Condition()
+
+    async def _set(self, state: State) -> None:
+        async with self._changed:
+            if state != self.state:
+                self.state = state
+                self.changed_at = time.time()
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------ admission
+
+    async def admit(self) -> str | None:
+        """None when admitted (caller must call done()), else the refusal reason."""
+        if self.state != State.SERVING and self.mode == "queue":
+            if self.queued >= self.queue_max:
+                return self._reject("queue-full")
+            self.queued += 1
+            try:
+                async with self._changed:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self.state == State.SERVING),
+                        self.queue_timeout,
+                    )
+            except asyncio.TimeoutError:
+                return self._reject("queue-timeout")
+            finally:
+                self.queued -= 1
+        if self.state != State.SERVING:
+            return self._reject(self.state.value)
+        self.in_flight += 1
+        self.counters.admitted += 1
+        return None
+
+    def _reject(self, reason: str) -> str:
+        self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
+        return reason
+
+    async def done(self) -> None:
+        self.in_flight -= 1
+        self.counters.completed += 1
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------ monitor
+
+    async def engine_healthy(self, healthy: bool) -> None:
+        if self.state in HELD:
+            return
+        if healthy and self.state != State.SERVING:
+            await self._set(State.SERVING)
+        elif not healthy and self.state == State.SERVING:
+            await self._set(State.ENGINE_DOWN)
+
+    async def engine_lost(self) -> None:
+        """A proxied request found the engine gone: stop admitting at once."""
+        if self.state == State.SERVING:
+            await self._set(State.ENGINE_DOWN)
+
+    # ------------------------------------------------------------ control
+
+    async def drain(self, timeout: float) -> dict:
+        """Stop admitting; wait until nothing is in flight or TIMEOUT passes."""
+        self.counters.drains += 1
+        await self._set(State.DRAINING)
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.in_flight == 0), timeout)
+        except asyncio.TimeoutError:
+            return {"drained": False, "remaining": self.in_flight, "state": self.state.value}
+        if self.state == State.DRAINING:
+            await self._set(State.PAUSED)
+        return {"drained": True, "remaining": 0, "state": self.state.value}
+
+    async def resume(self, engine_healthy: bool) -> dict:
+        await self._set(State.SERVING if engine_healthy else State.ENGINE_DOWN)
+        return {"state": self.state.value}
+
+    def snapshot(self) -> dict:
+        return {
+            "state": self.state.value,
+            "in_flight": self.in_flight,
+            "queued": self.queued,
+            "admitted": self.counters.admitted,
+            "completed": self.counters.completed,
+            "rejected": dict(self.counters.rejected),
+            "drains": self.counters.drains,
+            "proxied_bytes": self.counters.proxied_bytes,
+            "since": self.changed_at,
+        }

@@ -1,0 +1,110 @@
+"""The builtin backend on a GPU: the daemon holds the checkpoint on cuda:0 and
+shares it through CUDA IPC; engines attach without a second copy.
+
+Runs only where CUDA exists (the GPU machine); elsewhere every test skips
+with the reason. Memory is read from NVML, as an operator would see it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device here: the GPU tier runs on the GPU machine", allow_module_level=True)
+pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is needed to read GPU memory")
+
+from hostd.checkpoints.random_model import write_checkpoint  # noqa: E402
+from hostd.local import ModelTree  # noqa: E402
+from hostd.weights import client  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def nvml():
+    pynvml.nvmlInit()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    handle = (
+        pynvml.nvmlDeviceGetHandleByUUID(visible)
+        if visible.startswith("GPU-")
+        else pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0))
+    )
+    yield handle
+    pynvml.nvmlShutdown()
+
+
+def used(handle) -> int:
+    return pynvml.nvmlDeviceGetMemoryInfo(handle).used
+
+
+def process_used(handle, pid: int) -> int | None:
+    """GPU memory NVML attributes to PID (None where NVML cannot see it)."""
+    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        if proc.pid == pid:
+            return proc.usedGpuMemory
+    return None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    # ~1 GiB in bf16: large enough that a copy would stand out of NVML's noise.
+    return write_checkpoint(tmp_path_factory.mktemp("gpu") / "qwen-0.5b-random", "0.5b")
+
+
+def greedy(tree: ModelTree) -> str:
+    with tree.http() as http:
+        response = http.post(
+            "/v1/completions",
+            json={"model": tree.name, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+        )
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def settle(handle, seconds: float = 3.0) -> int:
+    time.sleep(seconds)
+    return used(handle)
+
+
+def test_cuda_ipc_restarts_share_one_copy_and_free_everything(tmp_path: Path, checkpoint: Path, nvml):
+    weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    baseline = settle(nvml, 0.5)
+    tree = ModelTree(tmp_path, name="gpu")
+    tree.write_config(checkpoint, device="cuda")
+    try:
+        daemon = tree.start_weights(timeout=600)
+        held = client.status(tree.weights_socket)
+        assert held.fingerprint.device.startswith("cuda:GPU-")
+        [(device, nbytes)] = held.bytes_by_device.items()
+        assert device.startswith("cuda") and nbytes >= weight_bytes * 0.99
+        with_daemon = settle(nvml)
+        assert with_daemon - baseline >= nbytes  # the daemon holds the weights
+
+        socket_inode = os.stat(tree.weights_socket).st_ino
+        outputs = []
+        for _ in range(4):  # first start and three restarts
+            engine = tree.start_engine(timeout=600)
+            health = tree.health()
+            outputs.append(greedy(tree))
+            assert health["weights_pid"] == daemon.pid
+            assert health["weights_socket_inode"] == socket_inode
+            assert health["tensors_outside_shared"] == 0  # every tensor points into the IPC block
+            # NVML: the engine adds its CUDA context and activations, not a
+            # weight-sized allocation.
+            engine_total = settle(nvml, 1.0) - with_daemon
+            assert engine_total < weight_bytes, (engine_total / MiB, weight_bytes / MiB)
+            per_process = process_used(nvml, engine.pid)
+            if per_process is not None:  # NVML sees PIDs only outside PID namespaces
+                assert per_process < weight_bytes
+            assert engine.stop() == 0
+        assert len(set(outputs)) == 1 and outputs[0]
+        assert daemon.proc.poll() is None
+    finally:
+        tree.stop_all()
+    after = settle(nvml)
+    assert abs(after - baseline) < 64 * MiB, ((after - baseline) / MiB)

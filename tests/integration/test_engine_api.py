@@ -1,0 +1,403 @@
+"""The builtin engine's OpenAI API, end to end.
+
+Each engine is a real process serving a tiny random Qwen2 checkpoint on a Unix
+socket; the tests talk to it over real HTTP with the official openai client
+(and plain httpx2 for /health and /metrics) and assert what a client sees:
+responses, error codes, the socket's mode, the process's exit code, metrics.
+
+The random model seldom emits its end-of-sequence token, so every request
+bounds its output with max_tokens. The launcher can slow each model step down
+(``step_delay``) so that requests overlap for as long as a test needs; no
+assertion depends on how fast anything runs (timeouts are safety nets only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+MODEL = "tiny"
+PROMPT = "Once upon a time there was a model"
+SAFETY_TIMEOUT_S = 120  # nothing here should take near this long; it only keeps a broken run from hanging
+
+# The engine process: load the checkpoint, serve it. It reports readiness by
+# creating the file named in its arguments from on_ready, and each status line
+# on stderr. step_delay sleeps before every model call, to make requests
+# overlap in time.
+_ENGINE_MAIN = textwrap.dedent("""
+    import json, logging, sys, time
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hostd.engine.server import run_server
+
+    args = json.loads(sys.argv[1])
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    model = AutoModelForCausalLM.from_pretrained(args["checkpoint"])
+    tokenizer = AutoTokenizer.from_pretrained(args["checkpoint"])
+    if args["step_delay"]:
+        forward = model.forward
+        def slow_forward(*a, **kw):
+            time.sleep(args["step_delay"])
+            return forward(*a, **kw)
+        model.forward = slow_forward
+    sys.exit(run_server(
+        model, tokenizer, served_name=args["name"], max_num_seqs=args["max_num_seqs"],
+        max_model_len=args["max_model_len"], shutdown_timeout=args["shutdown_timeout"],
+        unix_path=args["socket"], on_ready=lambda: Path(args["ready"]).touch(),
+        on_status=lambda line: print("STATUS:", line, file=sys.stderr, flush=True),
+        health_info={"loader": "from_pretrained"},
+    ))
+""")
+
+
+@dataclass
+class Engine:
+    proc: subprocess.Popen
+    socket_path: Path
+    log_path: Path
+
+    def openai(self) -> openai.OpenAI:
+        http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(self.socket_path)), timeout=SAFETY_TIMEOUT_S)
+        return openai.OpenAI(base_url="http://engine/v1", api_key="unused", http_client=http, max_retries=0)
+
+    def http(self) -> httpx2.Client:
+        return httpx2.Client(transport=httpx2.HTTPTransport(uds=str(self.socket_path)), base_url="http://engine",
+                             timeout=SAFETY_TIMEOUT_S)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of /metrics, keyed by (name, sorted labels)."""
+        with self.http() as http:
+            text = http.get("/metrics").raise_for_status().text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(SAFETY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def start_engine(checkpoint: Path, workdir: Path, *, max_num_seqs: int, max_model_len: int = 256,
+                 shutdown_timeout: float = 60.0, step_delay: float = 0.0) -> Engine:
+    """Launch an engine process on workdir/engine.sock and wait until its on_ready has run.
+
+    The one place that knows how an engine process is made: today it loads
+    the checkpoint with transformers; with the weight daemon it becomes
+    ``hostd engine`` attached to the daemon.
+    """
+    workdir.chmod(0o700)
+    args = {
+        "checkpoint": str(checkpoint), "name": MODEL, "socket": str(workdir / "engine.sock"),
+        "ready": str(workdir / "ready"), "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+        "shutdown_timeout": shutdown_timeout, "step_delay": step_delay,
+    }
+    log_path = workdir / "engine.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _ENGINE_MAIN, json.dumps(args)], cwd=CHECKOUT, stdout=log, stderr=log,
+            env={**os.environ, "PYTHONPATH": str(CHECKOUT)},
+        )
+    engine = Engine(proc, Path(args["socket"]), log_path)
+    deadline = time.monotonic() + SAFETY_TIMEOUT_S
+    while not Path(args["ready"]).exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the engine exited with {proc.returncode} before ready:\n{engine.log()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the engine was not ready after {SAFETY_TIMEOUT_S} s:\n{engine.log()}")
+        time.sleep(0.05)
+    return engine
+
+
+@pytest.fixture
+def make_engine(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Start engines with the given limits; each is stopped (and must exit 0) at teardown."""
+    engines: list[Engine] = []
+
+    def make(**limits) -> Engine:
+        engines.append(start_engine(tiny_checkpoint, tmp_path_factory.mktemp("engine"), **limits))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        assert engine.stop() == 0, engine.log()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One engine shared by the API tests: max_num_seqs=2, max_model_len=256, slowed a little."""
+    shared = start_engine(tiny_checkpoint, tmp_path_factory.mktemp("engine"), max_num_seqs=2, max_model_len=256,
+                          step_delay=0.01)
+    yield shared
+    assert shared.stop() == 0, shared.log()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint: Path):
+    """The checkpoint's tokenizer, read with the tokenizers library: an independent count of prompt tokens."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+
+
+def chat_prompt_tokens(tokenizer, messages: list[dict]) -> int:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return len(tokenizer.encode(text + "<|im_start|>assistant\n", add_special_tokens=False).ids)
+
+
+def check_usage(usage, prompt_tokens: int, max_tokens: int, finish_reason: str) -> None:
+    assert usage.prompt_tokens == prompt_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if finish_reason == "length":
+        assert usage.completion_tokens == max_tokens
+    else:
+        assert finish_reason == "stop" and 1 <= usage.completion_tokens <= max_tokens
+
+
+def refuses_new_connections(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return True
+    return False
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + SAFETY_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.02)
+
+
+# --- the API -----------------------------------------------------------------------
+
+
+def test_completions_greedy_is_deterministic_and_streams_the_same_text(engine: Engine, tokenizer):
+    client = engine.openai()
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+
+    first = client.completions.create(**request)
+    second = client.completions.create(**request)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+
+    assert first.object == "text_completion" and first.model == MODEL and first.id.startswith("cmpl-")
+    [choice] = first.choices
+    assert choice.index == 0 and choice.text
+    assert second.choices[0].text == choice.text
+    check_usage(first.usage, len(tokenizer.encode(PROMPT).ids), 16, choice.finish_reason)
+
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in text_chunks if c.choices[0].finish_reason] == [choice.finish_reason]
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage == first.usage
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
+
+
+def test_chat_completions_greedy_is_deterministic_and_streams_the_same_text(engine: Engine, tokenizer):
+    client = engine.openai()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world"}]
+    request = dict(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0)
+
+    first = client.chat.completions.create(**request)
+    second = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+
+    assert first.object == "chat.completion" and first.model == MODEL and first.id.startswith("chatcmpl-")
+    [choice] = first.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert second.choices[0].message.content == choice.message.content
+    check_usage(first.usage, chat_prompt_tokens(tokenizer, messages), 12, choice.finish_reason)
+
+    *delta_chunks, usage_chunk = chunks
+    assert delta_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in delta_chunks) == choice.message.content
+    assert delta_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage == first.usage
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_seeded_sampling_repeats_itself(engine: Engine):
+    client = engine.openai()
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    assert client.completions.create(**request).choices[0].text == client.completions.create(**request).choices[0].text
+
+
+def test_stop_string_ends_the_completion_before_it(engine: Engine):
+    client = engine.openai()
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    # Two characters from the middle, starting with a letter or digit: the first
+    # must be held back until the second shows whether the stop string is complete.
+    start = next((i for i, c in enumerate(full) if i > 0 and c.isalnum() and c != full[0]), None)
+    assert start is not None, f"pick another prompt: no usable stop string in {full!r}"
+    stop = full[start:start + 2]
+    expected = full[:full.index(stop)]
+
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+
+    assert plain.choices[0].text == expected and plain.choices[0].finish_reason == "stop"
+    assert plain.usage.completion_tokens < 24
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_prompt_and_max_tokens_beyond_max_model_len_is_context_length_exceeded(engine: Engine):
+    client = engine.openai()
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=256, temperature=0)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 300}],
+                                       max_tokens=8, temperature=0)
+
+    assert completion.value.code == "context_length_exceeded" and completion.value.param == "max_tokens"
+    assert "256 tokens" in completion.value.message
+    assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"
+
+
+def test_unknown_model_is_not_found_and_unsupported_fields_are_refused(engine: Engine):
+    client = engine.openai()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as two_choices:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError) as logprobs:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       logprobs=True)
+
+    assert unknown.value.code == "model_not_found" and f"'{MODEL}'" in unknown.value.message
+    assert two_choices.value.param == "n"
+    assert logprobs.value.param == "logprobs"
+
+
+def test_models_health_and_a_private_socket(engine: Engine):
+    assert [m.id for m in engine.openai().models.list().data] == [MODEL]
+    with engine.http() as http:
+        health = http.get("/health")
+    expected = {"status": "ok", "model": MODEL, "max_num_seqs": 2, "max_model_len": 256, "loader": "from_pretrained"}
+    assert health.status_code == 200
+    assert {key: health.json().get(key) for key in expected} == expected  # loader: from health_info
+    assert stat.S_IMODE(engine.socket_path.stat().st_mode) == 0o600
+    assert "STATUS: serving: 0 running, 0 waiting" in engine.log()
+
+
+def test_max_num_seqs_makes_excess_requests_wait_and_rejects_none(engine: Engine):
+    before = engine.metrics()
+    clients = [engine.openai() for _ in range(6)]
+    start = threading.Barrier(len(clients))
+    results: list = [None] * len(clients)
+
+    def stream(i: int) -> None:
+        start.wait()
+        chunks = list(clients[i].completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+        results[i] = chunks[-1].usage
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(clients))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SAFETY_TIMEOUT_S)
+    after = engine.metrics()
+
+    assert all(usage is not None and usage.completion_tokens > 0 for usage in results)
+    ok = ("hostd_engine_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    assert after[ok] - before.get(ok, 0) == 6
+    assert {key for key in after if key[0] == "hostd_engine_requests_total" and after[key] != before.get(key)} == {ok}
+    assert after[("hostd_engine_requests_running_max", ())] == 2  # the limit was reached, never passed
+    assert after[("hostd_engine_requests_waiting_max", ())] >= 1  # the others waited their turn
+    assert after[("hostd_engine_requests_running", ())] == 0
+
+
+# --- one engine each ---------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_stops_generation_and_frees_the_slot(make_engine):
+    engine = make_engine(max_num_seqs=1, max_model_len=512, step_delay=0.02)
+    client = engine.openai()
+
+    abandoned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
+    chunks = iter(abandoned)
+    next(chunks), next(chunks)
+    abandoned.close()
+    # One slot: this waits until the abandoned generation has stopped.
+    after = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    metrics = engine.metrics()
+
+    assert after.usage.completion_tokens == 4
+    assert metrics[("hostd_engine_generation_tokens_total", ())] < 400  # the 400-token stream was cut short
+    assert metrics[("hostd_engine_requests_total", (("endpoint", "/v1/completions"), ("status", "499")))] == 1
+    assert metrics[("hostd_engine_requests_running", ())] == 0
+
+
+def test_sigterm_lets_a_running_stream_finish_refuses_new_requests_and_exits_0(make_engine, tokenizer):
+    engine = make_engine(max_num_seqs=2, step_delay=0.05, shutdown_timeout=60)
+    client = engine.openai()
+    idle = engine.http()
+    assert idle.get("/health").status_code == 200  # a kept-alive connection, open before the signal
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    engine.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: refuses_new_connections(engine.socket_path), "the engine stops listening")
+    health = idle.get("/health")
+    refused = idle.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})  # then closed
+    rest = list(chunks)
+
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert refused.json()["error"]["code"] == "engine_shutting_down"
+    assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+    *text_chunks, usage_chunk = [first, *rest]
+    [finish] = [c.choices[0].finish_reason for c in text_chunks if c.choices[0].finish_reason]
+    check_usage(usage_chunk.usage, len(tokenizer.encode(PROMPT).ids), 40, finish)  # all of it, then [DONE]
+    assert engine.proc.wait(SAFETY_TIMEOUT_S) == 0
+    assert "waiting for 1 request(s) in flight" in engine.log()  # the stream was running when the signal came
+    assert not engine.socket_path.exists()
+
+
+def test_sigterm_cancels_streams_still_running_at_shutdown_timeout_and_exits_0(make_engine):
+    engine = make_engine(max_num_seqs=1, step_delay=0.05, shutdown_timeout=0.5)
+    client = engine.openai()
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    engine.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError) as cancelled:
+        list(chunks)
+
+    assert "shutting down" in cancelled.value.message
+    assert engine.proc.wait(SAFETY_TIMEOUT_S) == 0
+    assert "still in flight after 0.5s; cancelling them" in engine.log()
