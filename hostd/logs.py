@@ -36,18 +36,15 @@ class JournalHandler(JournaldLogHandler):
     library would nest them under EXTRA_) and honours a fixed message_id."""
 
     def _format_record(self, record: logging.LogRecord) -> list[tuple[str, Any]]:
-        fields = super()._format_record(record)
         out: list[tuple[str, Any]] = []
-        fixed_id = getattr(record, "message_id", None)
-        for key, value in fields:
+        for key, value in super()._format_record(record):
             if key == "extra":
                 extra = dict(value)
                 for name in [k for k in extra if k.startswith(FIELD_PREFIX)]:
                     out.append((name, extra.pop(name)))
-                extra.pop("message_id", None)
+                if extra.get("message_id"):
+                    out.append(("message_id", extra.pop("message_id")))
                 value = extra
-            elif key == "message_id" and fixed_id:
-                value = fixed_id
             out.append((key, value))
         return out
 
@@ -61,7 +58,8 @@ def setup(model: str, component: str, level: int = logging.INFO) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     if under_journal():
-        handler: logging.Handler = JournalHandler(identifier=f"hostd-{component}")
+        # MESSAGE_ID only where hostd sets a fixed one (the library would hash every line).
+        handler: logging.Handler = JournalHandler(identifier=f"hostd-{component}", use_message_id=False)
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(

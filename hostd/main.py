@@ -15,6 +15,8 @@ SUBCOMMANDS = [
     ("engine", "hostd.engine.main", "run the builtin engine of a model"),
     ("gateway", "hostd.gateway.server", "run the front door of a model"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
+    ("install", "hostd.install", "install units, generator, sysusers/tmpfiles entries, D-Bus policy"),
+    ("uninstall", "hostd.install", "remove what install put in place"),
 ]
 
 

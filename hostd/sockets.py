@@ -77,10 +77,10 @@ def check_socket_path(path: Path) -> os.stat_result:
     return st
 
 
-_UCRED = struct.Struct("3i")
+UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return _UCRED.unpack(raw)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
+    return UCRED.unpack(raw)

@@ -1,29 +1,8 @@
 #!/usr/bin/env bash
-# Install everything the test suite needs on a fresh Debian 12 machine (as root)
-# and run it. This is the README's test command; .ci/run runs exactly this.
-#   apt: systemd-container (systemd-nspawn for the real-systemd tier), dbus
-#   pip: torch==2.13.0 (the CPU build) and hostd with its test extras, in .venv
+# The README's test command; .ci/run runs exactly this. Installs what the tests
+# need (packaging/setup.sh), then runs every tier: unit, integration, system
+# (a real systemd in systemd-nspawn containers) and gpu (skips without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-python=${PYTHON:-python3}
-apt_packages=(systemd-container dbus)
-if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
-    apt_packages+=(python3-venv)
-fi
-missing=()
-for pkg in "${apt_packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
-        || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
-fi
-
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q 'torch==2.13.0'
-.venv/bin/python -m pip install -q -e '.[test]'
-
+bash packaging/setup.sh
 exec .venv/bin/python -m pytest tests "$@"

@@ -2,8 +2,8 @@
 
 One job: ask a weight cache daemon for status, or attach its weights after
 checking, before and after mapping, that the daemon is who it says it is: the
-peer PID (from SO_PEERCRED, which the peer cannot forge) equals the PID the
-daemon reports, the socket path's inode equals the one it reports, and a
+sender PID of its answer (SCM_CREDENTIALS, filled in by the kernel, which the
+sender cannot forge) equals the PID the daemon reports, the socket path's inode equals the one it reports, and a
 second status after mapping names the same PID, inode and fingerprint. A cache
 that changed in between is refused.
 """
@@ -37,10 +37,10 @@ def _exchange(path: Path, request) -> tuple[protocol.Response, list[int], int]:
     st = sockets.check_socket_path(path)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(protocol.TIMEOUT)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         conn.connect(str(path))
-        peer_pid, _uid, _gid = sockets.peer_credentials(conn)
         protocol.send_frame(conn, request)
-        response, fds = protocol.recv_response(conn)
+        response, fds, peer_pid = protocol.recv_response(conn)
     if isinstance(response, (protocol.Status, protocol.Attach)):
         status = response if isinstance(response, protocol.Status) else response.status
         if status.pid != peer_pid or status.socket_inode != st.st_ino:

@@ -23,6 +23,8 @@ from typing import Optional, Union
 
 import msgspec
 
+from hostd import sockets
+
 MAX_FRAME = 16 << 20  # the largest tensor table of a real model is < 1 MiB
 HEADER = struct.Struct(">I")
 TIMEOUT = 30.0
@@ -161,12 +163,34 @@ def send_frame(sock: socket.socket, message: msgspec.Struct, fds: tuple[int, ...
         sock.sendall(data)
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: Optional[list[int]]) -> bytes:
+class _Received:
+    """What came with a response besides its bytes: passed file descriptors and
+    the sender's kernel-verified PID (SCM_CREDENTIALS)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.sender_pid: Optional[int] = None
+
+    def take(self, ancillary) -> None:
+        for level, kind, data in ancillary:
+            if level != socket.SOL_SOCKET:
+                continue
+            if kind == socket.SCM_RIGHTS:
+                usable = len(data) - len(data) % 4
+                self.fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+            elif kind == socket.SCM_CREDENTIALS and self.sender_pid is None:
+                self.sender_pid = sockets.UCRED.unpack(data[: sockets.UCRED.size])[0]
+
+
+_ANCILLARY = socket.CMSG_SPACE(4 * 4) + socket.CMSG_SPACE(sockets.UCRED.size)
+
+
+def _recv_exact(sock: socket.socket, n: int, received: Optional[_Received]) -> bytes:
     chunks, have = [], 0
     while have < n:
-        if fds is not None:
-            data, got, _flags, _addr = socket.recv_fds(sock, n - have, 4)
-            fds.extend(got)
+        if received is not None:
+            data, ancillary, _flags, _addr = sock.recvmsg(n - have, _ANCILLARY)
+            received.take(ancillary)
         else:
             data = sock.recv(n - have)
         if not data:
@@ -176,12 +200,12 @@ def _recv_exact(sock: socket.socket, n: int, fds: Optional[list[int]]) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_payload(sock: socket.socket, fds: Optional[list[int]]) -> bytes:
-    header = _recv_exact(sock, HEADER.size, fds)
+def _recv_payload(sock: socket.socket, received: Optional[_Received]) -> bytes:
+    header = _recv_exact(sock, HEADER.size, received)
     (length,) = HEADER.unpack(header)
     if length > MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte cap")
-    return _recv_exact(sock, length, fds)
+    return _recv_exact(sock, length, received)
 
 
 def recv_request(sock: socket.socket) -> Request:
@@ -192,13 +216,17 @@ def recv_request(sock: socket.socket) -> Request:
         raise ProtocolError(f"not a valid request: {exc}") from None
 
 
-def recv_response(sock: socket.socket) -> tuple[Response, list[int]]:
-    """A response and the file descriptors that came with it (caller closes them)."""
-    fds: list[int] = []
-    payload = _recv_payload(sock, fds)
+def recv_response(sock: socket.socket) -> tuple[Response, list[int], Optional[int]]:
+    """A response, the file descriptors that came with it (caller closes them)
+    and the sender's PID as the kernel vouches for it. The caller must have set
+    SO_PASSCRED on SOCK before the daemon answered (see client.py): with socket
+    activation, SO_PEERCRED names systemd, which created the listening socket,
+    not the daemon."""
+    received = _Received()
+    payload = _recv_payload(sock, received)
     try:
-        return _response_decoder.decode(payload), fds
+        return _response_decoder.decode(payload), received.fds, received.sender_pid
     except msgspec.DecodeError as exc:
-        for fd in fds:
+        for fd in received.fds:
             os.close(fd)
         raise ProtocolError(f"not a valid response: {exc}") from None

@@ -99,7 +99,7 @@ def test_bad_frames_close_that_connection_only(tree: ModelTree, frame: bytes, lo
 
     wait_for(lambda: logged in daemon.log(), 10, f"log line {logged!r}")
     protocol.send_frame(bystander, protocol.StatusRequest())
-    answer, _ = protocol.recv_response(bystander)
+    answer, _fds, _pid = protocol.recv_response(bystander)
     bystander.close()
     assert isinstance(answer, protocol.Status) and answer.pid == daemon.pid
     assert client.status(tree.weights_socket).pid == daemon.pid

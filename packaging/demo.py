@@ -1,0 +1,119 @@
+"""The demo: a model served by hostd under a real systemd, end to end.
+
+Run by packaging/demo.sh after the install step. On a host whose PID 1 is
+systemd it works on the host itself; anywhere else (a CI VM, a container) it
+boots a throwaway systemd 252 in `systemd-nspawn --volatile=yes` (the same
+harness as the system tests: tests/system/container.py) and does the same
+inside. Every step prints the command an administrator would type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(CHECKOUT / "tests" / "system"))
+
+CHECKPOINT = "/var/lib/hostd/checkpoints/tiny"
+
+
+def free_port(preferred: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Host:
+    """Runs commands on this host (systemd is PID 1) or inside a container."""
+
+    def __init__(self, container=None):
+        self.container = container
+        self.python = container.python if container else sys.executable
+
+    def run(self, argv: list[str], check: bool = True, timeout: float = 600) -> str:
+        print(f"\n$ {shlex.join(argv)}", flush=True)
+        if self.container:
+            result = self.container.run(argv, check=False, timeout=timeout)
+        else:
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        output = (result.stdout + result.stderr).rstrip()
+        if output:
+            print(output, flush=True)
+        if check and result.returncode != 0:
+            raise SystemExit(f"demo: `{shlex.join(argv)}` exited with {result.returncode}")
+        return result.stdout
+
+    def write(self, path: str, text: str) -> None:
+        print(f"\n$ cat > {path} <<EOF\n{text}EOF", flush=True)
+        if self.container:
+            self.container.write_file(path, text)
+        else:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+
+
+def demo(host: Host, port: int) -> None:
+    hostd = [host.python, "-m", "hostd.main"]
+    host.run([*hostd, "install"])
+    host.run([*hostd, "make-checkpoint", CHECKPOINT])
+    host.write(
+        "/etc/hostd/models/tiny.yaml",
+        f"backend: builtin\nmodel: {CHECKPOINT}\nlisten: 127.0.0.1:{port}\n"
+        "engine:\n  max_num_seqs: 4\n  max_model_len: 512\n",
+    )
+    host.run([host.python, "-m", "hostd.hostctl", "config", "tiny"])
+    host.run(["systemctl", "daemon-reload"])
+    started = time.monotonic()
+    host.run(["systemctl", "start", "model@tiny.service"])
+    print(f"# systemctl start returned after {time.monotonic() - started:.1f} s: the model serves", flush=True)
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    print(f"\n# openai client -> http://127.0.0.1:{port}/v1", flush=True)
+    models = [m.id for m in client.models.list()]
+    print(f"models: {models}")
+    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
+    print(f"completion ({completion.usage.completion_tokens} tokens): {completion.choices[0].text!r}")
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    print(f"streamed chat: {text!r}", flush=True)
+
+    host.run(["systemctl", "status", "--no-pager", "--lines=0",
+              "model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"], check=False)
+    host.run(["journalctl", "HOSTD_MODEL=tiny", "--no-pager", "-n", "15", "-o", "short"])
+    host.run(["systemctl", "stop", "model@tiny.service"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8000, help="public port (another is picked if busy)")
+    args = parser.parse_args()
+    port = free_port(args.port)
+    if Path("/run/systemd/system").is_dir():
+        demo(Host(), port)
+        return 0
+    from container import SystemdContainer
+
+    print("# systemd is not PID 1 here: booting a throwaway systemd-nspawn --volatile=yes container", flush=True)
+    with SystemdContainer(checkout=CHECKOUT) as container:
+        # Let the hostd service user reach the bound Python installation (in the container only).
+        container.sh("chmod o+x /root")
+        demo(Host(container), port)
+    print("\n# demo finished; the container is gone", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install what hostd, its tests and its demo need on a fresh Debian 12 machine
+# (as root): apt packages, then a virtual environment .venv in the checkout with
+# torch (CPU build 2.13.0) and hostd with its test extras. Idempotent: a second
+# run installs nothing new.
+#   apt: systemd-container (systemd-nspawn: the real-systemd tier and the demo),
+#        dbus (the system bus inside those containers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+apt_packages=(systemd-container dbus)
+if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
+    apt_packages+=(python3-venv)
+fi
+missing=()
+for pkg in "${apt_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
+        || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e '.[test]'
