@@ -6,8 +6,11 @@ checkpoint itself), B = `hostd engine` (attaches the daemon's weights). Each
 start is timed from process spawn to the first successful greedy completion
 through the engine's socket; the engine's own start-up phases (from /health:
 process start and imports, CUDA context, skeleton, fingerprint check, attach or
-load, tokenizer, warm-up) are reported beside it, medians per phase. Prints
-Markdown tables and the command that produced them.
+load, tokenizer, warm-up) are reported beside it, medians per phase. On CUDA,
+the GPU's used memory (NVML, GPU 0) is read before the daemon starts, with the
+daemon alone, with the daemon and each engine (read after its first token) and
+after everything stopped. Prints Markdown tables and the command that produced
+them.
 
     python benchmarks/engine_start.py --sizes tiny,0.5b --runs 6
     python benchmarks/engine_start.py --sizes 7b --device cuda --runs 4   # GPU host
@@ -51,7 +54,22 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def one_start(tree: ModelTree, from_disk: bool, drop_caches: bool) -> tuple[float, dict]:
+def gpu_used_mib(settle: float = 0.0):
+    """GPU 0's used memory in MiB as NVML reports it, or None without NVML."""
+    try:
+        import pynvml
+
+        time.sleep(settle)
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / 2**20
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def one_start(tree: ModelTree, from_disk: bool, drop_caches: bool, gpu: bool) -> tuple[float, dict, object]:
     if from_disk and drop_caches:
         drop_page_cache()
     started = time.monotonic()
@@ -60,8 +78,9 @@ def one_start(tree: ModelTree, from_disk: bool, drop_caches: bool) -> tuple[floa
     first_token(tree)
     elapsed = time.monotonic() - started
     phases = tree.health()["phases_s"]
+    used = gpu_used_mib(1.0) if gpu else None
     assert engine.stop() == 0, engine.log()[-2000:]
-    return elapsed, phases
+    return elapsed, phases, used
 
 
 def bench(size: str, runs: int, device: str, workdir: Path, drop_caches: bool) -> dict:
@@ -71,19 +90,25 @@ def bench(size: str, runs: int, device: str, workdir: Path, drop_caches: bool) -
         write_checkpoint(checkpoint, size)
     tree = ModelTree(workdir / f"tree-{size}", name=f"bench-{size}".replace(".", "_"))
     tree.write_config(checkpoint, device=device)
-    samples: dict[str, list[tuple[float, float]]] = {"disk": [], "daemon": []}
+    samples: dict[str, list[tuple[float, dict, object]]] = {"disk": [], "daemon": []}
+    gpu = device == "cuda"
+    memory = {"before": gpu_used_mib() if gpu else None}
     try:
         started = time.monotonic()
         tree.start_weights(timeout=3600)
         daemon_load = time.monotonic() - started
+        memory["daemon"] = gpu_used_mib(2.0) if gpu else None
+        print(f"# {size}: daemon loaded in {daemon_load:.2f} s; GPU used {memory}", file=sys.stderr)
         order = ["disk", "daemon", "daemon", "disk"] * (-(-runs // 2))
         for kind in order[: 2 * runs]:
-            samples[kind].append(one_start(tree, from_disk=kind == "disk", drop_caches=drop_caches))
-            print(f"# {size} {kind}: {samples[kind][-1][0]:.2f} s", file=sys.stderr)
+            samples[kind].append(one_start(tree, from_disk=kind == "disk", drop_caches=drop_caches, gpu=gpu))
+            elapsed, phases, used = samples[kind][-1]
+            print(f"# {size} {kind}: {elapsed:.2f} s; phases {phases}; GPU used {used} MiB", file=sys.stderr)
     finally:
         tree.stop_all()
+    memory["after"] = gpu_used_mib(3.0) if gpu else None
     bytes_ = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
-    return {"size": size, "bytes": bytes_, "daemon_load": daemon_load, **samples}
+    return {"size": size, "bytes": bytes_, "daemon_load": daemon_load, "memory": memory, **samples}
 
 
 def spread(values: list[float]) -> str:
@@ -116,15 +141,36 @@ def main() -> int:
             f"| {statistics.median(warm) / statistics.median(cold):.2f} | {r['daemon_load']:.2f} |"
         )
     print("\nWhere the time goes: median seconds per start-up phase (engine's own clock).\n")
-    phases = list(dict.fromkeys(p for r in results for k in ("disk", "daemon") for _, ph in r[k] for p in ph))
+    phases = list(dict.fromkeys(p for r in results for k in ("disk", "daemon") for _, ph, _ in r[k] for p in ph))
     print("| checkpoint | start | " + " | ".join(phases) + " |")
     print("|---|---|" + "---|" * len(phases))
     for r in results:
         for kind in ("disk", "daemon"):
             cells = [
-                f"{statistics.median([ph.get(p, 0.0) for _, ph in r[kind]]):.3f}" for p in phases
+                f"{statistics.median([ph.get(p, 0.0) for _, ph, _ in r[kind]]):.3f}" for p in phases
             ]
             print(f"| {r['size']} | {'cold' if kind == 'disk' else 'attach'} | " + " | ".join(cells) + " |")
+    if any(r["memory"]["before"] is not None for r in results):
+        print("\nGPU 0 used memory (NVML), MiB; engines read after their first token, "
+              "median (min–max) over the starts; in brackets the increase over the row's previous state.\n")
+        print("| checkpoint | weights (MiB) | before daemon | daemon | daemon + attached engine "
+              "| daemon + cold engine | after all stopped |")
+        print("|---|---|---|---|---|---|---|")
+        for r in results:
+            m = r["memory"]
+            attached = [u for _, _, u in r["daemon"] if u is not None]
+            cold = [u for _, _, u in r["disk"] if u is not None]
+            if m["before"] is None or m["daemon"] is None or not attached or not cold:
+                continue
+            print(
+                f"| {r['size']} | {r['bytes'] / 2**20:.0f} | {m['before']:.0f} "
+                f"| {m['daemon']:.0f} (+{m['daemon'] - m['before']:.0f}) "
+                f"| {statistics.median(attached):.0f} ({min(attached):.0f}–{max(attached):.0f}; "
+                f"+{statistics.median(attached) - m['daemon']:.0f}) "
+                f"| {statistics.median(cold):.0f} ({min(cold):.0f}–{max(cold):.0f}; "
+                f"+{statistics.median(cold) - m['daemon']:.0f}) "
+                f"| {m['after']:.0f} ({m['after'] - m['before']:+.0f}) |"
+            )
     print(f"\nCommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     return 0
 

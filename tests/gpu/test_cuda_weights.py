@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device here: the GPU tier runs on the GPU machine", allow_module_level=True)
 pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is needed to read GPU memory")
 
-from hostd.checkpoints.random_model import write_checkpoint  # noqa: E402
+from hostd.checkpoints import random_model  # noqa: E402
 from hostd.local import ModelTree  # noqa: E402
 from hostd.weights import client  # noqa: E402
 
@@ -50,10 +50,21 @@ def process_used(handle, pid: int) -> int | None:
     return None
 
 
+# Qwen2.5-0.5B's layer shapes with 48 layers instead of 24 and the vocabulary
+# of the checkpoint's own small tokenizer (~450 tokens) instead of 151936
+# entries: ~1.4 GiB in bf16, large enough that a copy would stand out of NVML's
+# noise and of the engine's own CUDA context (~0.8 GiB), and every greedy token
+# decodes to text. With the real 0.5b vocabulary nearly every random argmax is
+# an id the test tokenizer cannot decode: the text was empty on every start
+# (seen on the H200), so comparing it across restarts proved nothing.
+GPU_SHAPE = {**random_model.SIZES["0.5b"], "num_hidden_layers": 48, "vocab_size": None}
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    # ~1 GiB in bf16: large enough that a copy would stand out of NVML's noise.
-    return write_checkpoint(tmp_path_factory.mktemp("gpu") / "qwen-0.5b-random", "0.5b")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(random_model.SIZES, "gpu", GPU_SHAPE)
+        return random_model.write_checkpoint(tmp_path_factory.mktemp("gpu") / "qwen-0.5b-48l-random", "gpu")
 
 
 def greedy(tree: ModelTree) -> str:
