@@ -26,7 +26,9 @@ class _ModelFields(logging.Filter):
         self.model, self.component = model, component
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.hostd_model = getattr(record, "hostd_model", self.model)
+        model = getattr(record, "hostd_model", self.model)
+        if model:
+            record.hostd_model = model
         record.hostd_component = self.component
         return True
 

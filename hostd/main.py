@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     ("weights", "hostd.weights.daemon", "run the weight cache daemon of a model"),
     ("engine", "hostd.engine.main", "run the builtin engine of a model"),
     ("gateway", "hostd.gateway.server", "run the front door of a model"),
+    ("manager", "hostd.manager.service", "run the D-Bus manager (org.hostd1)"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
     ("install", "hostd.install", "install units, generator, sysusers/tmpfiles entries, D-Bus policy"),
     ("uninstall", "hostd.install", "remove what install put in place"),

@@ -1,4 +1,5 @@
-"""The demo: a model served by hostd under a real systemd, end to end.
+"""The demo: a model served by hostd under a real systemd, end to end,
+with a retained-weight reload.
 
 Run by packaging/demo.sh after the install step. On a host whose PID 1 is
 systemd it works on the host itself; anywhere else (a CI VM, a container) it
@@ -14,9 +15,11 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -90,10 +93,53 @@ def demo(host: Host, port: int) -> None:
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     print(f"streamed chat: {text!r}", flush=True)
 
+    reload_demo(host, port)
+
     host.run(["systemctl", "status", "--no-pager", "--lines=0",
               "model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"], check=False)
     host.run(["journalctl", "HOSTD_MODEL=tiny", "--no-pager", "-n", "15", "-o", "short"])
     host.run(["systemctl", "stop", "model@tiny.service"])
+
+
+def reload_demo(host: Host, port: int) -> None:
+    """A retained-weight reload while a client keeps asking: what changed, and
+    for how long the model answered 503."""
+    host.run(["systemctl", "start", "hostd.service"])
+    weights_pid = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-weights@tiny.service"]).strip()
+    engine_pid = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-engine@tiny.service"]).strip()
+    unavailable: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    code = http.get(f"http://127.0.0.1:{port}/v1/models").status_code
+                except httpx.HTTPError:
+                    code = 0
+                if code != 200:
+                    unavailable.append(started)
+                time.sleep(0.05)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    started = time.monotonic()
+    host.run([host.python, "-m", "hostd.hostctl", "reload", "tiny", "max_num_seqs=8"])
+    took = time.monotonic() - started
+    time.sleep(0.5)
+    stop.set()
+    watcher.join()
+    window = (unavailable[-1] - unavailable[0] + 0.05) if unavailable else 0.0
+    weights_after = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-weights@tiny.service"]).strip()
+    engine_after = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-engine@tiny.service"]).strip()
+    print(
+        f"\n# reload: engine.max_num_seqs 4 -> 8 in {took:.1f} s; engine pid {engine_pid} -> {engine_after}; "
+        f"weights daemon pid {weights_pid} -> {weights_after} ({'unchanged: weights reused' if weights_pid == weights_after else 'CHANGED'}); "
+        f"the model answered 503 + Retry-After for about {window:.2f} s",
+        flush=True,
+    )
+    host.run([host.python, "-m", "hostd.hostctl", "status", "tiny"])
 
 
 def main() -> int:

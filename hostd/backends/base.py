@@ -44,6 +44,10 @@ class Backend(abc.ABC):
     def refusals(self, cfg) -> list[str]:
         """Every reason CFG cannot be served, each naming the setting; empty when fine."""
 
+    def engine_refusals(self, cfg, model_config: dict) -> list[str]:
+        """What the engine refuses at start, given the model's config.json."""
+        return []
+
     def check(self, cfg) -> None:
         problems = self.refusals(cfg)
         if problems:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hostd.backends.base import Backend, Command
@@ -18,6 +17,9 @@ class BuiltinBackend(Backend):
         return Command(self.hostd_argv("engine", model), dict(cfg.env))
 
     def refusals(self, cfg) -> list[str]:
+        """What no engine could serve. Limits beyond what the model can do (a
+        max_model_len past its positions) are the engine's to refuse at start:
+        it knows the model, and a reload rolls back when it does."""
         problems = []
         checkpoint = Path(cfg.model)
         if not (checkpoint / "config.json").is_file():
@@ -27,17 +29,18 @@ class BuiltinBackend(Backend):
                 f"model: {checkpoint} has no *.safetensors files; the builtin backend "
                 "loads safetensors only (convert .bin/GGUF checkpoints first)"
             )
-        else:
-            positions = json.loads((checkpoint / "config.json").read_text()).get(
-                "max_position_embeddings"
-            )
-            limit = cfg.engine.max_model_len
-            if positions and limit and limit > positions:
-                problems.append(
-                    f"engine.max_model_len: {limit} exceeds the model's "
-                    f"max_position_embeddings ({positions})"
-                )
         return problems
+
+    def engine_refusals(self, cfg, model_config: dict) -> list[str]:
+        """What this engine refuses once it has read the model's config.json."""
+        positions = model_config.get("max_position_embeddings")
+        limit = cfg.engine.max_model_len
+        if positions and limit and limit > positions:
+            return [
+                f"engine.max_model_len: {limit} exceeds the model's max_position_embeddings "
+                f"({positions}); lower it or leave it unset"
+            ]
+        return []
 
     def drain_seconds(self, cfg) -> float:
         return cfg.engine.shutdown_timeout

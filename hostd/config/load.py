@@ -400,9 +400,15 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
     return files
 
 
-def merge_model(name: str, root: Optional[Path] = None) -> tuple[Merged, list[Problem]]:
+def merge_model(
+    name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict]] = None
+) -> tuple[Merged, list[Problem]]:
     """Read and merge every readable file of model NAME (values not validated);
-    the problems of the files that could not be read come back beside it."""
+    the problems of the files that could not be read come back beside it.
+
+    OVERLAY maps a drop-in file name to data that stands in for that file (or
+    joins the directory), in its lexical place: what the tree would be if the
+    file held that data. Nothing is written."""
     root = config_root(root)
     problem = schema.model_name_problem(name)
     main = model_file(name, root)
@@ -417,14 +423,21 @@ def merge_model(name: str, root: Optional[Path] = None) -> tuple[Merged, list[Pr
         defaults = daemon.data.get("defaults")
         if isinstance(defaults, dict):
             merged.add(daemon, defaults, prefix=("defaults",))
-    sources, problems = [main], []
+    problems: list[Problem] = []
     try:
-        sources += dropin_files(name, root)
+        dropins = dropin_files(name, root)
     except ConfigError as exc:
-        problems += exc.problems
+        dropins, problems = [], problems + exc.problems
+    overlay = overlay or {}
+    directory = dropin_dir(name, root)
+    names = sorted({p.name for p in dropins} | set(overlay))
+    sources = [main, *(directory / n for n in names)]
     for path in sources:
         try:
-            merged.add(read_yaml(path))
+            if path.name in overlay and path.parent == directory:
+                merged.add(YamlFile(str(path), overlay[path.name], {}))
+            else:
+                merged.add(read_yaml(path))
         except ConfigError as exc:
             problems += exc.problems
     return merged, problems

@@ -24,6 +24,7 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from hostd import backends, paths, sockets, systemd
@@ -106,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
     cfg = loaded.config
     backend = backends.for_config(cfg)
+    model_config = json.loads((Path(cfg.model) / "config.json").read_text()) if (Path(cfg.model) / "config.json").is_file() else {}
     try:
         backend.check(cfg)
+        problems = backend.engine_refusals(cfg, model_config)
+        if problems:
+            raise backends.Refused("; ".join(problems))
     except backends.Refused as exc:
         log.error("cannot serve %s: %s", args.name, exc)
         systemd.status(f"refused: {exc}")
@@ -133,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = {
         "limits": {"max_num_seqs": cfg.engine.max_num_seqs, "max_model_len": max_model_len},
+        "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
         "phases_s": phases.seconds,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,26 @@ def test_config_of_a_broken_model_exits_non_zero_with_the_problem(tmp_path: Path
     result = hostctl("--config-dir", str(tmp_path), "config", "nosuch")
     assert result.returncode == 1
     assert "no such model" in result.stderr
+
+
+def test_edit_saves_a_valid_dropin_and_refuses_an_invalid_one(tmp_path: Path, monkeypatch):
+    make_tree(tmp_path)
+    target = tmp_path / "models/tiny.d/95-override.yaml"
+
+    def edit_with(text: str) -> subprocess.CompletedProcess:
+        script = tmp_path / "editor.sh"
+        script.write_text(f"#!/bin/sh\ncat > \"$1\" <<'YAML'\n{text}YAML\n")
+        script.chmod(0o755)
+        return subprocess.run(
+            [sys.executable, "-m", "hostd.hostctl", "--config-dir", str(tmp_path), "edit", "tiny"],
+            capture_output=True, text=True, env={**os.environ, "EDITOR": str(script)},
+        )
+
+    bad = edit_with("engine:\n  max_num_seqs: 0\n")
+    assert bad.returncode == 1 and not target.exists()
+    assert f"{target}:2: engine.max_num_seqs: expected `int` >= 1" in bad.stderr
+
+    good = edit_with("engine:\n  max_num_seqs: 6\n")
+    assert good.returncode == 0, good.stderr
+    assert target.read_text() == "engine:\n  max_num_seqs: 6\n"
+    assert "systemctl reload model@tiny" in good.stdout

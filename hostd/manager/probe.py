@@ -1,0 +1,144 @@
+"""How the manager looks at and steers one model's processes.
+
+One job: the manager's side of the gateway's control socket (drain, resume,
+status), the engine's HTTP socket (health, a smoke request) and the weight
+daemon's socket (identity), plus the GPU memory preflight. The manager runs as
+root, so it may connect to the 0600 sockets in the private runtime directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import aiohttp
+
+from hostd import paths
+from hostd.gateway import control
+from hostd.weights import client as weights_client
+
+log = logging.getLogger("hostd.manager.probe")
+
+
+class VerifyFailed(Exception):
+    pass
+
+
+class Probe:
+    def __init__(self, name: str):
+        self.name = name
+
+    # ------------------------------------------------------------ gateway
+
+    async def drain(self, timeout: float) -> dict:
+        return await control.call_async(paths.control_socket(self.name), "drain", timeout=timeout)
+
+    async def resume(self) -> dict:
+        return await control.call_async(paths.control_socket(self.name), "resume")
+
+    async def gateway_status(self) -> Optional[dict]:
+        try:
+            return await control.call_async(paths.control_socket(self.name), "status")
+        except (OSError, control.ControlError):
+            return None
+
+    # ------------------------------------------------------------ weights
+
+    async def weights_identity(self) -> Optional[tuple[int, int]]:
+        try:
+            status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
+        except (OSError, weights_client.WeightsRefused) as exc:
+            log.warning("weights of %s: %s", self.name, exc)
+            return None
+        return status.pid, status.socket_inode
+
+    # ------------------------------------------------------------ engine
+
+    async def engine_health(self) -> Optional[dict]:
+        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name)))
+        try:
+            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as http:
+                async with http.get("http://engine/health") as response:
+                    if response.status != 200:
+                        return None
+                    return await response.json()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return None
+
+    async def smoke(self, served_name: str) -> None:
+        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name)))
+        body = {"model": served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+            async with http.post("http://engine/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raise VerifyFailed(f"smoke request answered {response.status}: {(await response.text())[:300]}")
+
+    def runs(self, health: dict, cfg) -> bool:
+        """Does the engine whose /health is HEALTH run CFG's limits?"""
+        limits = health.get("limits", {})
+        want_len = cfg.engine.max_model_len
+        return limits.get("max_num_seqs") == cfg.engine.max_num_seqs and (
+            want_len is None or limits.get("max_model_len") == want_len
+        )
+
+    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]]) -> None:
+        health = await self.engine_health()
+        if health is None:
+            raise VerifyFailed("the engine does not answer /health")
+        if not self.runs(health, cfg):
+            raise VerifyFailed(f"the engine runs {health.get('limits')}, not the target config")
+        await self.smoke(cfg.served_model_name or self.name)
+        if weights_before is not None:
+            now = await self.weights_identity()
+            engine_saw = (health.get("weights_pid"), health.get("weights_socket_inode"))
+            if now != weights_before or engine_saw != weights_before:
+                raise VerifyFailed(
+                    f"the weight daemon changed (pid, inode) {weights_before} -> {now}; "
+                    f"the engine attached to {engine_saw}"
+                )
+
+    async def engine_error(self, default: str) -> str:
+        """The engine's own last error lines from the journal, else DEFAULT."""
+        try:
+            result = await asyncio.to_thread(
+                subprocess.run,
+                ["journalctl", "-u", f"model-engine@{self.name}.service", "-p", "err", "-n", "3",
+                 "-o", "cat", "--no-pager", "--since", "-5min"],
+                capture_output=True, text=True, timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return default
+        lines = [l for l in result.stdout.splitlines() if l.strip()]
+        return f"{default}: {' | '.join(lines[-2:])}" if lines else default
+
+    # ------------------------------------------------------------ preflight
+
+    async def memory_problem(self, cfg) -> Optional[str]:
+        """Why CFG would not fit on its GPUs, or None. CPU models always fit here:
+        the builtin engine's memory grows with requests, not with its limits."""
+        if getattr(cfg, "device", "cuda") == "cpu":
+            return None
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            return f"cannot read GPU memory through NVML: {exc}"
+        try:
+            for index in cfg.gpus:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                if info.free < 256 << 20 and getattr(cfg, "device", "cuda") == "cuda":
+                    return f"GPU {index} has {info.free >> 20} MiB free; the new engine needs room for its context"
+        finally:
+            pynvml.nvmlShutdown()
+        return None
+
+
+def unit_exists(path: Path) -> bool:
+    return path.exists()

@@ -1,0 +1,334 @@
+"""The manager (hostd.service, org.hostd1) under a real systemd 252: a reload
+through every door keeps the weights, drains without loss, rolls back, refuses
+bad patches without touching anything, survives its own SIGKILL and cancels.
+
+One container for the module: hostd installed, model tiny and hostd.service
+started. Tests observe what an administrator would: unit PIDs, files, D-Bus
+properties via busctl, HTTP answers via the openai client, and the engine's
+own metrics (for limits proven by behaviour).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from container import SystemdContainer, wait_for
+from test_model_units import free_port, greedy, main_pid, prepare_model, stat, status_code
+
+DROPINS = "/etc/hostd/models/tiny.d"
+
+
+@pytest.fixture(scope="module")
+def host(systemd_container: SystemdContainer):
+    port = free_port()
+    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
+    systemd_container.base_url = f"http://127.0.0.1:{port}"
+    systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
+    wait_for(lambda: status_code(systemd_container) == 200, timeout=60, what="serving")
+    return systemd_container
+
+
+@pytest.fixture
+def served(host: SystemdContainer) -> SystemdContainer:
+    host.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
+    wait_for(lambda: model_state(host) == "serving", timeout=120, what="model serving per the manager")
+    return host
+
+
+def hostctl(host: SystemdContainer, *args: str, check: bool = False):
+    return host.run([host.python, "-m", "hostd.hostctl", *args], check=check, timeout=300)
+
+
+def busctl(host: SystemdContainer, *args: str, check: bool = True):
+    return host.run(["busctl", "--timeout=300", *args], check=check, timeout=320)
+
+
+def model_state(host: SystemdContainer) -> str:
+    result = busctl(host, "get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model", "State", check=False)
+    return result.stdout.split('"')[1] if result.returncode == 0 else ""
+
+
+def op_property(host: SystemdContainer, path: str, name: str):
+    out = busctl(host, "--json=short", "get-property", "org.hostd1", path, "org.hostd1.Operation", name).stdout
+    return json.loads(out)["data"]
+
+
+def last_operation(host: SystemdContainer) -> str:
+    out = busctl(host, "--json=short", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "ListOperations").stdout
+    rows = json.loads(out)["data"][0]
+    return rows[-1][-1]
+
+
+def wait_operation(host: SystemdContainer, path: str) -> str:
+    return wait_for(
+        lambda: (s := op_property(host, path, "State")) != "running" and s,
+        timeout=300, what=f"operation {path} to end",
+    )
+
+
+def engine_metric(host: SystemdContainer, name: str) -> float:
+    text = host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock", "http://engine/metrics"]).stdout
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+    assert match, f"{name} not in the engine's metrics"
+    return float(match.group(1))
+
+
+def concurrency_allowed(host: SystemdContainer, clients: int) -> int:
+    """Run CLIENTS concurrent streams; the engine's high-water mark of running
+    requests is the concurrency it actually allowed."""
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def one(_):
+        stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        return sum(1 for _ in stream)
+
+    with ThreadPoolExecutor(clients) as pool:
+        assert all(n > 0 for n in pool.map(one, range(clients)))
+    return int(engine_metric(host, "hostd_engine_requests_running_max"))
+
+
+def identity(host: SystemdContainer) -> tuple[int, int]:
+    return main_pid(host, "model-weights@tiny.service"), stat(host, "/run/hostd/tiny/weights.sock")["inode"]
+
+
+def read_file(host: SystemdContainer, path: str) -> str:
+    result = host.run(["cat", path], check=False)
+    return result.stdout if result.returncode == 0 else "<absent>"
+
+
+# ---------------------------------------------------------------- doors
+
+
+def test_the_same_reload_succeeds_through_every_door(served):
+    host = served
+    weights, output = identity(host), greedy(host)
+
+    def after(limit: int, op_path: str) -> None:
+        assert op_property(host, op_path, "State") == "done"
+        assert op_property(host, op_path, "WeightsReused") is True
+        assert concurrency_allowed(host, 2 * limit) == limit  # the new limit, by behaviour
+        assert identity(host) == weights
+        assert greedy(host) == output
+
+    # 1. A drop-in edited by hand, then `systemctl reload` (the config on disk).
+    host.write_file(f"{DROPINS}/50-admin.yaml", "engine:\n  max_num_seqs: 2\n")
+    host.systemctl("reload", "model@tiny.service", timeout=300)
+    after(2, last_operation(host))
+
+    # 2. busctl, with a typed a{sv} patch.
+    out = busctl(host, "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload",
+                 "sa{sv}", "tiny", "1", "max_num_seqs", "u", "3").stdout
+    path = out.split('"')[1]
+    wait_operation(host, path)
+    after(3, path)
+
+    # 3. hostctl, which waits and shows the stages.
+    result = hostctl(host, "reload", "tiny", "max_num_seqs=4")
+    assert result.returncode == 0, result.stderr
+    assert "reload of tiny: done (weights reused)" in result.stdout
+    assert "running, stage" in result.stderr and "done, stage finished" in result.stderr  # live progress
+    after(4, last_operation(host))
+
+    # 4. The Python client (run where the system bus is: inside the container).
+    script = (
+        "from hostd.client import Client\n"
+        "with Client() as hostd:\n"
+        "    r = hostd.reload('tiny', {'max_num_seqs': 5})\n"
+        "print(r['State'], r['WeightsReused'], r['path'])\n"
+    )
+    state, reused, path = host.run([host.python, "-c", script], timeout=300).stdout.split()
+    assert (state, reused) == ("done", "True")
+    after(5, path)
+    assert "max_num_seqs: 5" in read_file(host, f"{DROPINS}/90-reload.yaml")
+    host.run(["rm", "-f", f"{DROPINS}/50-admin.yaml"])
+
+
+def test_a_reload_drains_16_streams_and_loses_none(served):
+    host = served
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    hostctl(host, "reload", "tiny", "max_num_seqs=16", check=True)
+
+    def stream(_):
+        chunks = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=64,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        for chunk in chunks:
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return usage
+
+    refused: list[httpx.Response] = []
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(stream, i) for i in range(16)]
+        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 16, timeout=60, what="16 streaming")
+        reload = threading.Thread(target=hostctl, args=(host, "reload", "tiny", "max_num_seqs=8"))
+        reload.start()
+        wait_for(lambda: model_state(host) == "reloading", timeout=30, what="reloading")
+        while reload.is_alive() and len(refused) < 20:
+            response = httpx.post(host.base_url + "/v1/completions",
+                                  json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
+            if response.status_code == 503:
+                refused.append(response)
+            time.sleep(0.2)
+        reload.join(300)
+        results = [s.result(300) for s in streams]
+
+    assert results == [64] * 16  # every admitted stream finished, in full
+    assert refused, "no request arrived while the model was unavailable"
+    assert all(r.headers["Retry-After"] and r.json()["error"]["type"] == "service_unavailable" for r in refused)
+    assert op_property(host, last_operation(host), "State") == "done"
+    assert status_code(host) == 200
+
+
+def test_a_reload_the_engine_cannot_start_with_rolls_back(served):
+    host = served
+    before = read_file(host, f"{DROPINS}/90-reload.yaml")
+    weights, output = identity(host), greedy(host)
+
+    result = hostctl(host, "reload", "tiny", "max_model_len=99999")
+
+    assert result.returncode == 1
+    path = last_operation(host)
+    assert op_property(host, path, "State") == "rolled-back"
+    assert op_property(host, path, "Restored") is True
+    assert "max_position_embeddings" in op_property(host, path, "Error")  # the engine's own words
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == before  # the drop-in is rewritten
+    wait_for(lambda: status_code(host) == 200, timeout=60, what="old config serving")
+    assert identity(host) == weights and greedy(host) == output
+
+    # The same through `systemctl reload` after an administrator's own edit:
+    # it fails, and the previous values are pinned above the admin's file.
+    host.write_file(f"{DROPINS}/95-override.yaml", "engine:\n  max_model_len: 99999\n")
+    failed = host.systemctl("reload", "model@tiny.service", check=False, timeout=300)
+    assert failed.returncode != 0
+    assert "max_model_len" in read_file(host, f"{DROPINS}/99-rollback.yaml")
+    assert "pinned" in " ".join(op_property(host, last_operation(host), "Notes"))
+    host.run(["rm", "-f", f"{DROPINS}/95-override.yaml", f"{DROPINS}/99-rollback.yaml"])
+    wait_for(lambda: status_code(host) == 200, timeout=60, what="serving")
+
+
+@pytest.mark.parametrize(
+    "patch_args, error",
+    [
+        (("dtype", "s", "float32"), "org.hostd1.Error.NotEditable"),
+        (("bogus", "u", "1"), "org.hostd1.Error.NotEditable"),
+        (("max_num_seqs", "s", "16"), "org.hostd1.Error.InvalidValue"),
+        (("max_num_seqs", "u", "0"), "org.hostd1.Error.InvalidValue"),
+    ],
+    ids=["fixed-field", "unknown-field", "wrong-dbus-type", "out-of-range"],
+)
+def test_bad_patches_are_refused_and_change_nothing(served, patch_args, error):
+    host = served
+    engine_pid = main_pid(host, "model-engine@tiny.service")
+    dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+    drains = _gateway_drains(host)
+
+    result = busctl(host, "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload",
+                    "sa{sv}", "tiny", "1", *patch_args, check=False)
+
+    assert result.returncode != 0
+    assert error in _error_name(host, patch_args), result.stderr
+    assert main_pid(host, "model-engine@tiny.service") == engine_pid  # no restart
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin  # no file written
+    assert _gateway_drains(host) == drains  # no drain
+
+
+def _gateway_drains(host: SystemdContainer) -> int:
+    script = ("from hostd.gateway import control; from pathlib import Path; "
+              "print(control.call(Path('/run/hostd/tiny/control.sock'), 'status')['drains'])")
+    return int(host.run([host.python, "-c", script]).stdout)
+
+
+def _error_name(host: SystemdContainer, patch_args) -> str:
+    """The D-Bus error name of the refusal, as a client library sees it."""
+    key, _sig, value = patch_args
+    typed = {"s": repr(value), "u": value}[_sig]
+    script = (
+        "import asyncio\n"
+        "from dbus_fast import BusType, Variant\nfrom dbus_fast.aio import MessageBus\n"
+        "from dbus_fast.errors import DBusError\n"
+        "async def main():\n"
+        "    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()\n"
+        "    i = await bus.introspect('org.hostd1', '/org/hostd1')\n"
+        "    m = bus.get_proxy_object('org.hostd1', '/org/hostd1', i).get_interface('org.hostd1.Manager')\n"
+        "    try:\n"
+        f"        await m.call_reload('tiny', {{{key!r}: Variant({_sig!r}, {typed})}})\n"
+        "    except DBusError as e:\n"
+        "        print(e.type, e.text)\n"
+        "asyncio.run(main())\n"
+    )
+    return host.run([host.python, "-c", script], timeout=60).stdout
+
+
+def test_second_reload_is_busy_and_non_admin_is_denied(served):
+    host = served
+    first = hostctl(host, "reload", "tiny", "max_num_seqs=6", "--no-wait", check=True).stdout.strip()
+    second = busctl(host, "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload",
+                    "sa{sv}", "tiny", "1", "max_num_seqs", "u", "7", check=False)
+    assert second.returncode != 0 and "busy" in second.stderr.lower()
+    wait_operation(host, first)
+
+    denied = host.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                       "busctl", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload",
+                       "sa{sv}", "tiny", "1", "max_num_seqs", "u", "7"], check=False)
+    assert denied.returncode != 0 and "denied" in denied.stderr.lower(), denied.stderr
+    # Reading stays open to everyone.
+    listed = host.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                       "busctl", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "ListModels"])
+    assert '"tiny"' in listed.stdout
+
+
+def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
+    host = served
+    path = hostctl(host, "reload", "tiny", "max_num_seqs=3", "--no-wait", check=True).stdout.strip()
+    wait_for(lambda: op_property(host, path, "Stage") in ("restart", "verify"), timeout=60, what="engine restart")
+    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
+
+    # systemd restarts the manager; its recovery commits or rolls back.
+    wait_for(lambda: host.systemctl("is-active", "hostd.service", check=False).stdout.strip() == "active",
+             timeout=60, what="manager back")
+    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/tiny/reload-intent.json"], check=False).returncode == 1,
+             timeout=300, what="intent record resolved")
+    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    limits = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
+                                  "http://engine/health"]).stdout)["limits"]
+    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
+    assert limits["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # consistent either way
+    assert "recovery:" in host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
+
+
+def test_cancel_during_drain_restores_and_resumes_without_restart(served):
+    host = served
+    engine_pid = main_pid(host, "model-engine@tiny.service")
+    dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def long_stream(_):
+        return sum(1 for _ in client.completions.create(
+            model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+
+    # Four long streams keep the drain waiting long enough to cancel it.
+    with ThreadPoolExecutor(4) as pool:
+        streaming = [pool.submit(long_stream, i) for i in range(4)]
+        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 1, timeout=60, what="streams")
+        path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+        wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
+        op_id = str(op_property(host, path, "Id"))
+        assert hostctl(host, "cancel", op_id).returncode == 0
+        assert wait_operation(host, path) == "cancelled"
+        assert all(s.result(300) > 0 for s in streaming)
+
+    assert op_property(host, path, "Restored") is True
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
+    assert main_pid(host, "model-engine@tiny.service") == engine_pid
+    wait_for(lambda: status_code(host) == 200, timeout=30, what="serving again")
