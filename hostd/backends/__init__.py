@@ -1,12 +1,19 @@
 """Backends: for one model config, what the weights and engine units run.
 
-base.py is the interface (DESIGN.md §3); builtin.py the first implementation.
+base.py is the interface (DESIGN.md §3); builtin.py hostd's own backend;
+vllm.py and sglang.py the upstream ones, sharing upstream.py.
 """
 
 from hostd.backends.base import Backend, Command, Refused
 from hostd.backends.builtin import BuiltinBackend
+from hostd.backends.sglang import SglangBackend
+from hostd.backends.vllm import VllmBackend
 
-BACKENDS: dict[str, type[Backend]] = {"builtin": BuiltinBackend}
+BACKENDS: dict[str, type[Backend]] = {
+    "builtin": BuiltinBackend,
+    "vllm": VllmBackend,
+    "sglang": SglangBackend,
+}
 
 
 def for_config(cfg) -> Backend:

@@ -1,5 +1,8 @@
 """hostd engine NAME: the builtin engine of one model.
 
+vllm and sglang models are handed to upstream.py, which supervises upstream's
+own server behind engine.sock instead.
+
 One job: get the model's weights into this process without copying them,
 then serve the OpenAI API (server.py) on /run/hostd/NAME/engine.sock.
 
@@ -106,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(args.name, "engine")
     loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
     cfg = loaded.config
+    if cfg.backend != "builtin":
+        from hostd.engine import upstream
+
+        return upstream.run(args, cfg)
     backend = backends.for_config(cfg)
     model_config = json.loads((Path(cfg.model) / "config.json").read_text()) if (Path(cfg.model) / "config.json").is_file() else {}
     try:

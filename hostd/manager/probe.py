@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import aiohttp
+import msgspec
 
 from hostd import paths
 from hostd.gateway import control
@@ -76,20 +77,18 @@ class Probe:
                 if response.status != 200:
                     raise VerifyFailed(f"smoke request answered {response.status}: {(await response.text())[:300]}")
 
-    def runs(self, health: dict, cfg) -> bool:
-        """Does the engine whose /health is HEALTH run CFG's limits?"""
-        limits = health.get("limits", {})
-        want_len = cfg.engine.max_model_len
-        return limits.get("max_num_seqs") == cfg.engine.max_num_seqs and (
-            want_len is None or limits.get("max_model_len") == want_len
-        )
+    @staticmethod
+    def runs(health: dict, engine: dict) -> bool:
+        """Does the engine whose /health is HEALTH run the ENGINE section? Every
+        backend's engine reports the section it was started with."""
+        return health.get("engine_config") == engine
 
     async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]]) -> None:
         health = await self.engine_health()
         if health is None:
             raise VerifyFailed("the engine does not answer /health")
-        if not self.runs(health, cfg):
-            raise VerifyFailed(f"the engine runs {health.get('limits')}, not the target config")
+        if not self.runs(health, msgspec.to_builtins(cfg.engine)):
+            raise VerifyFailed(f"the engine runs {health.get('engine_config')}, not the target config")
         await self.smoke(cfg.served_model_name or self.name)
         if weights_before is not None:
             now = await self.weights_identity()
@@ -116,25 +115,50 @@ class Probe:
 
     # ------------------------------------------------------------ preflight
 
-    async def memory_problem(self, cfg) -> Optional[str]:
-        """Why CFG would not fit on its GPUs, or None. CPU models always fit here:
-        the builtin engine's memory grows with requests, not with its limits."""
+    async def memory_problem(self, cfg, engine_pid: int) -> Optional[str]:
+        """Why the new engine would not fit on its GPUs, or None.
+
+        Memory the new engine may use = free now + what the old engine holds
+        (it is stopped first). The old engine's share comes from NVML's
+        per-process accounting when NVML sees our PIDs; inside a container its
+        PIDs are another namespace's, so then it falls back to the device:
+        used - the weight daemon's share. vLLM and SGLang size their pools as a
+        fraction of the whole GPU that includes the daemon-held weights."""
         if getattr(cfg, "device", "cuda") == "cpu":
             return None
+        fraction = getattr(cfg.engine, "gpu_memory_utilization", None) or getattr(
+            cfg.engine, "mem_fraction_static", None)
         try:
             import pynvml
-        except ImportError:
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # no driver library here: verify and rollback still guard
+            log.warning("GPU preflight skipped for %s: NVML unavailable (%s)", self.name, exc)
             return None
         try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            return f"cannot read GPU memory through NVML: {exc}"
-        try:
+            status = None
+            try:
+                status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
+            except (OSError, weights_client.WeightsRefused):
+                pass
+            held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
             for index in cfg.gpus:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                if info.free < 256 << 20 and getattr(cfg, "device", "cuda") == "cuda":
-                    return f"GPU {index} has {info.free >> 20} MiB free; the new engine needs room for its context"
+                daemon_share = held // max(1, len(cfg.gpus))
+                engine_now = next(
+                    (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                     if p.pid == engine_pid), None)
+                if engine_now is None:  # PIDs from another namespace: device-level accounting
+                    engine_now = max(0, info.used - daemon_share)
+                available = info.free + engine_now
+                need = (fraction * info.total - daemon_share) if fraction else (512 << 20)
+                if need > available:
+                    return (
+                        f"GPU {index}: the new engine needs about {need / 2**30:.1f} GiB "
+                        f"({'fraction ' + str(fraction) + ' of ' + format(info.total / 2**30, '.1f') + ' GiB, less the daemon-held weights' if fraction else 'for its context'}), "
+                        f"but only {available / 2**30:.1f} GiB would be free; lower the memory fraction"
+                    )
         finally:
             pynvml.nvmlShutdown()
         return None

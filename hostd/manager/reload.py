@@ -305,7 +305,8 @@ class Reload:
         return backends.for_config(cfg).refusals(cfg)
 
     async def preflight(self) -> None:
-        problem = await self.model.probe.memory_problem(self.target)
+        props = await self.model.systemd.unit_properties(self.model.engine_unit)
+        problem = await self.model.probe.memory_problem(self.target, props.get("MainPID", 0))
         if problem:
             raise Refused("InsufficientMemory", problem)
 

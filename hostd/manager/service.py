@@ -449,11 +449,7 @@ async def recover_model(manager: Manager, name: str, intent: dict) -> None:
             break
         await asyncio.sleep(0.5)
     health = await probe.engine_health()
-    target = intent.get("target_engine") or {}
-    limits = (health or {}).get("limits", {})
-    runs_target = health is not None and limits.get("max_num_seqs") == target.get("max_num_seqs") and (
-        target.get("max_model_len") is None or limits.get("max_model_len") == target.get("max_model_len")
-    )
+    runs_target = health is not None and Probe.runs(health, intent.get("target_engine") or {})
     if runs_target:
         log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"),
                  extra={"hostd_model": name, "hostd_operation": str(intent.get("operation"))})

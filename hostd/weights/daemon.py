@@ -1,5 +1,8 @@
 """hostd weights NAME: the weight cache daemon of one model (builtin backend).
 
+vllm and sglang models are handed to upstream.py, which supervises upstream's
+own daemon instead.
+
 One job: load the checkpoint once, hold it, and hand it to engines zero-copy
 for as long as it runs. See shared.py for the memory and protocol.py for the
 wire format.
@@ -179,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = hostd_config.load_model(args.name, root)
     cfg = loaded.config
     if cfg.backend != "builtin":
-        log.error("model %s uses backend %s; `hostd weights` serves builtin models", args.name, cfg.backend)
-        return 2
+        from hostd.weights import upstream
+
+        return upstream.run(args, cfg)
     socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
     state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
     try:

@@ -1,0 +1,167 @@
+"""The sglang backend: SGLang's weight cache daemon and a client-mode server.
+
+One job: say, for one model config, which upstream commands hostd's weights
+and engine supervisors run as children (hostd/weights/upstream.py,
+hostd/engine/upstream.py), and what SGLang cannot do with its weight cache.
+The daemon dies with its parent (PR_SET_PDEATHSIG), so hostd's supervisor stays
+its parent for its whole life. SGLANG_JIT_CACHE_DIR is canonicalized here,
+for both children, on every start: a symlink in its path makes SGLang 0.5.21
+record staging paths as dependencies and recompile on every start.
+Flags checked against SGLang's sources and docs (docs/sglang.md says which).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from hostd.backends import upstream
+from hostd.backends.base import Backend, Command
+
+MINIMUM_VERSION = (0, 5, 21)  # the standalone weight cache daemon (Xinference's floor too)
+
+JIT_CACHE_VARIABLE = "SGLANG_JIT_CACHE_DIR"
+JIT_CACHE_DEFAULT = "~/.cache/sglang/jit"  # SGLang's own default
+SOCKET_TEMPLATE_VARIABLE = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
+READY_TEMPLATE_VARIABLE = "SGLANG_WEIGHT_CACHE_READY_TEMPLATE"
+
+# Quantization SGLang's daemon can share: unquantized, and fp8 only block-wise
+# (per-tensor fp8 is repacked after loading, which tensor export cannot carry).
+QUANTIZATION_ALLOWLIST: dict[Optional[str], str] = {
+    None: "unquantized weights are exported as loaded",
+    "fp8": "block-wise fp8 only (checked against config.json weight_block_size)",
+}
+
+# Editable engine key -> SGLang flag (DESIGN.md §2).
+EDITABLE_FLAGS = {
+    "max_running_requests": "--max-running-requests",
+    "max_prefill_tokens": "--max-prefill-tokens",
+    "context_length": "--context-length",
+    "chunked_prefill_size": "--chunked-prefill-size",
+    "mem_fraction_static": "--mem-fraction-static",
+    "disable_cuda_graph": "--disable-cuda-graph",
+    "cuda_graph_max_bs_decode": "--cuda-graph-max-bs-decode",
+    "cuda_graph_max_bs_prefill": "--cuda-graph-max-bs-prefill",
+    "schedule_conservativeness": "--schedule-conservativeness",
+}
+
+REFUSED_FLAGS = {
+    "--enable-lora": "LoRA adapters change weights the engine does not own",
+    "--lora-paths": "LoRA adapters change weights the engine does not own",
+    "--speculative-algorithm": "SGLang refuses speculative decoding with the weight cache",
+    "--speculative-draft-model-path": "SGLang refuses speculative decoding with the weight cache",
+    "--enable-memory-saver": "sleep mode releases weights that live in the daemon",
+    "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
+    "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
+    "--nnodes": "the weight cache under hostd is single-node",
+}
+
+OWNED_FLAGS = {
+    "--model-path": "model",
+    "--tp-size": "tensor_parallel_size",
+    "--tp": "tensor_parallel_size",
+    "--pp-size": "pipeline_parallel_size",
+    "--weight-cache-mode": "the backend (client, fixed)",
+    "--weight-cache-socket": "the private runtime directory",
+}
+
+
+class SglangBackend(Backend):
+    name = "sglang"
+
+    def python(self, cfg) -> str:
+        """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
+        return upstream.effective_env(cfg).get("HOSTD_SGLANG_PYTHON") or sys.executable
+
+    def _layout_args(self, cfg) -> list[str]:
+        args = ["--model-path", cfg.model, "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size)]
+        if cfg.quantization:
+            args += ["--quantization", cfg.quantization]
+        return args
+
+    def socket_dir(self, model: str):
+        return upstream.upstream_dir(model, "sglang")
+
+    def jit_cache_dir(self, cfg) -> str:
+        """SGLANG_JIT_CACHE_DIR as a real absolute path: the model's env:, else
+        hostd's environment, else the shared CacheDirectory, else SGLang's default."""
+        env = upstream.effective_env(cfg)
+        value = env.get(JIT_CACHE_VARIABLE) or upstream.cache_defaults(
+            cfg, {JIT_CACHE_VARIABLE: "sglang/jit"}
+        ).get(JIT_CACHE_VARIABLE)
+        return upstream.canonical_dir(value, JIT_CACHE_DEFAULT)
+
+    def _env(self, model: str, cfg) -> dict[str, str]:
+        directory = self.socket_dir(model)
+        return {
+            **cfg.env,
+            **upstream.gpu_env(cfg),
+            **upstream.cache_defaults(cfg, {"TRITON_CACHE_DIR": "triton"}),
+            JIT_CACHE_VARIABLE: self.jit_cache_dir(cfg),
+            SOCKET_TEMPLATE_VARIABLE: f"{directory}/{{device_uuid}}.sock",
+            READY_TEMPLATE_VARIABLE: f"{directory}/{{device_uuid}}.ready",
+        }
+
+    def weights_command(self, model: str, cfg) -> Command:
+        argv = [
+            self.python(cfg), "-m", "sglang.srt.weight_cache.daemon",
+            *self._layout_args(cfg),
+            *cfg.extra_args,
+        ]
+        return Command(argv, self._env(model, cfg))
+
+    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
+        """PORT: the private loopback port hostd's engine supervisor picked."""
+        argv = [
+            self.python(cfg), "-m", "sglang.launch_server",
+            *self._layout_args(cfg),
+            "--served-model-name", cfg.served_model_name or model,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--weight-cache-mode", "client",
+            *self.editable_args(cfg.engine),
+            *cfg.extra_args,
+        ]
+        return Command(argv, self._env(model, cfg))
+
+    @staticmethod
+    def editable_args(engine) -> list[str]:
+        args: list[str] = []
+        for key, flag in EDITABLE_FLAGS.items():
+            value = getattr(engine, key)
+            if value is None or value is False:
+                continue
+            args += [flag] if value is True else [flag, str(value)]
+        return args
+
+    def refusals(self, cfg) -> list[str]:
+        problems = upstream.common_refusals(
+            cfg,
+            owned_flags=OWNED_FLAGS,
+            refused_flags=REFUSED_FLAGS,
+            editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
+        )
+        problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=True)
+        for variable in (SOCKET_TEMPLATE_VARIABLE, READY_TEMPLATE_VARIABLE):
+            if variable in cfg.env:
+                problems.append(
+                    f"env.{variable}: hostd sets it to the private runtime directory "
+                    "(/run/hostd/NAME/sglang/{device_uuid}...); remove it"
+                )
+        env = upstream.effective_env(cfg)
+        probe = "import importlib.metadata as m; print(m.version('sglang'))"
+        problem = upstream.version_refusal(
+            "sglang", [self.python(cfg), "-c", probe], env, MINIMUM_VERSION,
+            "install SGLang >= 0.5.21 into that Python, or point env.HOSTD_SGLANG_PYTHON at one",
+        )
+        if problem:
+            problems.append(problem)
+        return problems
+
+    def expected_sockets(self, cfg) -> int:
+        return cfg.tensor_parallel_size
+
+    def drain_seconds(self, cfg) -> float:
+        """SGLang's SIGTERM drain has no limit of its own: hostd allows the
+        unit's stop timeout minus a margin to kill it, then kills it."""
+        return max(1.0, float(cfg.timeouts.stop) - 10.0)

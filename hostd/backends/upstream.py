@@ -1,0 +1,237 @@
+"""What the vllm and sglang backends share: refusals, environment and caches.
+
+One job: the policy tables and helpers both upstream backends use, so that
+vllm.py and sglang.py only say what differs (flag names, allowlists, the
+commands themselves). Nothing here starts a process except the version check,
+which runs the configured upstream executable with --version (or asks the
+configured Python for the package's metadata) and never anything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from hostd import paths
+
+# Variables that make PyTorch's allocator hand out expandable segments. CUDA
+# IPC cannot export memory from them: both upstream weight caches refuse to
+# start (SGLang checks both names; vLLM's IPC export fails on such storage).
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+# Flags hostd itself sets on the upstream command lines. Giving one again in
+# extra_args would make the weights and the engine disagree with hostd's
+# units (another socket, another port, another layout), so it is refused.
+COMMON_OWNED_FLAGS = {
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "--dtype": "dtype",
+    "--quantization": "quantization",
+    "--served-model-name": "served_model_name",
+    "--host": "listen (the gateway owns the public address)",
+    "--port": "listen (the gateway owns the public address)",
+}
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """(0, 31, 2) from '0.31.2', 'vllm 0.31.2+cu128' or '0.5.21.post1'."""
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        return ()
+    return tuple(int(part) for part in match.groups() if part is not None)
+
+
+def has_flag(args: list[str], *flags: str) -> Optional[str]:
+    """The first of FLAGS present in ARGS (as '--flag' or '--flag=value')."""
+    for arg in args:
+        for flag in flags:
+            if arg == flag or arg.startswith(flag + "="):
+                return flag
+    return None
+
+
+def effective_env(cfg) -> dict[str, str]:
+    """What an upstream child sees: hostd's own environment plus the model's env:."""
+    return {**os.environ, **cfg.env}
+
+
+def child_env(command_env: dict[str, str]) -> dict[str, str]:
+    """The full environment of an upstream child: ours minus systemd's
+    per-process variables (the child must not notify systemd or take our
+    sockets), plus the backend's COMMAND_ENV."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
+    }
+    env.update(command_env)
+    return env
+
+
+def canonical_dir(value: Optional[str], default: str, cwd: Optional[str] = None) -> str:
+    """VALUE as the real absolute directory a process will use.
+
+    Empty or unset means DEFAULT; '~' and '~/x' are expanded; a relative path
+    is taken from CWD (default: ours); symlinks in the part that exists are
+    resolved and a not-yet-created suffix is kept as written, so a symlinked
+    root with a missing suffix still becomes its real path."""
+    raw = value if value else default
+    path = os.path.expanduser(raw)
+    if not os.path.isabs(path):
+        path = os.path.join(cwd or os.getcwd(), path)
+    # realpath (non-strict) resolves every component that exists and appends
+    # the rest unchanged.
+    return os.path.realpath(path)
+
+
+def cache_defaults(cfg, names: dict[str, str]) -> dict[str, str]:
+    """Persistent cache variables under $CACHE_DIRECTORY (the CacheDirectory=
+    both units share), for each NAME -> subdirectory the model and hostd's own
+    environment leave unset. Outside systemd: none (upstream's defaults)."""
+    root = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if not root:
+        return {}
+    seen = effective_env(cfg)
+    return {name: str(Path(root) / sub) for name, sub in names.items() if not seen.get(name)}
+
+
+def gpu_env(cfg) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for the model's gpus:, unless env: sets it."""
+    if "CUDA_VISIBLE_DEVICES" in cfg.env:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in cfg.gpus)}
+
+
+def upstream_dir(model: str, backend: str) -> Path:
+    """/run/hostd/MODEL/vllm or .../sglang: the upstream sockets, ready and lock files."""
+    sub = paths.VLLM_SOCKET_DIR if backend == "vllm" else paths.SGLANG_SOCKET_DIR
+    return paths.runtime_dir(model) / sub
+
+
+def upstream_engine_socket(model: str) -> Path:
+    """Where `vllm serve --uds` listens; engine.sock is hostd's proxy in front of it."""
+    return paths.runtime_dir(model) / "vllm-engine.sock"
+
+
+def checkpoint_quantization(model_dir: str) -> Optional[dict]:
+    """The checkpoint's own quantization_config (config.json), if any."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config")
+    return quant if isinstance(quant, dict) else None
+
+
+def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str, str],
+                    editable_flags: dict[str, str]) -> list[str]:
+    """The refusals both upstream backends make, each naming the setting."""
+    problems = []
+    model = Path(cfg.model)
+    if cfg.model.endswith(".gguf") or (model.is_dir() and list(model.glob("*.gguf"))):
+        problems.append(
+            f"model: {cfg.model} is a GGUF checkpoint; the {cfg.backend} weight cache shares "
+            "safetensors-loaded weights only; convert it to safetensors or use another server"
+        )
+    elif not (model / "config.json").is_file():
+        problems.append(f"model: {model} has no config.json (not a checkpoint directory)")
+    if cfg.pipeline_parallel_size > 1:
+        problems.append(
+            f"pipeline_parallel_size: {cfg.pipeline_parallel_size} is not supported with the "
+            f"{cfg.backend} weight cache under hostd (one upstream socket per tensor-parallel GPU); "
+            "set it to 1"
+        )
+    if cfg.tensor_parallel_size != len(cfg.gpus):
+        problems.append(
+            f"tensor_parallel_size: {cfg.tensor_parallel_size} does not match the {len(cfg.gpus)} "
+            f"GPU(s) in gpus: {cfg.gpus}; one replica spans exactly the listed GPUs "
+            "(more than one replica is not supported)"
+        )
+    env = effective_env(cfg)
+    for name in ALLOC_CONF_VARIABLES:
+        if "expandable_segments:true" in env.get(name, "").replace(" ", "").lower():
+            problems.append(
+                f"env.{name}: expandable_segments:True makes allocations CUDA IPC cannot "
+                f"share, and the {cfg.backend} weight cache refuses it; remove that option"
+            )
+    for flag, why in refused_flags.items():
+        if has_flag(cfg.extra_args, flag):
+            problems.append(f"extra_args: {flag} is refused: {why}")
+    for flag, key in {**COMMON_OWNED_FLAGS, **owned_flags}.items():
+        if has_flag(cfg.extra_args, flag):
+            problems.append(f"extra_args: {flag} is set by hostd from {key}; set that key instead")
+    for flag, key in editable_flags.items():
+        if has_flag(cfg.extra_args, flag):
+            problems.append(
+                f"extra_args: {flag} is the editable engine.{key}; set engine.{key} so that "
+                "a reload can change it"
+            )
+    return problems
+
+
+def quantization_refusals(cfg, allowlist: dict[Optional[str], str], check_fp8_block: bool) -> list[str]:
+    """Refuse quantization methods outside ALLOWLIST, configured or declared by
+    the checkpoint. With CHECK_FP8_BLOCK, fp8 must be block-wise
+    (quantization_config.weight_block_size in config.json)."""
+    declared = checkpoint_quantization(cfg.model) or {}
+    method = cfg.quantization or declared.get("quant_method")
+    key = "quantization" if cfg.quantization else "model (config.json quantization_config.quant_method)"
+    if method not in allowlist:
+        allowed = ", ".join(repr(m) if m else "none" for m in allowlist)
+        return [
+            f"{key}: {method!r} is not verified for IPC sharing by the {cfg.backend} weight "
+            "cache: its post-load repacking cannot be carried by tensor export and would serve "
+            f"wrong numerics; allowed: {allowed}; serve this model with another backend"
+        ]
+    if method == "fp8" and check_fp8_block and not declared.get("weight_block_size"):
+        return [
+            f"{key}: 'fp8' is shared only block-wise, and {cfg.model}/config.json has no "
+            "quantization_config.weight_block_size (online or per-tensor fp8 is repacked after "
+            "loading); use a block-wise fp8 checkpoint"
+        ]
+    return []
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_version(argv: tuple[str, ...], env_items: tuple[tuple[str, str], ...], stamp: float) -> str:
+    result = subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=120, env=dict(env_items),
+        stdin=subprocess.DEVNULL,
+    )
+    if result.returncode != 0:
+        raise RuntimeError((result.stderr or result.stdout).strip().splitlines()[-1:] or ["failed"])
+    return result.stdout.strip()
+
+
+def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tuple[int, ...],
+                    how_to_fix: str) -> Optional[str]:
+    """Why the upstream program at ARGV[0] cannot be used (missing, broken or
+    older than MINIMUM), or None. ARGV prints the version."""
+    executable = argv[0]
+    try:
+        stamp = os.stat(executable).st_mtime
+    except OSError:
+        return f"{what}: {executable} does not exist; {how_to_fix}"
+    try:
+        text = _probe_version(tuple(argv), tuple(sorted(env.items())), stamp)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        return f"{what}: `{' '.join(argv)}` failed ({exc}); {how_to_fix}"
+    found = version_tuple(text)
+    if not found or found < minimum:
+        wanted = ".".join(map(str, minimum))
+        return f"{what}: version {text or 'unknown'!r} is older than {wanted}, the first with the weight cache; {how_to_fix}"
+    return None
+
+
+def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:
+    """The upstream executable: $OVERRIDE_VAR if set, else NAME on PATH, else NAME."""
+    override = env.get(override_var)
+    if override:
+        return override
+    return shutil.which(name, path=env.get("PATH")) or name

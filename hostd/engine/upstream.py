@@ -1,0 +1,285 @@
+"""hostd engine NAME for the vllm and sglang backends: supervise upstream's server.
+
+One job: run `vllm serve` (on a private Unix socket) or SGLang's
+`launch_server` (on a private loopback port) as this process's child, and
+serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
+unchanged (streaming included) except GET /health, which answers upstream's
+health plus hostd's contract for the manager: {"limits", "engine_config",
+"weights_pid", "weights_socket_inode"}.
+
+Trusts: the uid it runs as and root, through the private runtime directory
+(engine.sock is 0600 in /run/hostd/NAME, 0700). The loopback port SGLang
+needs is reachable by any local user while it runs: SGLang cannot serve on a
+Unix socket (docs/sglang.md).
+
+Lifecycle: reads the weight daemon's identity (PID, socket inode) from
+weights.sock first; starts the child; sends EXTEND_TIMEOUT_USEC until
+upstream's /health answers 200, then binds engine.sock and sends READY=1. On
+SIGTERM it sends STOPPING=1 and SIGTERM to the child, keeps proxying while
+upstream drains (vLLM: --shutdown-timeout; SGLang drains without limit, so
+hostd kills it after the backend's drain_seconds), then SIGKILLs what is left.
+When the child dies on its own this process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+from typing import Optional
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from hostd import backends, paths, sockets, systemd
+from hostd.backends import upstream
+from hostd.weights import client as weights_client
+from hostd.weights import protocol
+
+log = logging.getLogger("hostd.engine")
+
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
+CLIENT_MAX_SIZE = 64 * 1024 * 1024
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def remove_stale_socket(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        raise sockets.UnsafePath(f"{path} exists and is not our socket; refusing to replace it")
+    os.unlink(path)
+
+
+def limits(cfg) -> dict:
+    """The engine's limits by the backend's own names, plus the two names the
+    manager's probe compares for every backend (max_num_seqs, max_model_len)."""
+    engine = msgspec.to_builtins(cfg.engine)
+    if cfg.backend == "sglang":
+        return {**engine, "max_num_seqs": engine.get("max_running_requests"),
+                "max_model_len": engine.get("context_length")}
+    return engine
+
+
+class EngineSupervisor:
+    def __init__(self, name: str, cfg, socket_path: Path, weights_identity: tuple[int, int]):
+        self.name, self.cfg, self.socket_path = name, cfg, socket_path
+        self.backend = backends.for_config(cfg)
+        self.weights_pid, self.weights_inode = weights_identity
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.stopping = asyncio.Event()
+        self.session: Optional[aiohttp.ClientSession] = None
+        if cfg.backend == "vllm":
+            self.upstream_socket: Optional[Path] = upstream.upstream_engine_socket(name)
+            self.port = 0
+            self.base = "http://engine"
+            self.command = self.backend.engine_command(name, cfg)
+        else:
+            self.upstream_socket = None
+            self.port = free_loopback_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+            self.command = self.backend.engine_command(name, cfg, port=self.port)
+
+    # ------------------------------------------------------------ upstream
+
+    def _session(self) -> aiohttp.ClientSession:
+        connector = (
+            aiohttp.UnixConnector(path=str(self.upstream_socket)) if self.upstream_socket
+            else aiohttp.TCPConnector()
+        )
+        return aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+
+    async def start(self) -> None:
+        if self.upstream_socket:
+            remove_stale_socket(self.upstream_socket)
+        log.info("starting %s", " ".join(self.command.argv))
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.command.argv, env=upstream.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.session = self._session()
+
+    async def upstream_health(self) -> Optional[int]:
+        """Upstream's /health status code, None when it does not answer."""
+        assert self.session
+        if self.upstream_socket and not self.upstream_socket.exists():
+            return None
+        try:
+            async with self.session.get(self.base + "/health", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                await response.read()
+                return response.status
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return None
+
+    async def wait_healthy(self) -> bool:
+        """True once upstream's /health is 200; False if it died or we stop."""
+        assert self.proc
+        while not self.stopping.is_set():
+            if self.proc.returncode is not None:
+                return False
+            if await self.upstream_health() == 200:
+                return True
+            try:
+                await asyncio.wait_for(self.stopping.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    def deadline(self) -> float:
+        """Seconds the child gets after SIGTERM before SIGKILL."""
+        drain = self.backend.drain_seconds(self.cfg)
+        grace = 10.0 if self.cfg.backend == "vllm" else 0.0  # vLLM honours its own timeout
+        return max(1.0, min(drain + grace, self.cfg.timeouts.stop - 2.0))
+
+    async def stop_child(self) -> Optional[int]:
+        assert self.proc
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), self.deadline())
+            except asyncio.TimeoutError:
+                log.warning("upstream engine pid %d still running after %.0f s; killing it",
+                            self.proc.pid, self.deadline())
+                self.proc.kill()
+                await self.proc.wait()
+        return self.proc.returncode
+
+    # ------------------------------------------------------------ serving
+
+    async def health(self, _request: web.Request) -> web.Response:
+        code = await self.upstream_health()
+        body = {
+            "status": "ok" if code == 200 else "unhealthy",
+            "backend": self.cfg.backend,
+            "upstream_health": code,
+            "upstream_pid": self.proc.pid if self.proc else None,
+            "limits": limits(self.cfg),
+            "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
+            "weights": "daemon",
+            "weights_pid": self.weights_pid,
+            "weights_socket_inode": self.weights_inode,
+        }
+        return web.json_response(body, status=200 if code == 200 else 503)
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        assert self.session
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        body = await request.read()
+        try:
+            async with self.session.request(
+                request.method, self.base + str(request.rel_url), headers=headers, data=body or None,
+            ) as up:
+                response = web.StreamResponse(status=up.status, reason=up.reason)
+                for key, value in up.headers.items():
+                    if key.lower() not in HOP_BY_HOP:
+                        response.headers.add(key, value)
+                await response.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except (aiohttp.ClientError, OSError) as exc:
+            return web.json_response(
+                {"error": {"message": f"the {self.cfg.backend} engine did not answer: {exc}", "type": "engine_unavailable"}},
+                status=502,
+            )
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=CLIENT_MAX_SIZE)
+        app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/{tail:.*}", self.proxy)
+        return app
+
+    # ------------------------------------------------------------ main
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.stopping.set)
+        passed = systemd.listen_sockets()
+        runner: Optional[web.AppRunner] = None
+        bound = False
+        try:
+            await self.start()
+            systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}")
+            with systemd.ExtendTimeout():
+                healthy = await self.wait_healthy()
+            if not healthy:
+                if self.stopping.is_set():
+                    await self.stop_child()
+                    return 0
+                log.error("upstream engine exited with %s before it served", self.proc.returncode)
+                systemd.status(f"failed: upstream exited with {self.proc.returncode}")
+                return 1
+            if passed:
+                listener = passed[0]
+            else:
+                listener, bound = sockets.bind_private(self.socket_path), True
+            runner = web.AppRunner(self.app(), access_log=None)
+            await runner.setup()
+            await web.SockSite(runner, listener).start()
+            log.info("serving %s through %s engine pid %d", self.name, self.cfg.backend, self.proc.pid)
+            systemd.notify("READY=1", f"STATUS=serving {self.name} ({self.cfg.backend})")
+            waiter = asyncio.ensure_future(self.proc.wait())
+            stopper = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not self.stopping.is_set():
+                code = self.proc.returncode
+                log.error("upstream engine pid %d exited with %s", self.proc.pid, code)
+                systemd.status(f"failed: upstream exited with {code}")
+                return code if code else 1
+            systemd.notify("STOPPING=1")
+            systemd.status(f"shutting down: {self.cfg.backend} drains for up to {self.deadline():.0f} s")
+            code = await self.stop_child()
+            log.info("upstream engine stopped (exit %s)", code)
+            return 0
+        finally:
+            if self.proc is not None and self.proc.returncode is None:
+                await self.stop_child()
+            if runner is not None:
+                await runner.cleanup()
+            if self.session is not None:
+                await self.session.close()
+            if bound:
+                try:
+                    os.unlink(self.socket_path)
+                except FileNotFoundError:
+                    pass
+
+
+def run(args, cfg) -> int:
+    """`hostd engine NAME` for an upstream backend (called by main.run)."""
+    backend = backends.for_config(cfg)
+    try:
+        backend.check(cfg)
+    except backends.Refused as exc:
+        log.error("cannot serve %s: %s", args.name, exc)
+        systemd.status(f"refused: {exc}")
+        return 1
+    weights_path = Path(args.weights) if args.weights else paths.weights_socket(args.name)
+    try:
+        status = weights_client.status(weights_path)
+    except (OSError, weights_client.WeightsRefused, protocol.ProtocolError) as exc:
+        log.error("cannot reach the weight cache of %s at %s: %s", args.name, weights_path, exc)
+        systemd.status(f"failed: no weight cache ({exc})")
+        return 1
+    socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name)
+    if not args.socket:
+        sockets.ensure_private_dir(socket_path.parent)
+    supervisor = EngineSupervisor(args.name, cfg, socket_path, (status.pid, status.socket_inode))
+    return asyncio.run(supervisor.main())

@@ -1,0 +1,286 @@
+"""hostd weights NAME for the vllm and sglang backends: supervise upstream's daemon.
+
+One job: run the upstream weight cache daemon (`vllm preload`, or SGLang's
+`python -m sglang.srt.weight_cache.daemon`) as this process's child for its
+whole life, and answer hostd's own weights.sock with its status. SGLang's
+daemon dies with its parent (PR_SET_PDEATHSIG), so this process never execs
+or detaches it.
+
+Trusts: the uid it runs as, and root (SO_PEERCRED on weights.sock, as the
+builtin daemon). Engines attach through upstream's own sockets in
+/run/hostd/NAME/{vllm,sglang}/ (0700, upstream checks its peers); weights.sock
+answers status only and refuses attach requests.
+
+Lifecycle: clears stale upstream files from its private directory, starts the
+child, sends EXTEND_TIMEOUT_USEC while it loads and READY=1 once one socket per
+GPU exists (and, for SGLang, its .ready file). SIGTERM/SIGINT is forwarded to
+the child, which gets the unit's stop timeout before SIGKILL. When the child
+dies on its own this process exits non-zero, so systemd restarts the weights
+(and the engine with them, BindsTo=).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from hostd import backends, paths, sockets, systemd
+from hostd.backends import upstream
+from hostd.weights import fingerprint, protocol
+
+log = logging.getLogger("hostd.weights")
+
+# The GPU UUID in an upstream file name: vLLM's vllm_weight_cache_GPU-....sock,
+# SGLang's {device_uuid}.sock from our template.
+GPU_UUID = re.compile(r"(GPU-[0-9a-fA-F-]{36}|MIG-[0-9a-fA-F-]{36})")
+
+
+def upstream_sockets(directory: Path) -> dict[str, int]:
+    """{socket file name: inode} of the Unix sockets in DIRECTORY."""
+    found = {}
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return {}
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            found[entry.name] = st.st_ino
+    return found
+
+
+def ready_pids(directory: Path) -> list[int]:
+    """PIDs named by SGLang's .ready files (pid=N lines)."""
+    pids = []
+    for ready in sorted(directory.glob("*.ready")):
+        try:
+            text = ready.read_text()
+        except OSError:
+            continue
+        match = re.search(r"^pid=(\d+)", text, re.MULTILINE)
+        if match:
+            pids.append(int(match.group(1)))
+    return pids
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of PID (vLLM's per-rank daemons), from /proc."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def clear_directory(directory: Path) -> None:
+    """Create the private upstream DIRECTORY, or empty one a dead child left."""
+    sockets.ensure_private_dir(directory.parent)  # /run/hostd/NAME first: 0700, not umask's mode
+    sockets.ensure_private_dir(directory)
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False) or entry.is_socket() or entry.is_symlink():
+            os.unlink(entry.path)
+
+
+class Supervisor:
+    def __init__(self, name: str, cfg, state_dir: Optional[Path]):
+        self.name, self.cfg, self.state_dir = name, cfg, state_dir
+        self.backend = backends.for_config(cfg)
+        self.directory = upstream.upstream_dir(name, cfg.backend)
+        self.child: Optional[subprocess.Popen] = None
+        self.fingerprint: Optional[protocol.Fingerprint] = None
+        self.socket_inode = 0
+        self.loaded_at = 0.0
+        self.stopping = threading.Event()
+
+    # ------------------------------------------------------------ child
+
+    def start_child(self) -> None:
+        clear_directory(self.directory)
+        command = self.backend.weights_command(self.name, self.cfg)
+        log.info("starting %s", " ".join(command.argv))
+        self.child = subprocess.Popen(command.argv, env=upstream.child_env(command.env), stdin=subprocess.DEVNULL)
+
+    def ready(self) -> bool:
+        """Every GPU's socket exists (and, for SGLang, its .ready file)."""
+        want = self.backend.expected_sockets(self.cfg)
+        if len(upstream_sockets(self.directory)) < want:
+            return False
+        if self.cfg.backend == "sglang":
+            return len(list(self.directory.glob("*.ready"))) >= want
+        return True
+
+    def wait_ready(self) -> bool:
+        """True once ready; False when the child died or we were told to stop."""
+        assert self.child
+        while not self.stopping.is_set():
+            if self.child.poll() is not None:
+                return False
+            if self.ready():
+                return True
+            self.stopping.wait(0.1)
+        return False
+
+    def stop_child(self) -> int:
+        """SIGTERM the child (upstream ends every rank), SIGKILL after the stop timeout."""
+        assert self.child
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+            try:
+                self.child.wait(max(1.0, self.cfg.timeouts.stop - 5.0))
+            except subprocess.TimeoutExpired:
+                log.warning("upstream daemon pid %d ignored SIGTERM; killing it", self.child.pid)
+                self.child.kill()
+                self.child.wait()
+        return self.child.returncode
+
+    # ------------------------------------------------------------ status
+
+    def compute_fingerprint(self) -> protocol.Fingerprint:
+        uuids = sorted({m.group(1) for n in upstream_sockets(self.directory) if (m := GPU_UUID.search(n))})
+        device = "cuda:" + ",".join(uuids) if uuids else "cuda:" + ",".join(map(str, self.cfg.gpus))
+        try:
+            return fingerprint.compute(
+                Path(self.cfg.model),
+                dtype=self.cfg.dtype,
+                device=device,
+                backend=self.cfg.backend,
+                tensor_parallel_size=self.cfg.tensor_parallel_size,
+                cache_dir=self.state_dir,
+            )
+        except (OSError, ValueError) as exc:  # e.g. a .bin checkpoint: no safetensors to hash
+            log.warning("no content digest for %s: %s", self.cfg.model, exc)
+            return protocol.Fingerprint(
+                model_path=str(Path(self.cfg.model).resolve()), content_digest="",
+                architecture="unknown", dtype=self.cfg.dtype, device=device,
+                tensor_parallel_size=self.cfg.tensor_parallel_size, backend=self.cfg.backend,
+                torch_version="", transformers_version="",
+            )
+
+    def status(self) -> protocol.Status:
+        assert self.child and self.fingerprint
+        pids = [self.child.pid, *child_pids(self.child.pid), *ready_pids(self.directory)]
+        return protocol.Status(
+            fingerprint=self.fingerprint,
+            pid=os.getpid(),
+            socket_inode=self.socket_inode,
+            tensors=0,  # held upstream; hostd does not see them
+            bytes_by_device={},
+            loaded_at=self.loaded_at,
+            clients_served=0,
+            upstream_pids=list(dict.fromkeys(pids)),
+            upstream_socket_inodes=upstream_sockets(self.directory),
+        )
+
+    def summary(self) -> str:
+        count = len(upstream_sockets(self.directory))
+        return f"{self.cfg.backend} weight cache for {self.name}: {count} socket(s), upstream pid {self.child.pid if self.child else '-'}"
+
+    # ------------------------------------------------------------ serving
+
+    def serve(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed at shutdown
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn: socket.socket) -> None:
+        with conn:
+            pid, uid, _gid = sockets.peer_credentials(conn)
+            if uid not in (os.getuid(), 0):
+                log.warning("refused peer pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
+                return
+            conn.settimeout(protocol.TIMEOUT)
+            try:
+                request = protocol.recv_request(conn)
+                if isinstance(request, protocol.StatusRequest):
+                    protocol.send_frame(conn, self.status())
+                else:
+                    protocol.send_frame(conn, protocol.Error(
+                        message=f"the weights of {self.name} are held by {self.cfg.backend}; its engine "
+                        f"attaches through the upstream sockets in {self.directory}, not weights.sock"
+                    ))
+            except (protocol.ProtocolError, OSError) as exc:
+                log.warning("closed connection from pid %d: %s", pid, exc)
+
+
+def run(args, cfg) -> int:
+    """`hostd weights NAME` for an upstream backend (called by daemon.run)."""
+    backend = backends.for_config(cfg)
+    try:
+        backend.check(cfg)
+    except backends.Refused as exc:
+        log.error("cannot serve %s: %s", args.name, exc)
+        systemd.status(f"refused: {exc}")
+        return 1
+    socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
+    state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        state_dir = None
+    supervisor = Supervisor(args.name, cfg, state_dir)
+
+    def on_signal(signum, _frame):
+        log.info("%s: stopping", signal.Signals(signum).name)
+        systemd.notify("STOPPING=1")
+        supervisor.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    passed = systemd.listen_sockets()
+    listener, bound = None, False
+    try:
+        supervisor.start_child()
+        systemd.status(f"{cfg.backend} is loading {cfg.model}")
+        with systemd.ExtendTimeout():
+            ready = supervisor.wait_ready()
+        if not ready:
+            if supervisor.stopping.is_set():
+                supervisor.stop_child()
+                return 0
+            log.error("upstream weight cache exited with %s before it was ready", supervisor.child.returncode)
+            return 1
+        supervisor.fingerprint = supervisor.compute_fingerprint()
+        supervisor.loaded_at = time.time()
+        if passed:
+            listener = passed[0]
+        else:
+            listener, bound = sockets.bind_private(socket_path), True
+        supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
+        threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
+        log.info("upstream weight cache ready: %s", supervisor.status().upstream_socket_inodes)
+        systemd.notify("READY=1", f"STATUS={supervisor.summary()}")
+        while not supervisor.stopping.is_set():
+            if supervisor.child.poll() is not None:
+                code = supervisor.child.returncode
+                log.error("upstream weight cache pid %d exited with %s; the weights are gone", supervisor.child.pid, code)
+                systemd.status(f"failed: upstream exited with {code}")
+                return code if code else 1
+            supervisor.stopping.wait(0.5)
+        code = supervisor.stop_child()
+        log.info("upstream weight cache stopped (exit %s)", code)
+        return 0
+    finally:
+        if supervisor.child is not None and supervisor.child.poll() is None:
+            supervisor.stop_child()
+        if listener is not None:
+            listener.close()
+            if bound:
+                try:
+                    os.unlink(socket_path)
+                except FileNotFoundError:
+                    pass

@@ -1,0 +1,162 @@
+"""hostd's weights and engine supervisors around the vllm and sglang test
+doubles (tests/doubles/), run by hand: start, the /health contract the manager
+relies on, an engine restart that keeps the weights supervisor and upstream's
+sockets, upstream death, and hostd's bound on SGLang's unbounded drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from hostd.local import ModelTree, wait_for
+from hostd.weights import client as weights_client
+
+DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["FakeForCausalLM"]}))
+    (path / "model.safetensors").write_bytes(b"not really weights")
+    return path
+
+
+@pytest.fixture
+def short_root():
+    """Upstream socket paths are long (GPU UUIDs); pytest's tmp_path is too deep for sun_path."""
+    root = Path(tempfile.mkdtemp(prefix="hostd-", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def tree_for(tmp_path: Path, checkpoint: Path, backend: str, **keys) -> ModelTree:
+    tree = ModelTree(tmp_path, name="m")
+    env = {"HOSTD_VLLM": str(DOUBLES / "vllm"), "PYTHONPATH": str(DOUBLES / "sglang_double"),
+           "HOSTD_TEST_GPU_UUID": UUID, **keys.pop("env", {})}
+    data = {"backend": backend, "model": str(checkpoint), "env": env, **keys}
+    path = tree.config_dir / "models" / "m.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return tree
+
+
+@pytest.fixture
+def trees():
+    made: list[ModelTree] = []
+    yield made
+    for tree in made:
+        tree.stop_all()
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, short_root, checkpoint, trees):
+    limits = {"max_num_seqs": 4} if backend == "vllm" else {"max_running_requests": 4, "context_length": 512}
+    tree = tree_for(short_root, checkpoint, backend, tensor_parallel_size=2, gpus=[0, 1], engine=limits)
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    before = weights_client.status(tree.weights_socket)
+    assert before.pid == weights.pid
+    assert len(before.upstream_socket_inodes) == 2
+    assert before.upstream_pids and weights.pid not in before.upstream_pids
+    assert before.fingerprint.backend == backend
+    assert before.fingerprint.device.startswith("cuda:GPU-12345678-1234-1234-1234-12345678")
+
+    engine = tree.start_engine(timeout=60)
+    health = tree.health()
+    assert health["limits"]["max_num_seqs"] == 4
+    if backend == "sglang":
+        assert health["limits"]["max_model_len"] == 512
+        assert health["limits"]["max_running_requests"] == 4
+    assert health["engine_config"] == {**health["engine_config"], **limits}
+    assert (health["weights_pid"], health["weights_socket_inode"]) == (before.pid, before.socket_inode)
+    with tree.http() as http:
+        answer = http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+        assert http.get("/v1/models").json()["data"][0]["id"] == "m"
+
+    assert engine.stop() == 0
+    tree.start_engine(timeout=60)
+    after = weights_client.status(tree.weights_socket)
+    assert (after.pid, after.socket_inode) == (before.pid, before.socket_inode)
+    assert after.upstream_socket_inodes == before.upstream_socket_inodes
+    assert after.upstream_pids == before.upstream_pids
+    assert tree.health()["weights_pid"] == before.pid
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_upstream_daemon_death_ends_the_weights_supervisor_with_failure(backend, short_root, checkpoint, trees):
+    tree = tree_for(short_root, checkpoint, backend)
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    status = weights_client.status(tree.weights_socket)
+    os.kill(status.upstream_pids[0], signal.SIGKILL)
+    assert weights.proc.wait(30) != 0
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_stopping_the_weights_supervisor_stops_upstream_and_clears_its_sockets(backend, short_root, checkpoint, trees):
+    tree = tree_for(short_root, checkpoint, backend)
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    status = weights_client.status(tree.weights_socket)
+    assert weights.stop() == 0
+    for pid in status.upstream_pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    upstream_dir = tree.runtime_dir / backend
+    assert not [p for p in upstream_dir.iterdir() if p.suffix == ".sock"]
+
+
+def test_refused_config_never_starts_upstream(short_root, checkpoint, trees):
+    tree = tree_for(short_root, checkpoint, "vllm", extra_args=["--enable-lora"])
+    trees.append(tree)
+    daemon = tree._spawn("weights")
+    assert daemon.proc.wait(60) == 1
+    assert "extra_args: --enable-lora is refused" in daemon.log()
+    assert not (tree.runtime_dir / "vllm").exists()
+
+
+def test_sglang_drain_is_cut_at_hostds_deadline(short_root, checkpoint, trees):
+    """SGLang drains without a limit on SIGTERM; hostd kills it after the
+    backend's drain_seconds (here 1 s, from timeouts.stop: 3)."""
+    tree = tree_for(short_root, checkpoint, "sglang", timeouts={"stop": 3},
+                    env={"HOSTD_TEST_COMPLETION_SECONDS": "60"})
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    engine = tree.start_engine(timeout=60)
+
+    def slow_request():
+        try:
+            with tree.http(timeout=90) as http:
+                http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
+        except httpx.HTTPError:
+            pass
+
+    threading.Thread(target=slow_request, daemon=True).start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert engine.stop(timeout=30) == 0
+    assert time.monotonic() - started < 10
+    assert "still running after" in engine.log()
+
+
+def test_vllm_engine_failure_exits_non_zero(short_root, checkpoint, trees):
+    tree = tree_for(short_root, checkpoint, "vllm", env={"HOSTD_TEST_FAIL_MAX_NUM_SEQS": "13"},
+                    engine={"max_num_seqs": 13})
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    engine = tree.start_engine(wait=False)
+    assert engine.proc.wait(60) == 1
+    wait_for(lambda: "exited with" in engine.log(), 10, "the engine's error in its log")

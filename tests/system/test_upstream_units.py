@@ -1,0 +1,163 @@
+"""The vllm and sglang backends under a real systemd 252, with the upstream
+test doubles (tests/doubles/: they speak upstream's flags and files and stand
+in for vLLM and SGLang, which need GPUs): start, a retained-weight
+`systemctl reload`, the rollback of an engine that fails to start, and the
+refusal of every unsupported setting before anything upstream starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from container import SystemdContainer, wait_for
+from test_model_units import free_port, main_pid, prepare_model
+
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+CHECKPOINT = "/var/lib/hostd/checkpoints/fake"
+BACKENDS = {
+    # backend: (model name, editable field, its flag in the engine's argv)
+    "vllm": ("vl", "max_num_seqs", "--max-num-seqs"),
+    "sglang": ("sg", "max_running_requests", "--max-running-requests"),
+}
+
+
+def yaml_for(container: SystemdContainer, backend: str, port: int, extra: str = "", env: str = "") -> str:
+    doubles = f"{container.checkout}/tests/doubles"
+    return (
+        f"backend: {backend}\nmodel: {CHECKPOINT}\nlisten: 127.0.0.1:{port}\n"
+        f"timeouts: {{start: 60, stop: 30}}\n{extra}"
+        "env:\n"
+        f"  HOSTD_VLLM: {doubles}/vllm\n"
+        f"  PYTHONPATH: {doubles}/sglang_double\n"
+        f"  HOSTD_TEST_GPU_UUID: {UUID}\n"
+        "  HOSTD_TEST_FAIL_MAX_NUM_SEQS: '13'\n"
+        "  HOSTD_TEST_FAIL_MAX_RUNNING_REQUESTS: '13'\n"
+        f"{env}"
+    )
+
+
+@pytest.fixture(scope="module")
+def host(systemd_container: SystemdContainer):
+    c = systemd_container
+    prepare_model(c, free_port())
+    c.run(["mkdir", "-p", CHECKPOINT])
+    c.write_file(f"{CHECKPOINT}/config.json", json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    c.write_file(f"{CHECKPOINT}/model.safetensors", "not really weights")
+    c.ports = {}
+    for backend, (name, _, _) in BACKENDS.items():
+        c.ports[backend] = free_port()
+        c.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(c, backend, c.ports[backend]))
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "hostd.service", timeout=120)
+    return c
+
+
+def weights_status(host: SystemdContainer, name: str) -> dict:
+    script = (
+        "import json, msgspec; from pathlib import Path; from hostd.weights import client; "
+        f"print(json.dumps(msgspec.to_builtins(client.status(Path('/run/hostd/{name}/weights.sock')))))"
+    )
+    return json.loads(host.run([host.python, "-c", script]).stdout)
+
+
+def engine_health(host: SystemdContainer, name: str) -> dict:
+    out = host.run(["curl", "-s", "--unix-socket", f"/run/hostd/{name}/engine.sock", "http://engine/health"]).stdout
+    return json.loads(out)
+
+
+def completion(host: SystemdContainer, backend: str) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{host.ports[backend]}/v1", api_key="unused", max_retries=0)
+    return client.completions.create(model=BACKENDS[backend][0], prompt="Hello", max_tokens=4).choices[0].text
+
+
+def last_operation(host: SystemdContainer) -> dict:
+    out = host.run(["busctl", "--json=short", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager",
+                    "ListOperations"]).stdout
+    path = json.loads(out)["data"][0][-1][-1]
+    props = {}
+    for name in ("State", "WeightsReused", "Restored", "Error"):
+        raw = host.run(["busctl", "--json=short", "get-property", "org.hostd1", path, "org.hostd1.Operation", name]).stdout
+        props[name] = json.loads(raw)["data"]
+    return props
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_start_reload_keeps_upstream_weights_and_rollback_restores(host, backend):
+    name, field, flag = BACKENDS[backend]
+    host.systemctl("start", f"model@{name}.service", timeout=180)
+    assert completion(host, backend)
+
+    before = weights_status(host, name)
+    supervisor = main_pid(host, f"model-weights@{name}.service")
+    engine = main_pid(host, f"model-engine@{name}.service")
+    assert before["pid"] == supervisor and before["upstream_pids"]
+    assert before["upstream_socket_inodes"]
+
+    # A retained-weight reload of the config on disk.
+    host.write_file(f"/etc/hostd/models/{name}.d/50-limits.yaml", f"engine:\n  {field}: 7\n")
+    host.systemctl("reload", f"model@{name}.service", timeout=180)
+    op = last_operation(host)
+    assert (op["State"], op["WeightsReused"]) == ("done", True), op
+    after = weights_status(host, name)
+    assert after["pid"] == before["pid"]
+    assert after["upstream_pids"] == before["upstream_pids"]
+    assert after["upstream_socket_inodes"] == before["upstream_socket_inodes"]
+    assert main_pid(host, f"model-engine@{name}.service") != engine
+    health = engine_health(host, name)
+    assert health["engine_config"][field] == 7
+    assert completion(host, backend)
+
+    # An engine that exits on start (the double fails for 13): rolled back.
+    result = host.run([host.python, "-m", "hostd.hostctl", "reload", name, f"{field}=13"], check=False, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    op = last_operation(host)
+    assert op["State"] == "rolled-back" and op["Restored"] is True, op
+    assert "failing on purpose" in op["Error"] or "failed" in op["Error"]
+    assert engine_health(host, name)["engine_config"][field] == 7
+    assert weights_status(host, name)["upstream_socket_inodes"] == before["upstream_socket_inodes"]
+    assert completion(host, backend)
+    host.systemctl("stop", f"model@{name}.service", timeout=120)
+
+
+REFUSALS = [
+    # (backend, YAML keys, env lines, words the refusal must contain)
+    ("vllm", "quantization: gptq\n", "", "quantization"),
+    ("vllm", "extra_args: ['--enable-lora']\n", "", "LoRA"),
+    ("vllm", "extra_args: ['--speculative-config', '{}']\n", "", "speculative"),
+    ("vllm", "extra_args: ['--enable-sleep-mode']\n", "", "sleep"),
+    ("vllm", "extra_args: ['--cpu-offload-gb', '4']\n", "", "offload"),
+    ("vllm", "pipeline_parallel_size: 2\ngpus: [0, 1]\ntensor_parallel_size: 1\n", "", "pipeline"),
+    ("vllm", "", "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n", "expandable_segments"),
+    ("vllm", "", "  HOSTD_TEST_VLLM_VERSION: 0.30.0\n", "0.30.0"),
+    ("sglang", "quantization: awq\n", "", "quantization"),
+    ("sglang", "extra_args: ['--lora-paths', 'a=/x']\n", "", "LoRA"),
+    ("sglang", "extra_args: ['--speculative-algorithm', 'EAGLE']\n", "", "speculative"),
+    ("sglang", "extra_args: ['--enable-memory-saver']\n", "", "sleep"),
+    ("sglang", "extra_args: ['--cpu-offload-gb', '4']\n", "", "offload"),
+    ("sglang", "pipeline_parallel_size: 2\ngpus: [0, 1]\ntensor_parallel_size: 1\n", "", "pipeline"),
+    ("sglang", "", "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n", "expandable_segments"),
+]
+
+
+@pytest.mark.parametrize("backend, extra, env, words", REFUSALS,
+                         ids=[f"{b}-{w}" for b, _, _, w in REFUSALS])
+def test_unsupported_settings_are_refused_before_upstream_starts(host, backend, extra, env, words):
+    name = f"bad{backend[:2]}"
+    host.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(host, backend, free_port(), extra, env))
+    host.systemctl("daemon-reload")
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    try:
+        failed = host.systemctl("start", f"model-weights@{name}.service", check=False, timeout=120)
+        assert failed.returncode != 0
+        logged = host.run(["journalctl", "-u", f"model-weights@{name}.service", "--since", since,
+                           "-o", "cat", "--no-pager"]).stdout
+        assert words.lower() in logged.lower(), logged[-2000:]
+        # Nothing upstream was started: no process of the double runs for it.
+        assert host.run(["pgrep", "-f", f"/run/hostd/{name}/"], check=False).stdout.strip() == ""
+    finally:
+        host.systemctl("stop", f"model@{name}.service", f"model-weights@{name}.service", check=False, timeout=60)
+        host.run(["rm", "-f", f"/etc/hostd/models/{name}.yaml"])
+        host.systemctl("reset-failed", check=False)

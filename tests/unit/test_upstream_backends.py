@@ -1,0 +1,334 @@
+"""The vllm and sglang backends: the exact upstream argv and environment hostd
+runs, every refusal naming its setting, and SGLANG_JIT_CACHE_DIR resolved to a
+real absolute path that a child process inherits.
+
+Flag names are upstream's (vLLM 0.31+ `vllm preload` / `vllm serve`, SGLang
+0.5.21+ weight cache daemon and launch_server); docs/vllm.md and docs/sglang.md
+say where each was checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from hostd import backends
+from hostd.backends import sglang as sglang_backend
+from hostd.backends import upstream
+from hostd.config import schema
+
+DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
+VLLM = str(DOUBLES / "vllm")
+SGLANG_PATH = str(DOUBLES / "sglang_double")
+PY = sys.executable
+RUN = "/run/hostd/m"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("CACHE_DIRECTORY", "SGLANG_JIT_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                 "HOSTD_VLLM", "HOSTD_SGLANG_PYTHON", "CUDA_VISIBLE_DEVICES", "HOSTD_RUNTIME_DIR",
+                 "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """HOME is a symlink (as /home -> /data/home on many hosts); returns its real target."""
+    real = tmp_path / "real-home"
+    real.mkdir()
+    (tmp_path / "home-link").symlink_to(real)
+    monkeypatch.setenv("HOME", str(tmp_path / "home-link"))
+    return real
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> str:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["FakeForCausalLM"]}))
+    (path / "model.safetensors").write_bytes(b"x")
+    return str(path)
+
+
+def make(backend: str, model: str, **keys):
+    env = keys.pop("env", {})
+    if backend == "vllm":
+        env = {"HOSTD_VLLM": VLLM, **env}
+    else:
+        env = {"PYTHONPATH": SGLANG_PATH, **env}
+    return msgspec.convert({"backend": backend, "model": model, "env": env, **keys}, schema.MODEL_TYPES[backend])
+
+
+# ---------------------------------------------------------------- vllm argv/env
+
+
+def test_vllm_tp1_defaults(ckpt):
+    cfg = make("vllm", ckpt)
+    backend = backends.for_config(cfg)
+    weights = backend.weights_command("m", cfg)
+    assert weights.argv == [
+        VLLM, "preload", "--model", ckpt, "--dtype", "auto", "--tensor-parallel-size", "1",
+        "--weight-cache-socket-dir", f"{RUN}/vllm",
+    ]
+    engine = backend.engine_command("m", cfg)
+    assert engine.argv == [
+        VLLM, "serve", ckpt, "--served-model-name", "m", "--dtype", "auto", "--tensor-parallel-size", "1",
+        "--load-format", "ipc_cache",
+        "--model-loader-extra-config", json.dumps(
+            {"fallback": False, "mode": "zero_copy", "socket_dir": f"{RUN}/vllm"}, sort_keys=True),
+        "--uds", f"{RUN}/vllm-engine.sock",
+        "--gpu-memory-utilization", "0.9", "--shutdown-timeout", "60",
+    ]
+    assert weights.env == engine.env == {"HOSTD_VLLM": VLLM, "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_vllm_tp2_every_editable_field_and_quantization(ckpt):
+    cfg = make(
+        "vllm", ckpt, tensor_parallel_size=2, gpus=[2, 3], dtype="bfloat16", quantization="fp8",
+        served_model_name="served", extra_args=["--trust-remote-code"],
+        engine={"max_num_seqs": 16, "max_num_batched_tokens": 4096, "max_model_len": 2048,
+                "gpu_memory_utilization": 0.8, "enforce_eager": True, "cuda_graph_sizes": [1, 2, 4],
+                "shutdown_timeout": 30},
+    )
+    backend = backends.for_config(cfg)
+    assert backend.weights_command("m", cfg).argv == [
+        VLLM, "preload", "--model", ckpt, "--dtype", "bfloat16", "--tensor-parallel-size", "2",
+        "--quantization", "fp8", "--weight-cache-socket-dir", f"{RUN}/vllm", "--trust-remote-code",
+    ]
+    engine = backend.engine_command("m", cfg)
+    assert engine.argv[engine.argv.index("--uds") + 2:] == [
+        "--max-num-seqs", "16", "--max-num-batched-tokens", "4096", "--max-model-len", "2048",
+        "--gpu-memory-utilization", "0.8", "--enforce-eager", "--cuda-graph-sizes", "1", "2", "4",
+        "--shutdown-timeout", "30", "--trust-remote-code",
+    ]
+    assert engine.argv[:12] == [
+        VLLM, "serve", ckpt, "--served-model-name", "served", "--dtype", "bfloat16",
+        "--tensor-parallel-size", "2", "--quantization", "fp8", "--load-format",
+    ]
+    assert engine.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert backend.drain_seconds(cfg) == 30
+
+
+def test_vllm_argv_is_accepted_by_the_double(ckpt):
+    """The double's parser is the upstream flag set hostd relies on: an
+    unknown flag fails there as argparse fails in vLLM."""
+    cfg = make("vllm", ckpt, engine={"max_num_seqs": 3, "enforce_eager": True, "cuda_graph_sizes": [8]})
+    argv = backends.for_config(cfg).engine_command("m", cfg).argv
+    bad = subprocess.run([*argv, "--no-such-flag"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
+
+
+def test_vllm_cache_root_under_the_shared_cache_directory(ckpt, monkeypatch):
+    monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/hostd/m")
+    cfg = make("vllm", ckpt)
+    backend = backends.for_config(cfg)
+    assert backend.weights_command("m", cfg).env["VLLM_CACHE_ROOT"] == "/var/cache/hostd/m/vllm"
+    assert backend.engine_command("m", cfg).env["VLLM_CACHE_ROOT"] == "/var/cache/hostd/m/vllm"
+    cfg = make("vllm", ckpt, env={"VLLM_CACHE_ROOT": "/srv/vllm"})
+    assert backend.engine_command("m", cfg).env["VLLM_CACHE_ROOT"] == "/srv/vllm"
+
+
+# ---------------------------------------------------------------- sglang argv/env
+
+
+def test_sglang_tp1_defaults(ckpt, home):
+    cfg = make("sglang", ckpt)
+    backend = backends.for_config(cfg)
+    weights = backend.weights_command("m", cfg)
+    assert weights.argv == [
+        PY, "-m", "sglang.srt.weight_cache.daemon", "--model-path", ckpt, "--dtype", "auto", "--tp-size", "1",
+    ]
+    engine = backend.engine_command("m", cfg, port=31000)
+    assert engine.argv == [
+        PY, "-m", "sglang.launch_server", "--model-path", ckpt, "--dtype", "auto", "--tp-size", "1",
+        "--served-model-name", "m", "--host", "127.0.0.1", "--port", "31000", "--weight-cache-mode", "client",
+    ]
+    expected_env = {
+        "PYTHONPATH": SGLANG_PATH,
+        "CUDA_VISIBLE_DEVICES": "0",
+        "SGLANG_JIT_CACHE_DIR": str(home / ".cache/sglang/jit"),
+        "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE": f"{RUN}/sglang/{{device_uuid}}.sock",
+        "SGLANG_WEIGHT_CACHE_READY_TEMPLATE": f"{RUN}/sglang/{{device_uuid}}.ready",
+    }
+    assert weights.env == engine.env == expected_env
+
+
+def test_sglang_tp2_every_editable_field(ckpt, home):
+    cfg = make(
+        "sglang", ckpt, tensor_parallel_size=2, gpus=[0, 1], quantization=None, dtype="float16",
+        engine={"max_running_requests": 32, "max_prefill_tokens": 8192, "context_length": 4096,
+                "chunked_prefill_size": -1, "mem_fraction_static": 0.7, "disable_cuda_graph": True,
+                "cuda_graph_max_bs_decode": 16, "cuda_graph_max_bs_prefill": 4,
+                "schedule_conservativeness": 1.5},
+    )
+    backend = backends.for_config(cfg)
+    assert backend.weights_command("m", cfg).argv[3:] == [
+        "--model-path", ckpt, "--dtype", "float16", "--tp-size", "2",
+    ]
+    engine = backend.engine_command("m", cfg, port=31001)
+    assert engine.argv[engine.argv.index("client") + 1:] == [
+        "--max-running-requests", "32", "--max-prefill-tokens", "8192", "--context-length", "4096",
+        "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.7", "--disable-cuda-graph",
+        "--cuda-graph-max-bs-decode", "16", "--cuda-graph-max-bs-prefill", "4",
+        "--schedule-conservativeness", "1.5",
+    ]
+    assert engine.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    bad = subprocess.run([*engine.argv, "--no-such-flag"], capture_output=True, text=True,
+                         env=upstream.child_env(engine.env), timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
+
+
+def test_sglang_templates_keep_device_uuid(ckpt, home):
+    cfg = make("sglang", ckpt)
+    env = backends.for_config(cfg).weights_command("m", cfg).env
+    for name in ("SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE", "SGLANG_WEIGHT_CACHE_READY_TEMPLATE"):
+        assert "{device_uuid}" in env[name] and env[name].startswith(f"{RUN}/sglang/")
+
+
+def test_sglang_drain_is_bounded_by_hostd(ckpt):
+    cfg = make("sglang", ckpt, timeouts={"stop": 100})
+    assert backends.for_config(cfg).drain_seconds(cfg) == 90
+
+
+# ---------------------------------------------------------------- refusals
+
+REFUSALS = [
+    # (backend, config keys, text the message must contain)
+    ("vllm", {"quantization": "gptq"}, "quantization: 'gptq' is not verified"),
+    ("sglang", {"quantization": "awq"}, "quantization: 'awq' is not verified"),
+    ("sglang", {"quantization": "fp8"}, "weight_block_size"),
+    ("vllm", {"extra_args": ["--enable-lora"]}, "extra_args: --enable-lora is refused"),
+    ("sglang", {"extra_args": ["--lora-paths=a"]}, "extra_args: --lora-paths is refused"),
+    ("vllm", {"extra_args": ["--speculative-config", "{}"]}, "--speculative-config is refused"),
+    ("sglang", {"extra_args": ["--speculative-algorithm", "EAGLE"]}, "--speculative-algorithm is refused"),
+    ("vllm", {"extra_args": ["--enable-sleep-mode"]}, "--enable-sleep-mode is refused"),
+    ("sglang", {"extra_args": ["--enable-memory-saver"]}, "--enable-memory-saver is refused"),
+    ("vllm", {"extra_args": ["--cpu-offload-gb", "4"]}, "--cpu-offload-gb is refused"),
+    ("sglang", {"extra_args": ["--cpu-offload-gb=4"]}, "--cpu-offload-gb is refused"),
+    ("vllm", {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}, "env.PYTORCH_CUDA_ALLOC_CONF"),
+    ("sglang", {"env": {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}}, "env.PYTORCH_ALLOC_CONF"),
+    ("vllm", {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}, "pipeline_parallel_size: 2"),
+    ("sglang", {"pipeline_parallel_size": 2}, "pipeline_parallel_size: 2"),
+    ("vllm", {"tensor_parallel_size": 2, "gpus": [0]}, "tensor_parallel_size: 2 does not match"),
+    ("sglang", {"tensor_parallel_size": 1, "gpus": [0, 1]}, "tensor_parallel_size: 1 does not match"),
+    ("vllm", {"extra_args": ["--max-num-seqs", "4"]}, "extra_args: --max-num-seqs is the editable engine.max_num_seqs"),
+    ("sglang", {"extra_args": ["--port", "1"]}, "extra_args: --port is set by hostd"),
+    ("vllm", {"extra_args": ["--load-format", "auto"]}, "extra_args: --load-format is set by hostd"),
+    ("vllm", {"env": {"HOSTD_VLLM": "/nonexistent/vllm"}}, "vllm: /nonexistent/vllm does not exist"),
+    ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.30.2"}}, "vllm: version '0.30.2' is older than 0.31"),
+    ("sglang", {"env": {"PYTHONPATH": "/nonexistent"}}, "sglang: `"),
+]
+
+
+@pytest.mark.parametrize(("backend", "keys", "message"), REFUSALS, ids=[m for _, _, m in REFUSALS])
+def test_refusal_names_the_setting(backend, keys, message, ckpt, home):
+    cfg = make(backend, ckpt, **keys)
+    problems = backends.for_config(cfg).refusals(cfg)
+    assert any(message in p for p in problems), problems
+    with pytest.raises(backends.Refused, match="."):
+        backends.for_config(cfg).check(cfg)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_gguf_and_checkpoint_quantization_are_refused(backend, tmp_path, ckpt, home):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    cfg = make(backend, str(gguf))
+    assert any("GGUF" in p and p.startswith("model:") for p in backends.for_config(cfg).refusals(cfg))
+    (Path(ckpt) / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    cfg = make(backend, ckpt)
+    assert any("quant_method" in p and "'gptq'" in p for p in backends.for_config(cfg).refusals(cfg))
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_supported_configs_have_no_refusals(backend, ckpt, home):
+    cfg = make(backend, ckpt, tensor_parallel_size=2, gpus=[0, 1])
+    assert backends.for_config(cfg).refusals(cfg) == []
+
+
+def test_block_wise_fp8_is_accepted_by_sglang(ckpt, home):
+    (Path(ckpt) / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    cfg = make("sglang", ckpt)
+    assert backends.for_config(cfg).refusals(cfg) == []
+
+
+# ---------------------------------------------------------------- SGLANG_JIT_CACHE_DIR
+
+
+def jit_dir(cfg) -> str:
+    return backends.for_config(cfg).weights_command("m", cfg).env["SGLANG_JIT_CACHE_DIR"]
+
+
+def test_jit_cache_default_resolves_a_symlinked_home(ckpt, home):
+    assert jit_dir(make("sglang", ckpt)) == str(home / ".cache/sglang/jit")
+
+
+def test_jit_cache_empty_means_the_default(ckpt, home):
+    assert jit_dir(make("sglang", ckpt, env={"SGLANG_JIT_CACHE_DIR": ""})) == str(home / ".cache/sglang/jit")
+
+
+def test_jit_cache_tilde_expands_to_the_real_home(ckpt, home):
+    assert jit_dir(make("sglang", ckpt, env={"SGLANG_JIT_CACHE_DIR": "~"})) == str(home)
+    assert jit_dir(make("sglang", ckpt, env={"SGLANG_JIT_CACHE_DIR": "~/jit"})) == str(home / "jit")
+
+
+def test_jit_cache_relative_path_is_made_absolute_and_real(ckpt, tmp_path, monkeypatch, home):
+    real = tmp_path / "real-work"
+    real.mkdir()
+    (tmp_path / "work-link").symlink_to(real)
+    monkeypatch.chdir(tmp_path / "work-link")
+    monkeypatch.setenv("PWD", str(tmp_path / "work-link"))
+    assert jit_dir(make("sglang", ckpt, env={"SGLANG_JIT_CACHE_DIR": "jit-cache"})) == str(real / "jit-cache")
+
+
+def test_jit_cache_symlinked_root_with_a_missing_suffix(ckpt, tmp_path, home):
+    real = tmp_path / "disk"
+    real.mkdir()
+    (tmp_path / "cache-link").symlink_to(real)
+    value = str(tmp_path / "cache-link" / "sglang" / "jit")  # sglang/jit does not exist yet
+    assert jit_dir(make("sglang", ckpt, env={"SGLANG_JIT_CACHE_DIR": value})) == str(real / "sglang" / "jit")
+
+
+def test_jit_cache_from_hostds_environment_and_the_shared_cache_directory(ckpt, tmp_path, monkeypatch, home):
+    real = tmp_path / "var-cache"
+    real.mkdir()
+    (tmp_path / "cache-link").symlink_to(real)
+    monkeypatch.setenv("CACHE_DIRECTORY", str(tmp_path / "cache-link"))
+    assert jit_dir(make("sglang", ckpt)) == str(real / "sglang/jit")
+    monkeypatch.setenv("SGLANG_JIT_CACHE_DIR", str(tmp_path / "cache-link" / "mine"))
+    assert jit_dir(make("sglang", ckpt)) == str(real / "mine")
+
+
+def test_both_children_inherit_the_real_jit_path_through_a_symlink(ckpt, tmp_path, home):
+    """A real child process, started the way the supervisors start theirs, sees
+    the resolved path: no symlink anywhere in it, on every start."""
+    real = tmp_path / "disk"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    cfg = make("sglang", ckpt, env={"SGLANG_JIT_CACHE_DIR": str(tmp_path / "link" / "jit")})
+    backend = backends.for_config(cfg)
+    probe = [sys.executable, "-c", "import os; print(os.environ['SGLANG_JIT_CACHE_DIR'])"]
+    for _start in range(2):  # first start and a restart (reload) compute it afresh
+        for command in (backend.weights_command("m", cfg), backend.engine_command("m", cfg, port=1)):
+            seen = subprocess.run(probe, env=upstream.child_env(command.env), capture_output=True,
+                                  text=True, check=True).stdout.strip()
+            assert seen == str(real / "jit")
+            assert os.path.realpath(seen) == seen
+
+
+def test_canonical_dir_keeps_an_already_real_path():
+    assert upstream.canonical_dir("/", sglang_backend.JIT_CACHE_DEFAULT) == "/"
+
+
+def test_child_env_drops_systemds_per_process_variables(monkeypatch):
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("LISTEN_FDS", "1")
+    env = upstream.child_env({"A": "1"})
+    assert "NOTIFY_SOCKET" not in env and "LISTEN_FDS" not in env and env["A"] == "1"
