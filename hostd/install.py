@@ -52,6 +52,11 @@ def render_units(python: str, config_dir: str) -> dict[str, str]:
         "@DOCDIR@": docs_dir(),
         "@CONFDIR@": config_dir,
     }
+    install_paths = (python, str(Path(__file__).resolve().parent))
+    if any(p.startswith(("/tmp/", "/var/tmp/")) for p in install_paths):
+        # A private /tmp would hide this installation from the services.
+        values["@HARDENING@"] = hardening.replace(
+            "PrivateTmp=yes", "# PrivateTmp= off: hostd is installed under /tmp\nPrivateTmp=no")
     units = {}
     for path in sorted(data_dir("units").iterdir()):
         text = path.read_text()

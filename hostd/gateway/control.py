@@ -117,9 +117,12 @@ def _request_line(verb: str, args: dict) -> bytes:
 def _answer_of(path: Path, answer: bytes) -> dict:
     if not answer:
         raise ControlError(f"{path}: the gateway closed the connection without answering")
-    data = json.loads(answer)
-    if not data.get("ok"):
-        raise ControlError(data.get("error", "refused"))
+    try:
+        data = json.loads(answer)
+    except ValueError:
+        raise ControlError(f"{path}: not a JSON answer: {answer[:200]!r}") from None
+    if not isinstance(data, dict) or not data.get("ok"):
+        raise ControlError(data.get("error", "refused") if isinstance(data, dict) else "refused")
     return data
 
 

@@ -157,7 +157,10 @@ class Operation:
 
 
 def state_dir(name: str) -> Path:
-    return paths.state_dir(name)
+    """Root's records of NAME's reloads (the manager runs as root)."""
+    directory = paths.manager_state_dir(name)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return directory
 
 
 def read_text(path: Path) -> Optional[str]:
@@ -246,12 +249,10 @@ class Reload:
         health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = (health or {}).get("engine_config") or (committed or {}).get("engine")
-        if patch:
-            self.target = self.config_with(patch)
-        else:
-            self.target = current.config
-            if committed is not None:
-                self.check_fixed_unchanged(committed)
+        self.target = self.config_with(patch) if patch else current.config
+        if committed is not None:
+            self.check_fixed_unchanged(committed)
+        if not patch:
             if self.running_engine is None:
                 raise Refused("NotRunning", f"the engine of {name} does not answer; cannot tell what it runs")
         problems = self.model_backend_refusals(self.target)
@@ -415,7 +416,15 @@ class Reload:
 
     def start(self) -> asyncio.Task:
         """Apply the checked reload in the background; the Operation reports."""
-        return asyncio.create_task(self._apply())
+        return asyncio.create_task(self._guarded())
+
+    async def _guarded(self) -> None:
+        try:
+            await self._apply()
+        except Exception as exc:  # a bug or an unexpected error: never leave it running
+            log.exception("reload %d of %s: unexpected error", self.op.id, self.op.model)
+            if self.op.state == State.RUNNING:
+                self.op.finish(State.FAILED, f"unexpected error: {exc}")
 
     async def _apply(self) -> None:
         op = self.op
@@ -424,6 +433,7 @@ class Reload:
             extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"]},
         )
         try:
+            self.check_cancel()
             op.enter(Stage.RECORD)
             await self.record()
             op.enter(Stage.DRAIN)
@@ -435,6 +445,8 @@ class Reload:
             try:
                 await drain
             except asyncio.CancelledError:
+                raise Cancelled("cancelled during drain")
+            if op.cancel_requested:  # asked for as the drain finished: still honoured
                 raise Cancelled("cancelled during drain")
         except Exception as exc:  # drain timed out, was cancelled, or the gateway failed
             op.enter(Stage.RESTORE)
@@ -467,9 +479,17 @@ class Reload:
             op.enter(Stage.FINISHED)
             op.finish(State.ROLLED_BACK, cause)
             return
-        op.weights_reused = True
+        # Verified: the engine attached the same weight daemon (PID, inode).
+        op.weights_reused = self.weights_before is not None
         op.enter(Stage.RESUME)
-        await self.resume()
+        try:
+            await self.resume()
+        except Exception as exc:  # the engine runs the target: commit, but say so
+            await self.commit()
+            op.enter(Stage.COMMIT)
+            op.enter(Stage.FINISHED)
+            op.finish(State.FAILED, f"the new config runs, but the gateway did not resume: {exc}")
+            return
         op.enter(Stage.COMMIT)
         await self.commit()
         op.enter(Stage.FINISHED)

@@ -182,7 +182,7 @@ class ModelInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def RunningConfig(self) -> "s":
-        text = reload_mod.read_text(paths.state_dir(self.model_name) / reload_mod.COMMITTED)
+        text = reload_mod.read_text(reload_mod.state_dir(self.model_name) / reload_mod.COMMITTED)
         return text or "{}"
 
     @dbus_property(access=PropertyAccess.READ)
@@ -215,6 +215,7 @@ class Manager(ServiceInterface):
         self.bus, self.systemd, self.root = bus, systemd, root
         self.models: dict[str, ModelInterface] = {}
         self.operations: dict[int, OperationInterface] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.admin_group = "hostd-admin"
         counter = paths.STATE_ROOT / "next-operation"
         self._counter_file = Path(os.environ.get("HOSTD_STATE_DIR") or paths.STATE_ROOT) / counter.name
@@ -224,6 +225,12 @@ class Manager(ServiceInterface):
             self._next_id = 1
 
     # ------------------------------------------------------------ plumbing
+
+    def keep(self, task: asyncio.Task) -> asyncio.Task:
+        """Hold a strong reference until TASK ends (asyncio keeps only weak ones)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def new_id(self) -> int:
         op_id = self._next_id
@@ -310,7 +317,7 @@ class Manager(ServiceInterface):
             model.active = None
             raise
         self.publish(iface)
-        run.start()
+        self.keep(run.start())
         return iface.path
 
     async def unit_verb(self, name: str, kind: str) -> str:
@@ -326,12 +333,12 @@ class Manager(ServiceInterface):
             op = iface.op
             try:
                 await getattr(self.systemd, kind)(f"model@{name}.service")
-            except (UnitJobFailed, DBusError) as exc:
+            except Exception as exc:  # a failed job, a bus error: the operation says so
                 op.finish(reload_mod.State.FAILED, str(exc))
             else:
                 op.finish(reload_mod.State.DONE)
 
-        asyncio.create_task(go())
+        self.keep(asyncio.create_task(go()))
         return iface.path
 
     @method()
@@ -350,7 +357,7 @@ class Manager(ServiceInterface):
     @method()
     async def ReloadJSON(self, name: "s", patch: "s") -> "o":
         try:
-            data = json.loads(patch) if patch.strip() else {}
+            data = (json.loads(patch) if patch.strip() else None) or {}
         except ValueError as exc:
             raise DBusError(f"{ERROR}.InvalidValue", f"patch is not JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -393,7 +400,11 @@ class Manager(ServiceInterface):
         while True:
             self.discover()
             for name, model in list(self.models.items()):
-                state, in_flight = await self.observe(name, model)
+                try:
+                    state, in_flight = await self.observe(name, model)
+                except Exception as exc:  # one model's trouble must not stop the others' updates
+                    log.warning("cannot observe %s: %s", name, exc, extra={"hostd_model": name})
+                    continue
                 changed = {}
                 if state != model.state:
                     model.state = state
@@ -426,12 +437,17 @@ class Manager(ServiceInterface):
     async def recover(self) -> None:
         """Finish reloads a previous manager left half done (intent records)."""
         for name in hostd_config.list_models(self.root):
-            intent_path = paths.state_dir(name) / reload_mod.INTENT
+            if schema.model_name_problem(name):
+                continue
+            intent_path = reload_mod.state_dir(name) / reload_mod.INTENT
             text = reload_mod.read_text(intent_path)
             if not text:
                 continue
-            intent = json.loads(text)
-            await recover_model(self, name, intent)
+            try:
+                await recover_model(self, name, json.loads(text))
+            except Exception:
+                log.exception("recovery of %s failed; its intent record stays in %s", name, intent_path,
+                              extra={"hostd_model": name})
 
 
 async def recover_model(manager: Manager, name: str, intent: dict) -> None:
@@ -461,15 +477,17 @@ async def recover_model(manager: Manager, name: str, intent: dict) -> None:
         directory = hostd_config.dropin_dir(name, manager.root)
         reload_mod.restore_file(directory / reload_mod.RELOAD_DROPIN, intent.get("previous_reload"))
         reload_mod.restore_file(directory / reload_mod.ROLLBACK_DROPIN, intent.get("previous_rollback"))
-        try:
-            await manager.systemd.restart(f"model-engine@{name}.service", timeout=1800)
-        except (UnitJobFailed, DBusError) as exc:
-            log.error("recovery: restarting the engine of %s failed: %s", name, exc)
+        # Restart the engine only for a model that runs: never start a stopped one.
+        if await manager.systemd.active_state(f"model@{name}.service") in ("active", "reloading"):
+            try:
+                await manager.systemd.restart(f"model-engine@{name}.service", timeout=1800)
+            except (UnitJobFailed, DBusError) as exc:
+                log.error("recovery: restarting the engine of %s failed: %s", name, exc)
     try:
         await probe.resume()
     except Exception as exc:  # the gateway may be down; it starts serving on its own then
         log.warning("recovery: resuming %s: %s", name, exc)
-    reload_mod.remove_durably(paths.state_dir(name) / reload_mod.INTENT)
+    reload_mod.remove_durably(reload_mod.state_dir(name) / reload_mod.INTENT)
 
 
 async def serve(root: Path) -> None:
@@ -482,9 +500,10 @@ async def serve(root: Path) -> None:
         log.error("hostd.yaml: %s; using defaults", exc)
     bus.export(ROOT_PATH, manager)
     manager.discover()
-    await manager.recover()
     await bus.request_name(BUS_NAME)
     log.info("manager on the system bus as %s; %d model(s)", BUS_NAME, len(manager.models))
+    # Recovery may wait for engines; the bus name is already ours meanwhile.
+    manager.keep(asyncio.create_task(manager.recover()))
     refresher = asyncio.create_task(manager.refresh())
     try:
         await bus.wait_for_disconnect()

@@ -223,10 +223,12 @@ def recv_response(sock: socket.socket) -> tuple[Response, list[int], Optional[in
     activation, SO_PEERCRED names systemd, which created the listening socket,
     not the daemon."""
     received = _Received()
-    payload = _recv_payload(sock, received)
     try:
+        payload = _recv_payload(sock, received)
         return _response_decoder.decode(payload), received.fds, received.sender_pid
-    except msgspec.DecodeError as exc:
-        for fd in received.fds:
+    except BaseException as exc:
+        for fd in received.fds:  # a memfd must not outlive a failed exchange
             os.close(fd)
-        raise ProtocolError(f"not a valid response: {exc}") from None
+        if isinstance(exc, msgspec.DecodeError):
+            raise ProtocolError(f"not a valid response: {exc}") from None
+        raise

@@ -297,7 +297,7 @@ def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
     # systemd restarts the manager; its recovery commits or rolls back.
     wait_for(lambda: host.systemctl("is-active", "hostd.service", check=False).stdout.strip() == "active",
              timeout=60, what="manager back")
-    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/tiny/reload-intent.json"], check=False).returncode == 1,
+    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"], check=False).returncode == 1,
              timeout=300, what="intent record resolved")
     wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
     limits = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
