@@ -55,8 +55,11 @@ def render_units(python: str, config_dir: str) -> dict[str, str]:
     install_paths = (python, str(Path(__file__).resolve().parent))
     if any(p.startswith(("/tmp/", "/var/tmp/")) for p in install_paths):
         # A private /tmp would hide this installation from the services.
+        # /tmp stays read-only (ProtectSystem=strict): temporary files go to
+        # the unit's own cache directory instead.
         values["@HARDENING@"] = hardening.replace(
-            "PrivateTmp=yes", "# PrivateTmp= off: hostd is installed under /tmp\nPrivateTmp=no")
+            "PrivateTmp=yes",
+            "# PrivateTmp= off: hostd is installed under /tmp\nPrivateTmp=no\nEnvironment=TMPDIR=%C/hostd/%i")
     units = {}
     for path in sorted(data_dir("units").iterdir()):
         text = path.read_text()

@@ -66,3 +66,12 @@ def test_install_and_uninstall_under_a_root(tmp_path: Path):
     assert left == ["etc/hostd/hostd.yaml"]  # configuration stays unless --purge
     run("uninstall", "--purge")
     assert not (root / "etc/hostd").exists()
+
+
+def test_install_under_tmp_keeps_the_services_able_to_see_it(tmp_path: Path):
+    root = tmp_path / "root"
+    subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload",
+                    "--python", "/tmp/ci/.venv/bin/python"], capture_output=True, text=True, check=True)
+    unit = (root / "etc/systemd/system/model-weights@.service").read_text()
+    assert "PrivateTmp=no" in unit and "Environment=TMPDIR=%C/hostd/%i" in unit
+    assert "PrivateTmp=yes" not in unit
