@@ -35,6 +35,7 @@ import torch
 from hostd import config as hostd_config
 from hostd import paths, sockets, systemd
 from hostd.weights import checkpoint, fingerprint, protocol, shared
+from hostd.weights import listener as listener_mod
 
 log = logging.getLogger("hostd.weights")
 
@@ -109,26 +110,7 @@ class WeightDaemon:
     # ------------------------------------------------------------ serving
 
     def serve(self, listener: socket.socket) -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
-
-    def handle(self, conn: socket.socket) -> None:
-        with conn:
-            pid, uid, _gid = sockets.peer_credentials(conn)
-            if uid not in (os.getuid(), 0):
-                log.warning("refused peer pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
-                return
-            conn.settimeout(protocol.TIMEOUT)
-            try:
-                request = protocol.recv_request(conn)
-                self.answer(conn, request, pid)
-            except protocol.ProtocolError as exc:
-                log.warning("closed connection from pid %d: %s", pid, exc)
-            except (socket.timeout, TimeoutError):
-                log.warning("closed connection from pid %d: no complete request in %.0f s", pid, protocol.TIMEOUT)
-            except OSError as exc:
-                log.warning("connection from pid %d failed: %s", pid, exc)
+        listener_mod.serve(listener, self.answer)
 
     def answer(self, conn: socket.socket, request: protocol.Request, pid: int) -> None:
         assert self.shared and self.fingerprint

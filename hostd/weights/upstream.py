@@ -36,6 +36,7 @@ from typing import Optional
 from hostd import backends, paths, sockets, systemd
 from hostd.backends import upstream
 from hostd.weights import fingerprint, protocol
+from hostd.weights import listener as listener_mod
 
 log = logging.getLogger("hostd.weights")
 
@@ -190,31 +191,16 @@ class Supervisor:
     # ------------------------------------------------------------ serving
 
     def serve(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed at shutdown
-            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+        listener_mod.serve(listener, self.answer)
 
-    def handle(self, conn: socket.socket) -> None:
-        with conn:
-            pid, uid, _gid = sockets.peer_credentials(conn)
-            if uid not in (os.getuid(), 0):
-                log.warning("refused peer pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
-                return
-            conn.settimeout(protocol.TIMEOUT)
-            try:
-                request = protocol.recv_request(conn)
-                if isinstance(request, protocol.StatusRequest):
-                    protocol.send_frame(conn, self.status())
-                else:
-                    protocol.send_frame(conn, protocol.Error(
-                        message=f"the weights of {self.name} are held by {self.cfg.backend}; its engine "
-                        f"attaches through the upstream sockets in {self.directory}, not weights.sock"
-                    ))
-            except (protocol.ProtocolError, OSError) as exc:
-                log.warning("closed connection from pid %d: %s", pid, exc)
+    def answer(self, conn: socket.socket, request: protocol.Request, _pid: int) -> None:
+        if isinstance(request, protocol.StatusRequest):
+            protocol.send_frame(conn, self.status())
+        else:
+            protocol.send_frame(conn, protocol.Error(
+                message=f"the weights of {self.name} are held by {self.cfg.backend}; its engine "
+                f"attaches through the upstream sockets in {self.directory}, not weights.sock"
+            ))
 
 
 def run(args, cfg) -> int:
