@@ -80,7 +80,7 @@ class Stage(str, enum.Enum):
 # Which stage may follow which; anything else is a bug and raises.
 TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.VALIDATE: {Stage.PREFLIGHT, Stage.FINISHED},
-    Stage.PREFLIGHT: {Stage.RECORD, Stage.FINISHED},
+    Stage.PREFLIGHT: {Stage.RECORD, Stage.RESTORE, Stage.FINISHED},
     Stage.RECORD: {Stage.DRAIN, Stage.RESTORE},
     Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
     Stage.RESTART: {Stage.VERIFY, Stage.ROLLBACK},
@@ -105,6 +105,10 @@ class Cancelled(Exception):
     pass
 
 
+class Interrupted(Exception):
+    """The model is being stopped: the reload gives way and touches no unit."""
+
+
 @dataclass
 class Operation:
     """One reload, as the D-Bus Operation object shows it."""
@@ -123,6 +127,7 @@ class Operation:
     on_change: Optional[Callable[["Operation"], None]] = None
     done_event: asyncio.Event = field(default_factory=asyncio.Event)
     cancel_requested: bool = False
+    interrupt_requested: bool = False  # the model is being stopped
     degraded: bool = False
 
     def enter(self, stage: Stage) -> None:
@@ -380,12 +385,20 @@ class Reload:
         self.op.restored = True
         remove_durably(state_dir(self.model.name) / INTENT)
 
-    async def restore(self) -> None:
+    async def restore(self, resume: bool = True) -> None:
         directory = self.model.dropins
         restore_file(directory / RELOAD_DROPIN, self.previous_reload)
         self.op.restored = True
         remove_durably(state_dir(self.model.name) / INTENT)
-        await self.model.probe.resume()
+        if resume:
+            await self.model.probe.resume()
+
+    async def stopping(self) -> bool:
+        """Is the model being stopped (by the manager's Stop or by systemctl)?"""
+        if self.op.interrupt_requested:
+            return True
+        state = await self.model.systemd.active_state(self.model.umbrella_unit)
+        return state in ("deactivating", "inactive", "failed")
 
     # ------------------------------------------------------------ committed config
 
@@ -440,18 +453,22 @@ class Reload:
             drain = asyncio.create_task(self.drain())
             while not drain.done():
                 await asyncio.wait({drain}, timeout=0.2)
-                if op.cancel_requested and not drain.done():
+                if (op.cancel_requested or op.interrupt_requested) and not drain.done():
                     drain.cancel()
             try:
                 await drain
             except asyncio.CancelledError:
+                if op.interrupt_requested:
+                    raise Interrupted("interrupted: the model is being stopped")
                 raise Cancelled("cancelled during drain")
             if op.cancel_requested:  # asked for as the drain finished: still honoured
                 raise Cancelled("cancelled during drain")
+            if await self.stopping():
+                raise Interrupted("interrupted: the model is being stopped")
         except Exception as exc:  # drain timed out, was cancelled, or the gateway failed
             op.enter(Stage.RESTORE)
             try:
-                await self.restore()
+                await self.restore(resume=not isinstance(exc, Interrupted))
             except Exception as again:  # pragma: no cover - logged for operators
                 log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
             state = State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED
@@ -464,6 +481,15 @@ class Reload:
             op.enter(Stage.VERIFY)
             await self.verify(self.target)
         except Exception as exc:
+            if await self.stopping():
+                # A stop replaced our restart job: put the file back, start nothing.
+                op.enter(Stage.ROLLBACK)
+                restore_file(self.model.dropins / RELOAD_DROPIN, self.previous_reload)
+                remove_durably(state_dir(self.model.name) / INTENT)
+                op.restored = True
+                op.enter(Stage.FINISHED)
+                op.finish(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+                return
             cause = await self.model.probe.engine_error(str(exc))
             op.enter(Stage.ROLLBACK)
             try:

@@ -323,8 +323,12 @@ class Manager(ServiceInterface):
     async def unit_verb(self, name: str, kind: str) -> str:
         await self.require_admin()
         model = self.model(name)
-        if model.active and model.active.op.state == reload_mod.State.RUNNING:
-            raise DBusError(f"{ERROR}.Busy", f"model {name} is busy with operation {model.active.op.id}")
+        running = model.active if model.active and model.active.op.state == reload_mod.State.RUNNING else None
+        if running and kind == "stop" and running.kind == "reload":
+            running.op.interrupt_requested = True  # the reload gives way to the stop
+            log.info("stop of %s interrupts reload %d", name, running.op.id, extra={"hostd_model": name})
+        elif running:
+            raise DBusError(f"{ERROR}.Busy", f"model {name} is busy with operation {running.op.id}")
         iface = self.new_operation(name, kind, {})
         model.active = iface
         self.publish(iface)

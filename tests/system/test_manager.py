@@ -332,3 +332,36 @@ def test_cancel_during_drain_restores_and_resumes_without_restart(served):
     assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
     assert main_pid(host, "model-engine@tiny.service") == engine_pid
     wait_for(lambda: status_code(host) == 200, timeout=30, what="serving again")
+
+
+def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served):
+    host = served
+    dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def long_stream(_):
+        try:
+            return sum(1 for _ in client.completions.create(
+                model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+        except openai.APIError:
+            return -1  # cut off by the stop: expected here
+
+    with ThreadPoolExecutor(4) as pool:
+        for i in range(4):
+            pool.submit(long_stream, i)
+        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 1, timeout=60, what="streams")
+        path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+        wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
+        stop = hostctl(host, "stop", "tiny")
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+
+    assert wait_operation(host, path) == "failed"
+    assert "interrupted" in op_property(host, path, "Error")
+    assert op_property(host, path, "Restored") is True
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
+    everything = ("model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service")
+    wait_for(lambda: set(host.systemctl("is-active", *everything, check=False).stdout.split()) == {"inactive"},
+             timeout=120, what="everything stopped")  # and nothing started again
+    time.sleep(3)
+    assert set(host.systemctl("is-active", *everything, check=False).stdout.split()) == {"inactive"}
