@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+from dbus_fast.errors import DBusError
 
 from hostd import config
 from hostd.config import show
@@ -81,15 +82,10 @@ def _progress(props: dict) -> None:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from dbus_fast.errors import DBusError
-
     patch = parse_assignments(args.assignments)
-    try:
-        with _client() as hostd:
-            result = hostd.reload(args.name, patch, wait=not args.no_wait,
-                                  on_change=None if args.quiet else _progress)
-    except DBusError as exc:
-        return _dbus_error(exc)
+    with _client() as hostd:
+        result = hostd.reload(args.name, patch, wait=not args.no_wait,
+                              on_change=None if args.quiet else _progress)
     if args.no_wait:
         print(result["path"])
         return 0
@@ -106,13 +102,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from dbus_fast.errors import DBusError
-
-    try:
-        with _client() as hostd:
-            models = hostd.list_models()
-    except DBusError as exc:
-        return _dbus_error(exc)
+    with _client() as hostd:
+        models = hostd.list_models()
     print(f"{'MODEL':<28} STATE")
     for m in models:
         print(f"{m['name']:<28} {m['state']}")
@@ -120,13 +111,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from dbus_fast.errors import DBusError
-
-    try:
-        with _client() as hostd:
-            props = hostd.model(args.name)
-    except DBusError as exc:
-        return _dbus_error(exc)
+    with _client() as hostd:
+        props = hostd.model(args.name)
     engine = props["Config"].get("engine", {})
     print(f"model {props['Name']} ({props['Backend']}): {props['State']}, {props['InFlight']} in flight")
     print(f"  engine limits: {json.dumps(engine, sort_keys=True)}")
@@ -137,13 +123,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_operations(args: argparse.Namespace) -> int:
-    from dbus_fast.errors import DBusError
-
-    try:
-        with _client() as hostd:
-            ops = hostd.operations()
-    except DBusError as exc:
-        return _dbus_error(exc)
+    with _client() as hostd:
+        ops = hostd.operations()
     print(f"{'ID':>5} {'MODEL':<20} {'KIND':<8} {'STATE':<12} STAGE")
     for op in ops:
         print(f"{op['id']:>5} {op['model']:<20} {op['kind']:<8} {op['state']:<12} {op['stage']}")
@@ -151,24 +132,14 @@ def cmd_operations(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from dbus_fast.errors import DBusError
-
-    try:
-        with _client() as hostd:
-            hostd.cancel(args.id)
-    except DBusError as exc:
-        return _dbus_error(exc)
+    with _client() as hostd:
+        hostd.cancel(args.id)
     return 0
 
 
 def cmd_unit_verb(args: argparse.Namespace) -> int:
-    from dbus_fast.errors import DBusError
-
-    try:
-        with _client() as hostd:
-            result = getattr(hostd, args.command)(args.name)
-    except DBusError as exc:
-        return _dbus_error(exc)
+    with _client() as hostd:
+        result = getattr(hostd, args.command)(args.name)
     print(f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}")
     return 0 if result["State"] == "done" else 1
 
@@ -263,7 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except DBusError as exc:  # the manager's refusals and the bus's own errors
+        return _dbus_error(exc)
 
 
 if __name__ == "__main__":

@@ -57,11 +57,16 @@ def max_model_name_length() -> int:
     return SUN_PATH_MAX - fixed
 
 
+def manager_state_root() -> Path:
+    """The manager's records (reload intents, committed configs, the operation
+    counter): root's own directory, apart from the service user's state_dir,
+    so the service user cannot forge what root acts on. ('.manager' cannot be
+    a model name.)"""
+    return Path(os.environ.get("HOSTD_STATE_DIR") or STATE_ROOT) / ".manager"
+
+
 def manager_state_dir(name: str) -> Path:
-    """The manager's records for model NAME (reload intent, committed config):
-    root's own directory, apart from the service user's state_dir, so the
-    service user cannot forge what root acts on. ('.manager' cannot be a model.)"""
-    return Path(os.environ.get("HOSTD_STATE_DIR") or STATE_ROOT) / ".manager" / name
+    return manager_state_root() / name
 
 
 def state_dir(name: str) -> Path:

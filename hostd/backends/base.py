@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import sys
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from hostd.config import schema
 
@@ -48,13 +48,14 @@ class Backend(abc.ABC):
         """What the engine refuses at start, given the model's config.json."""
         return []
 
-    def check(self, cfg) -> None:
+    def check(self, cfg, model_config: Optional[dict] = None) -> None:
+        """Raise Refused naming every problem; with MODEL_CONFIG (the model's
+        config.json) also what the engine refuses at start."""
         problems = self.refusals(cfg)
+        if model_config is not None:
+            problems += self.engine_refusals(cfg, model_config)
         if problems:
             raise Refused("; ".join(problems))
-
-    health_path: ClassVar[str] = "/health"
-    """HTTP path on engine.sock that answers 200 once the engine serves."""
 
     @abc.abstractmethod
     def drain_seconds(self, cfg) -> float:

@@ -113,16 +113,9 @@ def run(args: argparse.Namespace) -> int:
         from hostd.engine import upstream
 
         return upstream.run(args, cfg)
-    backend = backends.for_config(cfg)
-    model_config = json.loads((Path(cfg.model) / "config.json").read_text()) if (Path(cfg.model) / "config.json").is_file() else {}
-    try:
-        backend.check(cfg)
-        problems = backend.engine_refusals(cfg, model_config)
-        if problems:
-            raise backends.Refused("; ".join(problems))
-    except backends.Refused as exc:
-        log.error("cannot serve %s: %s", args.name, exc)
-        systemd.status(f"refused: {exc}")
+    config_json = Path(cfg.model) / "config.json"
+    model_config = json.loads(config_json.read_text()) if config_json.is_file() else {}
+    if backends.refused_at_start(cfg, args.name, log, model_config):
         return 1
     phases = Phases()
     phases.mark("process_and_imports")

@@ -264,12 +264,7 @@ class EngineSupervisor:
 
 def run(args, cfg) -> int:
     """`hostd engine NAME` for an upstream backend (called by main.run)."""
-    backend = backends.for_config(cfg)
-    try:
-        backend.check(cfg)
-    except backends.Refused as exc:
-        log.error("cannot serve %s: %s", args.name, exc)
-        systemd.status(f"refused: {exc}")
+    if backends.refused_at_start(cfg, args.name, log):
         return 1
     weights_path = Path(args.weights) if args.weights else paths.weights_socket(args.name)
     try:

@@ -162,7 +162,3 @@ class Probe:
         finally:
             pynvml.nvmlShutdown()
         return None
-
-
-def unit_exists(path: Path) -> bool:
-    return path.exists()

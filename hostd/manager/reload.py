@@ -522,11 +522,6 @@ class Reload:
         op.finish(State.DONE)
 
 
-def transitions_table() -> dict[str, list[str]]:
-    """The transition table as plain data (docs, tests)."""
-    return {k.value: sorted(v.value for v in vs) for k, vs in TRANSITIONS.items()}
-
-
 def patch_from_variants(patch: dict[str, Any]) -> dict:
     """D-Bus a{sv} -> plain values (Variant.value)."""
     return {k: getattr(v, "value", v) for k, v in patch.items()}

@@ -18,7 +18,6 @@ import contextvars
 import grp
 import json
 import logging
-import os
 import pwd
 import time
 from pathlib import Path
@@ -217,8 +216,7 @@ class Manager(ServiceInterface):
         self.operations: dict[int, OperationInterface] = {}
         self._tasks: set[asyncio.Task] = set()
         self.admin_group = "hostd-admin"
-        counter = paths.STATE_ROOT / "next-operation"
-        self._counter_file = Path(os.environ.get("HOSTD_STATE_DIR") or paths.STATE_ROOT) / counter.name
+        self._counter_file = paths.manager_state_root() / "next-operation"
         try:
             self._next_id = int(self._counter_file.read_text())
         except (OSError, ValueError):

@@ -205,12 +205,7 @@ class Supervisor:
 
 def run(args, cfg) -> int:
     """`hostd weights NAME` for an upstream backend (called by daemon.run)."""
-    backend = backends.for_config(cfg)
-    try:
-        backend.check(cfg)
-    except backends.Refused as exc:
-        log.error("cannot serve %s: %s", args.name, exc)
-        systemd.status(f"refused: {exc}")
+    if backends.refused_at_start(cfg, args.name, log):
         return 1
     socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
     state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
