@@ -12,6 +12,7 @@ Flags checked against SGLang's sources and docs (docs/sglang.md says which).
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Optional
 
@@ -24,6 +25,8 @@ JIT_CACHE_VARIABLE = "SGLANG_JIT_CACHE_DIR"
 JIT_CACHE_DEFAULT = "~/.cache/sglang/jit"  # SGLang's own default
 SOCKET_TEMPLATE_VARIABLE = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
 READY_TEMPLATE_VARIABLE = "SGLANG_WEIGHT_CACHE_READY_TEMPLATE"
+
+DEVICE_UUID = re.compile(r"^((?:GPU|MIG)-[0-9a-fA-F-]{36})\.sock$")
 
 # Quantization SGLang's daemon can share: unquantized, and fp8 only block-wise
 # (per-tensor fp8 is repacked after loading, which tensor export cannot carry).
@@ -39,7 +42,9 @@ EDITABLE_FLAGS = {
     "context_length": "--context-length",
     "chunked_prefill_size": "--chunked-prefill-size",
     "mem_fraction_static": "--mem-fraction-static",
-    "disable_cuda_graph": "--disable-cuda-graph",
+    # --disable-cuda-graph is deprecated in 0.5.23 in favour of these two.
+    "disable_decode_cuda_graph": "--disable-decode-cuda-graph",
+    "disable_prefill_cuda_graph": "--disable-prefill-cuda-graph",
     "cuda_graph_max_bs_decode": "--cuda-graph-max-bs-decode",
     "cuda_graph_max_bs_prefill": "--cuda-graph-max-bs-prefill",
     "schedule_conservativeness": "--schedule-conservativeness",
@@ -54,12 +59,25 @@ REFUSED_FLAGS = {
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
     "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
     "--nnodes": "the weight cache under hostd is single-node",
+    "--disable-cuda-graph": "deprecated in SGLang 0.5.23; set engine.disable_decode_cuda_graph and "
+    "engine.disable_prefill_cuda_graph instead (a reload can change them)",
+}
+
+# Other spellings SGLang's parser takes for a flag hostd checks (0.5.23; the
+# contract tests check this table against the real parser).
+ALIASES = {
+    "--tp": "--tp-size",
+    "--tensor-parallel-size": "--tp-size",
+    "--pp": "--pp-size",
+    "--pipeline-parallel-size": "--pp-size",
+    "--dp": "--dp-size",
+    "--data-parallel-size": "--dp-size",
+    "--model": "--model-path",
 }
 
 OWNED_FLAGS = {
     "--model-path": "model",
     "--tp-size": "tensor_parallel_size",
-    "--tp": "tensor_parallel_size",
     "--pp-size": "pipeline_parallel_size",
     "--weight-cache-mode": "the backend (client, fixed)",
     "--weight-cache-socket": "the private runtime directory",
@@ -68,6 +86,11 @@ OWNED_FLAGS = {
 
 class SglangBackend(Backend):
     name = "sglang"
+    # SGLang's /health runs a one-token generation and may take up to
+    # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer; /ready (0.5.21+) answers at
+    # once: 200 when started, not paused and not shutting down.
+    health_path = "/ready"
+    health_timeout = 10.0
 
     def python(self, cfg) -> str:
         """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
@@ -121,6 +144,7 @@ class SglangBackend(Backend):
             "--weight-cache-mode", "client",
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
+            *cfg.engine_extra_args,
         ]
         return Command(argv, self._env(model, cfg))
 
@@ -140,6 +164,7 @@ class SglangBackend(Backend):
             owned_flags=OWNED_FLAGS,
             refused_flags=REFUSED_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
+            aliases=ALIASES,
         )
         problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=True)
         for variable in (SOCKET_TEMPLATE_VARIABLE, READY_TEMPLATE_VARIABLE):
@@ -160,6 +185,11 @@ class SglangBackend(Backend):
 
     def expected_sockets(self, cfg) -> int:
         return cfg.tensor_parallel_size
+
+    def socket_devices(self, names: list[str], cfg) -> list[str]:
+        """The GPUs behind upstream socket NAMES: hostd's template names each
+        socket {device_uuid}.sock, SGLang's device UUID ('GPU-...' or 'MIG-...')."""
+        return sorted(m.group(1) for name in names if (m := DEVICE_UUID.match(name)))
 
     def drain_seconds(self, cfg) -> float:
         """SGLang's SIGTERM drain has no limit of its own: hostd allows the

@@ -47,12 +47,34 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups() if part is not None)
 
 
-def has_flag(args: list[str], *flags: str) -> Optional[str]:
-    """The first of FLAGS present in ARGS (as '--flag' or '--flag=value')."""
-    for arg in args:
-        for flag in flags:
-            if arg == flag or arg.startswith(flag + "="):
-                return flag
+def canonical_flag(arg: str, aliases: dict[str, str]) -> Optional[str]:
+    """The long flag ARG spells, as upstream's parser reads it, or None when
+    ARG is a value. vLLM takes '_' for '-' in long names ('--max_num_seqs'),
+    '--flag=value', and short aliases ('-q', '-tp', also '-qfp8' and '-q=fp8')
+    that ALIASES maps to their long flag."""
+    if arg.startswith("--") and len(arg) > 2:
+        name = "--" + arg[2:].split("=", 1)[0].replace("_", "-")
+        return aliases.get(name, name)
+    if arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit() and arg[1] != ".":
+        for alias in sorted(aliases, key=len, reverse=True):
+            if arg.startswith(alias):
+                return aliases[alias]
+        return arg.split("=", 1)[0]
+    return None
+
+
+def has_flag(args: list[str], *flags: str, aliases: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The first of FLAGS (long names) present in ARGS in any spelling upstream
+    accepts (see canonical_flag), or None. Both upstream parsers also take an
+    unambiguous prefix of a long flag ('--max-num-seq' is --max-num-seqs), so
+    a prefix of FLAG counts too."""
+    present = {canonical_flag(arg, aliases or {}) for arg in args} - {None}
+    for flag in flags:
+        if flag in present:
+            return flag
+    for flag in flags:
+        if any(len(p) > 3 and p.startswith("--") and flag.startswith(p) for p in present):
+            return flag
     return None
 
 
@@ -130,7 +152,7 @@ def checkpoint_quantization(model_dir: str) -> Optional[dict]:
 
 
 def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str, str],
-                    editable_flags: dict[str, str]) -> list[str]:
+                    editable_flags: dict[str, str], aliases: dict[str, str]) -> list[str]:
     """The refusals both upstream backends make, each naming the setting."""
     problems = []
     model = Path(cfg.model)
@@ -160,18 +182,20 @@ def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str
                 f"env.{name}: expandable_segments:True makes allocations CUDA IPC cannot "
                 f"share, and the {cfg.backend} weight cache refuses it; remove that option"
             )
-    for flag, why in refused_flags.items():
-        if has_flag(cfg.extra_args, flag):
-            problems.append(f"extra_args: {flag} is refused: {why}")
-    for flag, key in {**COMMON_OWNED_FLAGS, **owned_flags}.items():
-        if has_flag(cfg.extra_args, flag):
-            problems.append(f"extra_args: {flag} is set by hostd from {key}; set that key instead")
-    for flag, key in editable_flags.items():
-        if has_flag(cfg.extra_args, flag):
-            problems.append(
-                f"extra_args: {flag} is the editable engine.{key}; set engine.{key} so that "
-                "a reload can change it"
-            )
+    for where in ("extra_args", "engine_extra_args"):
+        args = getattr(cfg, where)
+        for flag, why in refused_flags.items():
+            if has_flag(args, flag, aliases=aliases):
+                problems.append(f"{where}: {flag} is refused: {why}")
+        for flag, key in {**COMMON_OWNED_FLAGS, **owned_flags}.items():
+            if has_flag(args, flag, aliases=aliases):
+                problems.append(f"{where}: {flag} is set by hostd from {key}; set that key instead")
+        for flag, key in editable_flags.items():
+            if has_flag(args, flag, aliases=aliases):
+                problems.append(
+                    f"{where}: {flag} is the editable engine.{key}; set engine.{key} so that "
+                    "a reload can change it"
+                )
     return problems
 
 
@@ -210,9 +234,9 @@ def _probe_version(argv: tuple[str, ...], env_items: tuple[tuple[str, str], ...]
 
 
 def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tuple[int, ...],
-                    how_to_fix: str) -> Optional[str]:
+                    how_to_fix: str, why_minimum: str = "the first with the weight cache") -> Optional[str]:
     """Why the upstream program at ARGV[0] cannot be used (missing, broken or
-    older than MINIMUM), or None. ARGV prints the version."""
+    older than MINIMUM, which WHY_MINIMUM explains), or None. ARGV prints the version."""
     executable = argv[0]
     try:
         stamp = os.stat(executable).st_mtime
@@ -225,8 +249,28 @@ def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tu
     found = version_tuple(text)
     if not found or found < minimum:
         wanted = ".".join(map(str, minimum))
-        return f"{what}: version {text or 'unknown'!r} is older than {wanted}, the first with the weight cache; {how_to_fix}"
+        return f"{what}: version {text or 'unknown'!r} is older than {wanted}, {why_minimum}; {how_to_fix}"
     return None
+
+
+def nvml_uuids(indices: list[int]) -> dict[int, str]:
+    """{GPU index: NVML UUID ('GPU-...')} for INDICES; empty without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver library (CPU hosts, containers without GPUs)
+        return {}
+    try:
+        found = {}
+        for index in indices:
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            found[index] = uuid.decode() if isinstance(uuid, bytes) else uuid
+        return found
+    except Exception:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:

@@ -114,12 +114,15 @@ class EngineSupervisor:
         self.session = self._session()
 
     async def upstream_health(self) -> Optional[int]:
-        """Upstream's /health status code, None when it does not answer."""
+        """Upstream's health status code (the backend's health_path), None when
+        it does not answer."""
         assert self.session
         if self.upstream_socket and not self.upstream_socket.exists():
             return None
         try:
-            async with self.session.get(self.base + "/health", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            probe = self.backend.health_path
+            timeout = aiohttp.ClientTimeout(total=self.backend.health_timeout)
+            async with self.session.get(self.base + probe, timeout=timeout) as response:
                 await response.read()
                 return response.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):

@@ -40,11 +40,6 @@ from hostd.weights import listener as listener_mod
 
 log = logging.getLogger("hostd.weights")
 
-# The GPU UUID in an upstream file name: vLLM's vllm_weight_cache_GPU-....sock,
-# SGLang's {device_uuid}.sock from our template.
-GPU_UUID = re.compile(r"(GPU-[0-9a-fA-F-]{36}|MIG-[0-9a-fA-F-]{36})")
-
-
 def upstream_sockets(directory: Path) -> dict[str, int]:
     """{socket file name: inode} of the Unix sockets in DIRECTORY."""
     found = {}
@@ -149,7 +144,7 @@ class Supervisor:
     # ------------------------------------------------------------ status
 
     def compute_fingerprint(self) -> protocol.Fingerprint:
-        uuids = sorted({m.group(1) for n in upstream_sockets(self.directory) if (m := GPU_UUID.search(n))})
+        uuids = self.backend.socket_devices(list(upstream_sockets(self.directory)), self.cfg)
         device = "cuda:" + ",".join(uuids) if uuids else "cuda:" + ",".join(map(str, self.cfg.gpus))
         try:
             return fingerprint.compute(

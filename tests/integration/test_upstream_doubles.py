@@ -5,6 +5,7 @@ sockets, upstream death, and hostd's bound on SGLang's unbounded drain."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -72,7 +73,12 @@ def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, s
     assert len(before.upstream_socket_inodes) == 2
     assert before.upstream_pids and weights.pid not in before.upstream_pids
     assert before.fingerprint.backend == backend
-    assert before.fingerprint.device.startswith("cuda:GPU-12345678-1234-1234-1234-12345678")
+    uuids = [f"{UUID[:-4]}{index:04x}" for index in (0, 1)]
+    if backend == "vllm":  # sockets named after md5(UUID): hostd reads the GPUs from them
+        digests = sorted(hashlib.md5(u.encode()).hexdigest() for u in uuids)
+        assert before.fingerprint.device == "cuda:" + ",".join(f"md5:{d}" for d in digests)
+    else:
+        assert before.fingerprint.device == "cuda:" + ",".join(uuids)
 
     engine = tree.start_engine(timeout=60)
     health = tree.health()
@@ -160,3 +166,16 @@ def test_vllm_engine_failure_exits_non_zero(short_root, checkpoint, trees):
     engine = tree.start_engine(wait=False)
     assert engine.proc.wait(60) == 1
     wait_for(lambda: "exited with" in engine.log(), 10, "the engine's error in its log")
+
+
+def test_sglang_engine_is_ready_while_its_generating_health_is_slow(short_root, checkpoint, trees):
+    """SGLang's /health runs a one-token generation that may take up to 20 s;
+    hostd probes /ready, so a slow /health never holds back (or fails) the start."""
+    tree = tree_for(short_root, checkpoint, "sglang", env={"HOSTD_TEST_HEALTH_SECONDS": "15"})
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    started = time.monotonic()
+    tree.start_engine(timeout=40)
+    assert time.monotonic() - started < 30
+    with tree.http(timeout=30) as http:
+        assert http.get("/health").status_code == 200
