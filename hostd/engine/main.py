@@ -1,7 +1,7 @@
 """hostd engine NAME: the builtin engine of one model.
 
-vllm and sglang models are handed to upstream.py, which supervises upstream's
-own server behind engine.sock instead.
+run() hands the model to its backend; the vllm and sglang backends run
+upstream.py, which supervises upstream's own server behind engine.sock instead.
 
 One job: get the model's weights into this process without copying them,
 then serve the OpenAI API (server.py) on /run/hostd/NAME/engine.sock.
@@ -102,17 +102,18 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
+    """`hostd engine NAME`: what the model's backend runs as its engine."""
     from hostd import logs
 
     logs.setup(args.name, "engine")
     loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
-    cfg = loaded.config
-    if cfg.backend != "builtin":
-        from hostd.engine import upstream
+    return backends.for_config(loaded.config).run_engine(args, loaded.config)
 
-        return upstream.run(args, cfg)
+
+def serve(args: argparse.Namespace, cfg) -> int:
+    """The builtin engine (BuiltinBackend.run_engine)."""
+    from transformers import AutoTokenizer
+
     config_json = Path(cfg.model) / "config.json"
     model_config = json.loads(config_json.read_text()) if config_json.is_file() else {}
     if backends.refused_at_start(cfg, args.name, log, model_config):
