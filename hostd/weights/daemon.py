@@ -144,12 +144,12 @@ class WeightDaemon:
         systemd.status(self.summary())
 
 
-def acquire_socket(path: Path) -> tuple[socket.socket, bool]:
-    """(listener, bound by us): systemd's socket if passed, else bind PATH."""
+def acquire_socket(path: Path) -> socket.socket:
+    """systemd's socket if passed, else PATH bound by us (sockets.release ends either)."""
     passed = systemd.listen_sockets()
     if passed:
-        return passed[0], False
-    return sockets.bind_private(path), True
+        return passed[0]
+    return sockets.bind_private(path)
 
 
 def _raise_shutdown(signum, _frame):
@@ -178,11 +178,11 @@ def serve(args: argparse.Namespace, cfg) -> int:
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, _raise_shutdown)
     daemon = WeightDaemon(args.name, Path(cfg.model), cfg.dtype, cfg.device, state_dir)
-    listener, bound = None, False
+    listener = None
     try:
         with systemd.ExtendTimeout():
             daemon.load()
-        listener, bound = acquire_socket(socket_path)
+        listener = acquire_socket(socket_path)
         address = listener.getsockname()
         daemon.socket_inode = os.stat(address).st_ino
         log.info("serving %s on %s", args.name, address)
@@ -193,12 +193,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
         systemd.notify("STOPPING=1")
     finally:
         if listener is not None:
-            if bound:
-                try:
-                    os.unlink(socket_path)
-                except FileNotFoundError:
-                    pass
-            listener.close()
+            sockets.release(listener)
     return 0
 
 
