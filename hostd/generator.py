@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hostd import config
+from hostd import backends, config
 
 DROPIN = "50-hostd.conf"
 UNIT_DIR_ENV = "HOSTD_UNIT_DIR"
@@ -52,12 +52,8 @@ def log(message: str) -> None:
         pass
 
 
-def uses_cuda(cfg) -> bool:
-    return cfg.backend != "builtin" or cfg.device == "cuda"
-
-
 def gpu_lines(cfg) -> list[str]:
-    if not uses_cuda(cfg):
+    if not backends.for_config(cfg).uses_gpu(cfg):
         return []
     lines = [
         f"Environment=CUDA_VISIBLE_DEVICES={','.join(str(g) for g in cfg.gpus)}",

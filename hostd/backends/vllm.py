@@ -13,8 +13,11 @@ import json
 import re
 from typing import Optional
 
+from pathlib import Path
+
+from hostd import paths
 from hostd.backends import upstream
-from hostd.backends.base import Backend, Command
+from hostd.backends.base import Command
 
 # `vllm preload` and --load-format ipc_cache appeared in 0.31.0, but 0.31 does
 # not count daemon-held weights inside --gpu-memory-utilization: it asks for
@@ -151,12 +154,12 @@ def socket_name(gpu_uuid: str, draft: bool = False) -> str:
     return f"vllm_weight_cache_{digest}{'_draft' if draft else ''}.sock"
 
 
-class VllmBackend(Backend):
+class VllmBackend(upstream.UpstreamBackend):
     name = "vllm"
+    stop_grace_seconds = 10.0  # vLLM honours its own --shutdown-timeout
     # vLLM's /health answers at once (no generation); 200 while it serves,
     # and still 200 during a --shutdown-timeout drain.
     health_path = "/health"
-    health_timeout = 10.0
 
     def executable(self, cfg) -> str:
         """`vllm`: $HOSTD_VLLM, else vllm on PATH (both from env: and ours)."""
@@ -176,8 +179,12 @@ class VllmBackend(Backend):
             **upstream.cache_defaults(cfg, {"VLLM_CACHE_ROOT": "vllm"}),
         }
 
-    def socket_dir(self, model: str):
-        return upstream.upstream_dir(model, "vllm")
+    def socket_dir(self, model: str) -> Path:
+        return paths.runtime_dir(model) / paths.VLLM_SOCKET_DIR
+
+    def engine_socket(self, model: str) -> Path:
+        """Where `vllm serve --uds` listens; engine.sock is hostd's proxy in front of it."""
+        return paths.runtime_dir(model) / "vllm-engine.sock"
 
     def weights_command(self, model: str, cfg) -> Command:
         argv = [
@@ -189,7 +196,8 @@ class VllmBackend(Backend):
         ]
         return Command(argv, self._env(cfg))
 
-    def engine_command(self, model: str, cfg) -> Command:
+    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
+        """PORT is unused: `vllm serve` listens on engine_socket()."""
         extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
         argv = [
             self.executable(cfg), "serve", cfg.model,
@@ -197,7 +205,7 @@ class VllmBackend(Backend):
             *self._layout_args(cfg),
             "--load-format", "ipc_cache",
             "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True),
-            "--uds", str(upstream.upstream_engine_socket(model)),
+            "--uds", str(self.engine_socket(model)),
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
             *cfg.engine_extra_args,
@@ -246,9 +254,8 @@ class VllmBackend(Backend):
             problems.append(problem)
         return problems
 
-    def expected_sockets(self, cfg) -> int:
-        """Upstream sockets that exist once every rank serves: one per GPU."""
-        return cfg.tensor_parallel_size
+    def memory_fraction(self, cfg) -> float:
+        return cfg.engine.gpu_memory_utilization
 
     def socket_devices(self, names: list[str], cfg) -> list[str]:
         """The GPUs behind upstream socket NAMES: their NVML UUIDs where NVML

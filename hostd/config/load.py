@@ -446,8 +446,9 @@ def merge_model(
 def model_type(merged: Merged) -> type:
     """The schema type for the backend named in MERGED."""
     backend = merged.data.get("backend")
-    if isinstance(backend, str) and backend in schema.MODEL_TYPES:
-        return schema.MODEL_TYPES[backend]
+    found = schema.MODEL_TYPES.get(backend) if isinstance(backend, str) else None
+    if found is not None:
+        return found
     file, line = merged.where(("backend",))
     message = (
         "required key is missing"
