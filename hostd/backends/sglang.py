@@ -52,6 +52,15 @@ EDITABLE_FLAGS = {
     "schedule_conservativeness": "--schedule-conservativeness",
 }
 
+# Refused whether or not the weight cache holds the weights.
+REPLICA_FLAGS = {
+    "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
+    "--nnodes": "the weight cache under hostd is single-node",
+    "--disable-cuda-graph": "deprecated in SGLang 0.5.23; set engine.disable_decode_cuda_graph and "
+    "engine.disable_prefill_cuda_graph instead (a reload can change them)",
+}
+
+# Refused while the weight cache holds the weights.
 REFUSED_FLAGS = {
     "--enable-lora": "LoRA adapters change weights the engine does not own",
     "--lora-paths": "LoRA adapters change weights the engine does not own",
@@ -59,10 +68,7 @@ REFUSED_FLAGS = {
     "--speculative-draft-model-path": "SGLang refuses speculative decoding with the weight cache",
     "--enable-memory-saver": "sleep mode releases weights that live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
-    "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
-    "--nnodes": "the weight cache under hostd is single-node",
-    "--disable-cuda-graph": "deprecated in SGLang 0.5.23; set engine.disable_decode_cuda_graph and "
-    "engine.disable_prefill_cuda_graph instead (a reload can change them)",
+    **REPLICA_FLAGS,
 }
 
 # Other spellings SGLang's parser takes for a flag hostd checks (0.5.23; the
@@ -88,6 +94,8 @@ OWNED_FLAGS = {
 
 class SglangBackend(upstream.UpstreamBackend):
     name = "sglang"
+    QUANTIZATION_ALLOWLIST = QUANTIZATION_ALLOWLIST
+    FP8_BLOCK_ONLY = True
     writes_ready_files = True
     # SGLang's /health runs a one-token generation and may take up to
     # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer; /ready (0.5.21+) answers at
@@ -143,7 +151,7 @@ class SglangBackend(upstream.UpstreamBackend):
             "--served-model-name", cfg.served_model_name or model,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--weight-cache-mode", "client",
+            *(["--weight-cache-mode", "client"] if self.retains_weights(cfg) else []),
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
             *cfg.engine_extra_args,
@@ -164,11 +172,11 @@ class SglangBackend(upstream.UpstreamBackend):
         problems = upstream.common_refusals(
             cfg,
             owned_flags=OWNED_FLAGS,
-            refused_flags=REFUSED_FLAGS,
+            refused_flags=REFUSED_FLAGS if self.retains_weights(cfg) else REPLICA_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
             aliases=ALIASES,
+            retained=self.retains_weights(cfg),
         )
-        problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=True)
         for variable in (SOCKET_TEMPLATE_VARIABLE, READY_TEMPLATE_VARIABLE):
             if variable in cfg.env:
                 problems.append(

@@ -126,8 +126,9 @@ def cache_defaults(cfg, names: dict[str, str]) -> dict[str, str]:
 
 
 def gpu_env(cfg) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for the model's gpus:, unless env: sets it."""
-    if "CUDA_VISIBLE_DEVICES" in cfg.env:
+    """CUDA_VISIBLE_DEVICES for the model's gpus:, unless env: sets it or the
+    model runs on the CPU."""
+    if "CUDA_VISIBLE_DEVICES" in cfg.env or cfg.device == "cpu":
         return {}
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in cfg.gpus)}
 
@@ -143,8 +144,10 @@ def checkpoint_quantization(model_dir: str) -> Optional[dict]:
 
 
 def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str, str],
-                    editable_flags: dict[str, str], aliases: dict[str, str]) -> list[str]:
-    """The refusals both upstream backends make, each naming the setting."""
+                    editable_flags: dict[str, str], aliases: dict[str, str], retained: bool) -> list[str]:
+    """The refusals both upstream backends make, each naming the setting.
+    Without the weight cache (not RETAINED) what only the cache cannot do is
+    not refused: REFUSED_FLAGS are then only those hostd itself cannot run."""
     problems = []
     model = Path(cfg.model)
     if cfg.model.endswith(".gguf") or (model.is_dir() and list(model.glob("*.gguf"))):
@@ -154,20 +157,20 @@ def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str
         )
     elif not (model / "config.json").is_file():
         problems.append(f"model: {model} has no config.json (not a checkpoint directory)")
-    if cfg.pipeline_parallel_size > 1:
+    if cfg.pipeline_parallel_size > 1 and retained:
         problems.append(
             f"pipeline_parallel_size: {cfg.pipeline_parallel_size} is not supported with the "
             f"{cfg.backend} weight cache under hostd (one upstream socket per tensor-parallel GPU); "
             "set it to 1"
         )
-    if cfg.tensor_parallel_size != len(cfg.gpus):
+    if cfg.tensor_parallel_size != len(cfg.gpus) and cfg.device == "cuda":
         problems.append(
             f"tensor_parallel_size: {cfg.tensor_parallel_size} does not match the {len(cfg.gpus)} "
             f"GPU(s) in gpus: {cfg.gpus}; one replica spans exactly the listed GPUs "
             "(more than one replica is not supported)"
         )
     env = effective_env(cfg)
-    for name in ALLOC_CONF_VARIABLES:
+    for name in ALLOC_CONF_VARIABLES if retained else ():
         if "expandable_segments:true" in env.get(name, "").replace(" ", "").lower():
             problems.append(
                 f"env.{name}: expandable_segments:True makes allocations CUDA IPC cannot "
@@ -202,13 +205,13 @@ def quantization_refusals(cfg, allowlist: dict[Optional[str], str], check_fp8_bl
         return [
             f"{key}: {method!r} is not verified for IPC sharing by the {cfg.backend} weight "
             "cache: its post-load repacking cannot be carried by tensor export and would serve "
-            f"wrong numerics; allowed: {allowed}; serve this model with another backend"
+            f"wrong numerics (allowed: {allowed})"
         ]
     if method == "fp8" and check_fp8_block and not declared.get("weight_block_size"):
         return [
             f"{key}: 'fp8' is shared only block-wise, and {cfg.model}/config.json has no "
             "quantization_config.weight_block_size (online or per-tensor fp8 is repacked after "
-            "loading); use a block-wise fp8 checkpoint"
+            "loading)"
         ]
     return []
 
@@ -301,8 +304,27 @@ class UpstreamBackend(Backend):
 
         return supervisor.run(args, cfg)
 
+    # Quantization methods upstream's weight cache can share, with the reason
+    # (set by each backend); fp8 only block-wise where FP8_BLOCK_ONLY.
+    QUANTIZATION_ALLOWLIST: ClassVar[dict[Optional[str], str]] = {None: "unquantized"}
+    FP8_BLOCK_ONLY: ClassVar[bool] = False
+
     def uses_gpu(self, cfg) -> bool:
-        return True  # both weight caches share CUDA allocations only
+        return cfg.device == "cuda"
+
+    def weights_not_retained(self, cfg) -> Optional[str]:
+        """Why upstream's weight cache cannot hold CFG's weights, so that the
+        engine loads them from disk on every start, or None."""
+        if cfg.weight_cache == "off":
+            return "weight_cache: off in the model's config"
+        if cfg.device == "cpu":
+            return (f"device: cpu; the {cfg.backend} weight cache shares weights through CUDA IPC "
+                    "only (upstream raises UnsupportedPlatformForIPCError on other platforms)")
+        problems = quantization_refusals(cfg, self.QUANTIZATION_ALLOWLIST, check_fp8_block=self.FP8_BLOCK_ONLY)
+        return problems[0] if problems else None
+
+    def retains_weights(self, cfg) -> bool:
+        return self.weights_not_retained(cfg) is None
 
     def expected_sockets(self, cfg) -> int:
         """Upstream sockets that exist once every rank serves: one per GPU."""

@@ -84,14 +84,18 @@ ALIASES = {
     "--no-enable-sleep-mode": "--enable-sleep-mode",
 }
 
-# Flags refused in extra_args, with the reason upstream or hostd cannot serve them.
+# Flags refused in extra_args, with the reason upstream or hostd cannot serve
+# them; CACHE_ONLY ones are refused only while the weight cache holds the weights.
+REPLICA_FLAGS = {
+    "--data-parallel-size": "hostd runs one replica per model",
+}
 REFUSED_FLAGS = {
     "--enable-lora": "LoRA adapters are applied to weights the engine does not own in zero_copy mode",
     "--lora-modules": "LoRA adapters are applied to weights the engine does not own in zero_copy mode",
     "--speculative-config": "speculative decoding adds draft daemons hostd does not supervise",
     "--enable-sleep-mode": "sleep mode offloads weights, and zero_copy weights live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
-    "--data-parallel-size": "hostd runs one replica per model",
+    **REPLICA_FLAGS,
 }
 
 # Flags of `vllm serve` that `vllm preload` does not take (its API server's,
@@ -156,6 +160,7 @@ def socket_name(gpu_uuid: str, draft: bool = False) -> str:
 
 class VllmBackend(upstream.UpstreamBackend):
     name = "vllm"
+    QUANTIZATION_ALLOWLIST = QUANTIZATION_ALLOWLIST
     stop_grace_seconds = 10.0  # vLLM honours its own --shutdown-timeout
     # vLLM's /health answers at once (no generation); 200 while it serves,
     # and still 200 during a --shutdown-timeout drain.
@@ -197,14 +202,18 @@ class VllmBackend(upstream.UpstreamBackend):
         return Command(argv, self._env(cfg))
 
     def engine_command(self, model: str, cfg, port: int = 0) -> Command:
-        """PORT is unused: `vllm serve` listens on engine_socket()."""
-        extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
+        """PORT is unused: `vllm serve` listens on engine_socket(). Without the
+        weight cache (weights_not_retained) it loads from disk as vLLM does."""
+        load: list[str] = []
+        if self.retains_weights(cfg):
+            extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
+            load = ["--load-format", "ipc_cache",
+                    "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True)]
         argv = [
             self.executable(cfg), "serve", cfg.model,
             "--served-model-name", cfg.served_model_name or model,
             *self._layout_args(cfg),
-            "--load-format", "ipc_cache",
-            "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True),
+            *load,
             "--uds", str(self.engine_socket(model)),
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
@@ -231,9 +240,10 @@ class VllmBackend(upstream.UpstreamBackend):
         problems = upstream.common_refusals(
             cfg,
             owned_flags=OWNED_FLAGS,
-            refused_flags=REFUSED_FLAGS,
+            refused_flags=REFUSED_FLAGS if self.retains_weights(cfg) else REPLICA_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
             aliases=ALIASES,
+            retained=self.retains_weights(cfg),
         )
         for flag in sorted(FRONTEND_FLAGS):
             if upstream.has_flag(cfg.extra_args, flag, aliases=ALIASES):
@@ -242,7 +252,6 @@ class VllmBackend(upstream.UpstreamBackend):
                     "weight cache daemon, which gets extra_args too) exits on it; move it to "
                     "engine_extra_args"
                 )
-        problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=False)
         env = upstream.effective_env(cfg)
         exe = self.executable(cfg)
         problem = upstream.version_refusal(

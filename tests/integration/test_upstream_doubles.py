@@ -179,3 +179,30 @@ def test_sglang_engine_is_ready_while_its_generating_health_is_slow(short_root, 
     assert time.monotonic() - started < 30
     with tree.http(timeout=30) as http:
         assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_without_the_weight_cache_no_daemon_runs_and_an_engine_restart_loads_from_disk(
+        backend, short_root, checkpoint, trees):
+    """device: cpu: upstream's weight cache cannot run (CUDA IPC only), so the
+    weights unit starts no upstream daemon and says why; the engine loads from
+    disk, and an engine restart keeps the weights unit (what a reload relies on)."""
+    tree = tree_for(short_root, checkpoint, backend, device="cpu")
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    status = weights_client.status(tree.weights_socket)
+    assert status.upstream_pids == [] and status.upstream_socket_inodes == {}
+    assert status.not_retained.startswith("device: cpu") and status.fingerprint.device == "cpu"
+    assert "not retained" in weights.log()
+    engine = tree.start_engine(timeout=60)
+    health = tree.health()
+    assert health["weights"] == "disk" and health["weights_not_retained"].startswith("device: cpu")
+    argv = Path(f"/proc/{health['upstream_pid']}/cmdline").read_bytes().split(b"\0")
+    assert b"--uds" in argv or b"--port" in argv
+    assert b"ipc_cache" not in argv and b"--weight-cache-mode" not in argv
+    assert "not retained" in engine.log()
+    with tree.http() as http:
+        assert http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1}).status_code == 200
+    assert engine.stop() == 0
+    tree.start_engine(timeout=60)
+    assert weights_client.status(tree.weights_socket).pid == weights.pid == tree.health()["weights_pid"]

@@ -202,9 +202,6 @@ def test_sglang_drain_is_bounded_by_hostd(ckpt):
 
 REFUSALS = [
     # (backend, config keys, text the message must contain)
-    ("vllm", {"quantization": "gptq"}, "quantization: 'gptq' is not verified"),
-    ("sglang", {"quantization": "awq"}, "quantization: 'awq' is not verified"),
-    ("sglang", {"quantization": "fp8"}, "weight_block_size"),
     ("vllm", {"extra_args": ["--enable-lora"]}, "extra_args: --enable-lora is refused"),
     ("sglang", {"extra_args": ["--lora-paths=a"]}, "extra_args: --lora-paths is refused"),
     ("vllm", {"extra_args": ["--speculative-config", "{}"]}, "--speculative-config is refused"),
@@ -238,14 +235,55 @@ def test_refusal_names_the_setting(backend, keys, message, ckpt, home):
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
-def test_gguf_and_checkpoint_quantization_are_refused(backend, tmp_path, ckpt, home):
+def test_gguf_is_refused(backend, tmp_path, ckpt, home):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     cfg = make(backend, str(gguf))
     assert any("GGUF" in p and p.startswith("model:") for p in backends.for_config(cfg).refusals(cfg))
-    (Path(ckpt) / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-    cfg = make(backend, ckpt)
-    assert any("quant_method" in p and "'gptq'" in p for p in backends.for_config(cfg).refusals(cfg))
+
+
+# ---------------------------------------------------------------- served without the weight cache
+
+NOT_RETAINED = [
+    # (backend, config keys, checkpoint quantization_config, words of the reason)
+    ("vllm", {"quantization": "gptq"}, None, "quantization: 'gptq' is not verified for IPC sharing"),
+    ("sglang", {"quantization": "awq"}, None, "quantization: 'awq' is not verified"),
+    ("sglang", {"quantization": "fp8"}, None, "weight_block_size"),
+    ("vllm", {}, {"quant_method": "gptq"}, "config.json quantization_config.quant_method): 'gptq'"),
+    ("vllm", {"device": "cpu"}, None, "device: cpu; the vllm weight cache shares weights through CUDA IPC only"),
+    ("sglang", {"device": "cpu"}, None, "device: cpu"),
+    ("vllm", {"weight_cache": "off"}, None, "weight_cache: off"),
+]
+
+
+@pytest.mark.parametrize(("backend", "keys", "declared", "reason"), NOT_RETAINED, ids=[r for *_, r in NOT_RETAINED])
+def test_without_the_weight_cache_the_engine_loads_from_disk(backend, keys, declared, reason, ckpt, home):
+    if declared:
+        (Path(ckpt) / "config.json").write_text(json.dumps({"quantization_config": declared}))
+    cfg = make(backend, ckpt, **keys)
+    b = backends.for_config(cfg)
+    assert reason in b.weights_not_retained(cfg)
+    assert b.refusals(cfg) == []
+    engine = b.engine_command("m", cfg, port=1).argv
+    assert "ipc_cache" not in engine and "--model-loader-extra-config" not in engine
+    assert "--weight-cache-mode" not in engine
+    if keys.get("device") == "cpu":
+        assert "CUDA_VISIBLE_DEVICES" not in b.engine_command("m", cfg, port=1).env
+        assert not b.uses_gpu(cfg)
+
+
+def test_without_the_weight_cache_only_the_caches_refusals_are_lifted(ckpt):
+    cfg = make("vllm", ckpt, device="cpu", extra_args=["--enable-lora"], engine_extra_args=["-dp", "2"])
+    problems = backends.for_config(cfg).refusals(cfg)
+    assert problems == ["engine_extra_args: --data-parallel-size is refused: hostd runs one replica per model"]
+    cfg = make("vllm", ckpt, device="cpu", tensor_parallel_size=2)  # CPU: gpus: does not count
+    assert backends.for_config(cfg).refusals(cfg) == []
+
+
+def test_with_the_weight_cache_weights_are_retained(ckpt, home):
+    for backend in ("vllm", "sglang"):
+        cfg = make(backend, ckpt)
+        assert backends.for_config(cfg).weights_not_retained(cfg) is None
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
