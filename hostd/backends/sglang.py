@@ -71,14 +71,12 @@ REFUSED_FLAGS = {
     **REPLICA_FLAGS,
 }
 
-# Other spellings SGLang's parser takes for a flag hostd checks (0.5.23; the
-# contract tests check this table against the real parser).
+# Other names SGLang's parser declares for a flag hostd checks (0.5.23; the
+# contract tests check this table against the real parser). Abbreviations
+# such as --tp (argparse's prefix matching) are caught by upstream.has_flag.
 ALIASES = {
-    "--tp": "--tp-size",
     "--tensor-parallel-size": "--tp-size",
-    "--pp": "--pp-size",
     "--pipeline-parallel-size": "--pp-size",
-    "--dp": "--dp-size",
     "--data-parallel-size": "--dp-size",
     "--model": "--model-path",
 }

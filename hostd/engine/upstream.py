@@ -26,9 +26,12 @@ When the child dies on its own this process exits non-zero.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import re
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -61,6 +64,8 @@ class EngineSupervisor:
         self.weights_pid, self.weights_inode = weights_identity
         self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.stderr_copier: Optional[asyncio.Future] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
         self.upstream_socket: Optional[Path] = self.backend.engine_socket(name)
@@ -87,8 +92,28 @@ class EngineSupervisor:
         log.info("starting %s", " ".join(self.command.argv))
         self.proc = await asyncio.create_subprocess_exec(
             *self.command.argv, env=upstream.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
         )
+        self.stderr_copier = asyncio.ensure_future(self.copy_stderr())
         self.session = self._session()
+
+    async def copy_stderr(self) -> None:
+        """Pass upstream's stderr through to ours (the journal) unchanged, and
+        keep its last lines: when upstream exits before it serves, its own
+        error is logged at error priority (and so reaches a reload's Error)."""
+        assert self.proc and self.proc.stderr
+        out = sys.stderr.buffer
+        while line := await self.proc.stderr.readline():
+            out.write(line)
+            out.flush()
+            self.stderr_tail.append(line.decode(errors="replace").rstrip())
+
+    def upstream_error(self) -> str:
+        """Upstream's own error: the last of its stderr lines that names an
+        error or exception, else its last line."""
+        lines = [l for l in self.stderr_tail if l.strip()]
+        errors = [l for l in lines if re.search(r"Error\b|Exception\b|error:", l)]
+        return (errors or lines or [""])[-1].strip()
 
     async def upstream_health(self) -> Optional[int]:
         """Upstream's health status code (the backend's health_path), None when
@@ -198,7 +223,10 @@ class EngineSupervisor:
                 if self.stopping.is_set():
                     await self.stop_child()
                     return 0
-                log.error("upstream engine exited with %s before it served", self.proc.returncode)
+                if self.stderr_copier is not None:
+                    await asyncio.wait({self.stderr_copier}, timeout=5)
+                log.error("upstream engine exited with %s before it served: %s", self.proc.returncode,
+                          self.upstream_error())
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
             listener = passed[0] if passed else sockets.bind_private(self.socket_path)

@@ -85,7 +85,8 @@ def clear_directory(directory: Path) -> None:
     sockets.ensure_private_dir(directory.parent)  # /run/hostd/NAME first: 0700, not umask's mode
     sockets.ensure_private_dir(directory)
     for entry in os.scandir(directory):
-        if entry.is_file(follow_symlinks=False) or entry.is_socket() or entry.is_symlink():
+        if entry.is_file(follow_symlinks=False) or entry.is_symlink() or \
+                stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
             os.unlink(entry.path)
 
 
@@ -279,7 +280,11 @@ def run(args, cfg) -> int:
         log.info("upstream weight cache stopped (exit %s)", code)
         return 0
     finally:
-        if supervisor.child is not None and supervisor.child.poll() is None:
-            supervisor.stop_child()
+        if supervisor.child is not None:
+            if supervisor.child.poll() is None:
+                supervisor.stop_child()
+            # Upstream's daemons install no SIGTERM handler: their sockets,
+            # lock and .ready files outlive them. Nothing serves them now.
+            clear_directory(supervisor.directory)
         if listener is not None:
             sockets.release(listener)

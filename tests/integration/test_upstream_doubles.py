@@ -118,7 +118,7 @@ def test_stopping_the_weights_supervisor_stops_upstream_and_clears_its_sockets(b
     trees.append(tree)
     weights = tree.start_weights(timeout=60)
     status = weights_client.status(tree.weights_socket)
-    assert weights.stop() == 0
+    assert weights.stop() == 0, weights.log()
     for pid in status.upstream_pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     upstream_dir = tree.runtime_dir / backend
