@@ -110,10 +110,17 @@ class EngineSupervisor:
 
     def upstream_error(self) -> str:
         """Upstream's own error: the last of its stderr lines that names an
-        error or exception, else its last line."""
+        error or exception with the indented detail lines under it (as
+        pydantic's "1 validation error for ModelConfig" has), else its last line."""
         lines = [l for l in self.stderr_tail if l.strip()]
-        errors = [l for l in lines if re.search(r"Error\b|Exception\b|error:", l)]
-        return (errors or lines or [""])[-1].strip()
+        found = [i for i, l in enumerate(lines) if re.search(r"Error\b|Exception\b|error:", l)]
+        if not found:
+            return lines[-1].strip() if lines else ""
+        start = found[-1]
+        end = start + 1
+        while end < len(lines) and end - start <= 3 and lines[end][:1].isspace():
+            end += 1
+        return " ".join(l.strip() for l in lines[start:end])
 
     async def upstream_health(self) -> Optional[int]:
         """Upstream's health status code (the backend's health_path), None when
