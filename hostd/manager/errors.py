@@ -34,32 +34,20 @@ class Refused(Exception):
             self.kind = kind
 
 
-class NoSuchModel(Refused):
-    kind = "NoSuchModel"
-
-
-class NoSuchOperation(Refused):
-    kind = "NoSuchOperation"
-
-
-class NotEditable(Refused):
-    kind = "NotEditable"
-
-
-class InvalidValue(Refused):
-    kind = "InvalidValue"
-
-
-class Busy(Refused):
-    kind = "Busy"
-
-
-class NotRunning(Refused):
-    kind = "NotRunning"
-
-
-class InsufficientMemory(Refused):
-    kind = "InsufficientMemory"
+# The kinds of refusal: the D-Bus error (org.hostd1.Error.KIND) and when it is raised.
+KINDS = {
+    "NoSuchModel": "no /etc/hostd/models/NAME.yaml",
+    "NoSuchOperation": "GetOperation of an id that is not (or no longer) on the bus",
+    "NotEditable": "a fixed field, a field the backend does not have, or fixed fields changed on disk",
+    "InvalidValue": "a wrong type, out of range, refused by the backend, or overridden by a later drop-in",
+    "Busy": "another operation runs on the model; or Cancel past the drain",
+    "NotRunning": "the model is not started, or the operation already ended",
+    "InsufficientMemory": "the GPU preflight says the new engine would not fit",
+}
+NoSuchModel, NoSuchOperation, NotEditable, InvalidValue, Busy, NotRunning, InsufficientMemory = (
+    type(kind, (Refused,), {"kind": kind, "__doc__": when, "__module__": __name__})
+    for kind, when in KINDS.items()
+)
 
 
 class AccessDenied(Refused):
