@@ -48,6 +48,7 @@ log = logging.getLogger("hostd.manager")
 
 CALLER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("caller", default=None)
 IN_FLIGHT_INTERVAL = 2.0
+GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
 RUNNING = reload_mod.State.RUNNING
 
 
@@ -176,6 +177,7 @@ class ModelInterface(ServiceInterface):
         self.units = (units.umbrella(name), units.engine(name))
         self.state = "unknown"
         self.in_flight = 0
+        self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
         self.active: Optional[OperationInterface] = None
         self._stamp: Optional[tuple] = None
         self._loaded: Optional[hostd_config.LoadedModel] = None
@@ -215,16 +217,19 @@ class ModelInterface(ServiceInterface):
         umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
         state = umbrella.get("ActiveState", "unknown")
         if state == "active":
-            return {"active": "serving", "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
+            serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
+            return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
         return {"activating": "starting", "deactivating": "stopping", "reloading": "reloading",
                 "unknown": "unknown"}.get(state, "stopped")
 
-    def refresh(self, in_flight: Optional[int] = None) -> None:
+    def refresh(self, in_flight: Optional[int] = None, gateway: Optional[str] = None) -> None:
+        if gateway is not None:
+            self.gateway = gateway
         changed = {}
         state = self.compute_state()
         if state != self.state:
             self.state = changed["State"] = state
-        if state not in ("serving", "reloading", "engine-down"):
+        if state not in GATEWAY_UP:
             in_flight = 0
         if in_flight is not None and in_flight != self.in_flight:
             self.in_flight = changed["InFlight"] = in_flight
@@ -374,11 +379,12 @@ class Manager(ServiceInterface):
     def _changed(self, iface: OperationInterface) -> None:
         iface.changed()
         model = self.models.get(iface.op.model)
+        if model is not None and not iface.running:
+            model.forget()  # the reload may have rewritten its drop-ins
+            model.gateway = None  # the operation resumed it (or says why not)
         if model is not None:
             model.refresh()
         if not iface.running:
-            if model is not None:
-                model.forget()  # the reload may have rewritten its drop-ins
             self.OperationFinished(iface.op.id, iface.path, iface.op.model, iface.op.state.value)
             self.prune()
 
@@ -507,10 +513,11 @@ class Manager(ServiceInterface):
         while True:
             self.discover()
             for name, model in list(self.models.items()):
-                if model.state not in ("serving", "reloading", "engine-down"):
+                if model.state not in GATEWAY_UP:
                     continue
                 status = await Probe(name).gateway_status()
-                model.refresh(status["in_flight"] if status else None)
+                if status:
+                    model.refresh(status["in_flight"], status["state"])
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     async def recover(self) -> None:

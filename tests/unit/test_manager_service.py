@@ -53,10 +53,15 @@ def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeyp
         path = await manager.reload("tiny", {"max_num_seqs": 4})
         op = manager.operations[1].op
         op.on_change = (lambda inner: lambda o: (inner(o), seen.append((o.stage.value, model.state))))(op.on_change)
+        model.refresh(0, "draining")  # what the in-flight watch saw from the gateway mid-reload
         await op.done_event.wait()
         assert path == api.operation_path(1)
         assert seen[-1] == ("finished", "serving")  # not "reloading" a moment longer
         assert ("restart", "reloading") in seen
+        model.refresh(0, "paused")  # the gateway's own word, e.g. after a resume that failed
+        assert model.state == "paused"
+        model.refresh(0, "serving")
+        assert model.state == "serving"
         world.bus.set_state(units.engine("tiny"), "failed")
         assert model.state == "engine-down"
         world.bus.set_state(units.umbrella("tiny"), "deactivating")
