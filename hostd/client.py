@@ -26,7 +26,6 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
 from hostd.manager import api
-from hostd.manager.api import BUS_NAME, FINAL_STATES, OPERATION, ROOT_PATH  # noqa: F401 (re-exported)
 
 MATCHES = (
     f"type='signal',sender='{api.BUS_NAME}',interface='{api.MANAGER}',member='OperationFinished'",

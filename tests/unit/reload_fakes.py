@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import msgspec
-from dbus_fast import Message, MessageType, Variant
+from dbus_fast import Message, Variant
 
 from hostd import config, units
 from hostd.manager import reload as R
