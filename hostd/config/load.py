@@ -401,14 +401,15 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
 
 
 def merge_model(
-    name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict]] = None
+    name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict | YamlFile]] = None
 ) -> tuple[Merged, list[Problem]]:
     """Read and merge every readable file of model NAME (values not validated);
     the problems of the files that could not be read come back beside it.
 
     OVERLAY maps a drop-in file name to data that stands in for that file (or
     joins the directory), in its lexical place: what the tree would be if the
-    file held that data. Nothing is written."""
+    file held that data (a YamlFile from parse_yaml keeps its line numbers for
+    messages). Nothing is written."""
     root = config_root(root)
     problem = schema.model_name_problem(name)
     main = model_file(name, root)
@@ -435,7 +436,8 @@ def merge_model(
     for path in sources:
         try:
             if path.name in overlay and path.parent == directory:
-                merged.add(YamlFile(str(path), overlay[path.name], {}))
+                data = overlay[path.name]
+                merged.add(data if isinstance(data, YamlFile) else YamlFile(str(path), data, {}))
             else:
                 merged.add(read_yaml(path))
         except ConfigError as exc:

@@ -17,7 +17,7 @@ from typing import Optional
 import aiohttp
 import msgspec
 
-from hostd import backends, paths
+from hostd import backends, paths, units
 from hostd.gateway import control
 from hostd.weights import client as weights_client
 
@@ -104,7 +104,7 @@ class Probe:
         try:
             result = await asyncio.to_thread(
                 subprocess.run,
-                ["journalctl", "-u", f"model-engine@{self.name}.service", "-p", "err", "-n", "3",
+                ["journalctl", "-u", units.engine(self.name), "-p", "err", "-n", "3",
                  "-o", "cat", "--no-pager", "--since", "-5min"],
                 capture_output=True, text=True, timeout=10,
             )
