@@ -199,6 +199,40 @@ def _check_nodes(root: yaml.Node, name: str, lines: dict[KeyPath, int]) -> None:
                 stack.append((item, path + (str(index),), inner))
 
 
+def render_yaml(data: dict, name: str, header: str = "") -> str:
+    """DATA as the text of a YAML file NAME that the loader will accept: the
+    same limits (MAX_NODES values, MAX_FILE_BYTES) checked before anyone
+    writes it. A ConfigError names the key whose value is too large."""
+    seen = 0
+    largest: dict[KeyPath, int] = {}
+    stack: list[tuple[Any, KeyPath]] = [(data, ())]
+    while stack:
+        value, key = stack.pop()
+        seen += 1
+        if key:
+            largest[key[:2]] = largest.get(key[:2], 0) + 1
+        if seen > MAX_NODES:
+            worst = max(largest, key=largest.__getitem__)
+            raise ConfigError([Problem(
+                name, dotted(worst), f"more than {MAX_NODES} values; the config loader refuses "
+                "such a file, so it is not written")])
+        if isinstance(value, dict):
+            stack.extend((v, key + (str(k),)) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, key) for v in value)
+    text = header + yaml.safe_dump(data, sort_keys=True)
+    if len(text.encode()) > MAX_FILE_BYTES:
+        sizes = {}
+        for key, value in data.items():
+            for inner, item in (value.items() if isinstance(value, dict) else [("", value)]):
+                sizes[dotted((str(key), str(inner)) if inner else (str(key),))] = len(yaml.safe_dump(item))
+        worst = max(sizes, key=sizes.__getitem__) if sizes else ""
+        raise ConfigError([Problem(
+            name, str(worst), f"the file would be larger than {MAX_FILE_BYTES} bytes; the config "
+            "loader refuses such a file, so it is not written")])
+    return text
+
+
 # ---------------------------------------------------------------- merging
 
 

@@ -25,6 +25,12 @@ one function (merge_patch, parsing with the config loader) and written
 atomically. An empty patch applies what is on disk now; if that fails, the
 previous values are pinned in 99-rollback.yaml (the administrator's own files
 are never edited) and the Operation says so.
+
+Trust: root writes only what it computed from validated data. A patch and a
+pin are rendered within the config loader's limits before anything is
+written (render); the pin holds the last committed engine section, never what
+the engine reported as such (previous_engine); a failure message in a comment
+is one bounded line without control characters (comment_text).
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import msgspec
-import yaml
 
 from hostd import config as hostd_config
 from hostd import units
@@ -197,6 +202,48 @@ def merge_patch(dropin: Path, patch: dict) -> dict:
     return {**data, "engine": {**(engine if isinstance(engine, dict) else {}), **patch}}
 
 
+RELOAD_HEADER = "# Written by hostd's manager on reload; hostctl config NAME shows the effect.\n"
+COMMENT_LIMIT = 500  # characters of a failure message in a drop-in's comment
+
+
+def render(file_name: str, header: str, data: dict) -> str:
+    """The text of a drop-in root writes: refused (InvalidValue naming the key)
+    where the config loader would refuse the file, before anything is written."""
+    try:
+        return hostd_config.load.render_yaml(data, file_name, header)
+    except hostd_config.ConfigError as exc:
+        raise errors.InvalidValue("; ".join(map(str, exc.problems))) from None
+
+
+def comment_text(message: str, limit: int = COMMENT_LIMIT) -> str:
+    """MESSAGE (the engine's journal lines among others: not root's text) fit
+    for one comment line: control and other non-printable characters (YAML
+    line breaks such as U+2028 included) become spaces, whitespace collapses,
+    and at most LIMIT characters are kept, cut at a word."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in message).split())
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 4]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
+
+
+def previous_engine(backend: str, committed: Optional[dict], health: Optional[dict]) -> Optional[dict]:
+    """The engine section a rollback brings back, as values root computed: the
+    last committed section (records.py, written by root after a verify), else
+    (nothing committed yet) the section the engine reports, only if it is a
+    valid engine section of BACKEND, re-rendered from the schema's type. Text
+    the engine sent is never written as such; None when neither is usable."""
+    engine_type = schema.ENGINE_TYPES[backend]
+    for source in ((committed or {}).get("engine"), (health or {}).get("engine_config")):
+        if source is None:
+            continue
+        try:
+            return msgspec.to_builtins(msgspec.convert(source, engine_type))
+        except (msgspec.ValidationError, TypeError):
+            log.warning("previous engine values refused: not a valid %s engine section", backend)
+    return None
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -227,6 +274,7 @@ class Reload:
         self.previous_reload: Optional[str] = None
         self.previous_rollback: Optional[str] = None
         self.reload_data: Optional[dict] = None  # 90-reload.yaml with the patch merged
+        self.reload_text: Optional[str] = None  # ... as the file root writes, within the loader's limits
         self.current = None  # effective config before the reload
         self.target = None  # effective config after it
         self.running_engine: Optional[dict] = None
@@ -264,16 +312,18 @@ class Reload:
         self.current = current.config
         health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
-        self.running_engine = (health or {}).get("engine_config") or (committed or {}).get("engine")
+        self.running_engine = previous_engine(current.config.backend, committed, health)
         if patch:
             self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch)
+            self.reload_text = render(RELOAD_DROPIN, RELOAD_HEADER, self.reload_data)
             self.target = self.config_with(self.reload_data, patch)
         else:
             self.target = current.config
         if committed is not None:
             self.check_fixed_unchanged(committed)
         if not patch and self.running_engine is None:
-            raise errors.NotRunning(f"the engine of {name} does not answer; cannot tell what it runs")
+            raise errors.NotRunning(f"the engine of {name} does not answer (or reports no valid engine section) "
+                                    "and nothing is committed; cannot tell what it runs")
         problems = self.model_backend_refusals(self.target)
         if problems:
             raise errors.InvalidValue("; ".join(problems))
@@ -339,9 +389,8 @@ class Reload:
             "target_engine": msgspec.to_builtins(self.target.engine),
             "weights": list(self.weights_before) if self.weights_before else None,
         })
-        if self.reload_data is not None:
-            header = "# Written by hostd's manager on reload; hostctl config NAME shows the effect.\n"
-            write_atomic(directory / RELOAD_DROPIN, header + yaml.safe_dump(self.reload_data, sort_keys=True))
+        if self.reload_text is not None:
+            write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
     async def drain(self) -> None:
         result = await self.model.probe.drain(self.current.reload.drain_timeout)
@@ -369,13 +418,12 @@ class Reload:
         else:
             # The new values came from the administrator's own drop-in: pin the
             # values the engine ran before above it rather than editing their file.
-            pinned = {"engine": self.running_engine}
-            write_atomic(
-                directory / ROLLBACK_DROPIN,
-                "# Written by hostd's manager: the reload of these values failed "
-                f"({cause.splitlines()[0][:200]}).\n# Remove this file once the config is fixed.\n"
-                + yaml.safe_dump(pinned, sort_keys=True),
-            )
+            if self.running_engine is None:
+                raise RuntimeError("no committed or schema-valid previous values to pin")
+            header = (f"# Written by hostd's manager: the reload of these values failed ({comment_text(cause)}).\n"
+                      "# Remove this file once the config is fixed.\n")
+            write_atomic(directory / ROLLBACK_DROPIN,
+                         render(ROLLBACK_DROPIN, header, {"engine": self.running_engine}))
             self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
         restored = hostd_config.load_model(self.model.name, self.model.root).config
         await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)

@@ -1,9 +1,12 @@
 """What root writes and reads from a model's config: strings that reach unit
-files carry no control characters, config files are regular files, and a GPU's
-device node is the one NVML names (issue 12, rows 5, 8 and 11)."""
+files carry no control characters, config files are regular files, a GPU's
+device node is the one NVML names, and the drop-ins a reload writes hold only
+values root computed, within the loader's limits (issue 12, rows 2, 5, 7, 8
+and 11)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +18,12 @@ import pytest
 
 from hostd import config, generator
 from hostd.config import schema
+from hostd.manager import errors
+from hostd.manager import reload as R
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reload_fakes import World  # noqa: E402
 
 
 def write_model(root: Path, name: str, text: str) -> None:
@@ -58,6 +67,68 @@ def test_generator_escapes_specifiers_in_values():
     assert "ListenStream=/run/a%%ib.sock\n" in socket_dropin
     with pytest.raises(ValueError, match="control character"):
         generator.unit_value("a\nb")
+
+
+# ------------------------------------------------------------ rows 2 and 7
+
+
+def test_a_rollback_pin_holds_the_committed_values_never_what_the_engine_reported(tmp_path: Path):
+    world = World(tmp_path)
+    world.records.write_committed("tiny", config.load_model("tiny", world.root).config)
+    (world.root / "models/tiny.d").mkdir()
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine: {max_num_seqs: 2}\n")
+    # The engine (the service user's process) reports 2 MiB of junk and logs an ESC.
+    world.probe.engine = {"junk": "x" * (2 << 20), "max_num_seqs": 8}
+    world.probe.fail_next_start = True
+
+    async def engine_error(default):
+        return default + ": boom\x1b[2J\n\u2028ExecStartPre=/bin/sh " + "word " * 400
+
+    world.probe.engine_error = engine_error
+    op = asyncio.run(world.reload({}))
+    assert op.state == R.State.ROLLED_BACK
+    pin = world.root / "models/tiny.d" / R.ROLLBACK_DROPIN
+    text = pin.read_text()
+    assert len(text) < 2000 and "junk" not in text and "\x1b" not in text
+    comment = text.splitlines()[0]
+    assert comment.startswith("# Written by hostd's manager") and "ExecStartPre" in comment
+    assert len(comment) < R.COMMENT_LIMIT + 100 and comment.endswith("...).")
+    assert not any(line.startswith("ExecStartPre") for line in text.splitlines())
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == 8  # the file loads
+
+
+def test_without_a_commit_an_invalid_engine_report_is_never_pinned(tmp_path: Path):
+    world = World(tmp_path)
+    world.probe.engine = {"junk": "x" * 1000}
+    with pytest.raises(errors.NotRunning, match="no valid engine section"):
+        asyncio.run(world.reload({}))
+    assert not (world.root / "models/tiny.d").exists()
+
+
+def test_a_patch_over_the_loaders_node_limit_is_refused_naming_the_key(tmp_path: Path):
+    world = World(tmp_path)
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: more than 100000 values"):
+        asyncio.run(world.reload({"max_num_seqs": list(range(1, 150_001))}))
+    assert not world.dropin.exists() and world.restarts() == 0
+
+
+def test_a_patch_over_the_loaders_size_limit_is_refused_naming_the_key(tmp_path: Path):
+    world = World(tmp_path)
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the file would be larger"):
+        asyncio.run(world.reload({"max_num_seqs": "x" * (config.load.MAX_FILE_BYTES + 1)}))
+    assert not world.dropin.exists() and world.restarts() == 0
+
+
+def test_a_vllm_patch_of_150000_graph_sizes_is_refused_before_anything_is_written(tmp_path: Path):
+    big = {"engine": {"cuda_graph_sizes": list(range(1, 150_001))}}
+    with pytest.raises(config.ConfigError, match="engine.cuda_graph_sizes: more than"):
+        config.load.render_yaml(big, R.RELOAD_DROPIN)
+
+
+def test_comment_text_is_one_bounded_line_cut_at_a_word():
+    text = R.comment_text("a\x1bb\nc\rd\u2028e " + "word " * 200)
+    assert text.startswith("a b c d e word") and text.endswith(" ...")
+    assert len(text) <= R.COMMENT_LIMIT and text.isprintable() and "wor ..." not in text
 
 
 # ------------------------------------------------------------ row 8
