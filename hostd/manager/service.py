@@ -169,6 +169,17 @@ def config_stamp(name: str, root: Path) -> tuple:
     return tuple(stamp)
 
 
+REDACTED = "<redacted>"
+
+
+def redacted(config: dict) -> dict:
+    """CONFIG with its env: values replaced by REDACTED, keys kept. Anyone on
+    the bus may read Config and RunningConfig, and env: holds secrets
+    (HF_TOKEN) of a YAML that may be 0600; root reads the files themselves."""
+    env = config.get("env")
+    return {**config, "env": dict.fromkeys(env, REDACTED)} if isinstance(env, dict) else config
+
+
 class ModelInterface(ServiceInterface):
     def __init__(self, manager: "Manager", name: str):
         super().__init__(api.MODEL)
@@ -252,11 +263,14 @@ class ModelInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def Config(self) -> "s":
         loaded = self.loaded()
-        return json.dumps(msgspec.to_builtins(loaded.config)) if loaded else "{}"
+        return json.dumps(redacted(msgspec.to_builtins(loaded.config))) if loaded else "{}"
 
     @dbus_property(access=PropertyAccess.READ)
     def RunningConfig(self) -> "s":
-        return self.manager.records.committed_text(self.model_name) or "{}"
+        committed = self.manager.records.committed(self.model_name)
+        if committed is None:
+            return "{}"
+        return json.dumps({**committed, "fixed": redacted(committed.get("fixed") or {})})
 
     @dbus_property(access=PropertyAccess.READ)
     def EditableFields(self) -> "as":

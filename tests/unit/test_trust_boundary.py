@@ -7,6 +7,7 @@ and 11)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 
 from hostd import config, generator
 from hostd.config import schema
-from hostd.manager import errors
+from hostd.manager import errors, service
 from hostd.manager import reload as R
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -129,6 +130,30 @@ def test_comment_text_is_one_bounded_line_cut_at_a_word():
     text = R.comment_text("a\x1bb\nc\rd\u2028e " + "word " * 200)
     assert text.startswith("a b c d e word") and text.endswith(" ...")
     assert len(text) <= R.COMMENT_LIMIT and text.isprintable() and "wor ..." not in text
+
+
+# ------------------------------------------------------------ row 6
+
+
+def test_config_and_running_config_on_the_bus_redact_env_values(tmp_path: Path):
+    world = World(tmp_path)
+    model_yaml = world.root / "models/tiny.yaml"
+    model_yaml.write_text(model_yaml.read_text() + "env: {HF_TOKEN: hf_secret123, OTHER: x}\n")
+    model_yaml.chmod(0o600)
+    world.records.write_committed("tiny", config.load_model("tiny", world.root).config)
+
+    async def go():
+        await world.connect()
+        manager = service.Manager(world.bus, world.systemd, world.root, world.records)
+        manager.discover()
+        model = manager.models["tiny"]
+        return json.loads(model.Config), json.loads(model.RunningConfig)
+
+    cfg, running = asyncio.run(go())
+    assert cfg["env"] == {"HF_TOKEN": "<redacted>", "OTHER": "<redacted>"}
+    assert running["fixed"]["env"] == {"HF_TOKEN": "<redacted>", "OTHER": "<redacted>"}
+    assert cfg["engine"]["max_num_seqs"] == running["engine"]["max_num_seqs"] == 8
+    assert "hf_secret123" in world.records.committed_text("tiny")  # root's own record keeps it
 
 
 # ------------------------------------------------------------ row 8
