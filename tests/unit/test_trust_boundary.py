@@ -1,14 +1,17 @@
-"""What root writes and reads from a model's config: strings that reach unit
-files carry no control characters, config files are regular files, a GPU's
-device node is the one NVML names, and the drop-ins a reload writes hold only
-values root computed, within the loader's limits (issue 12, rows 2, 5, 7, 8
-and 11)."""
+"""What root writes, reads and connects to: strings that reach unit files
+carry no control characters, config files are regular files, a GPU's device
+node is the one NVML names, the drop-ins a reload writes hold only values
+root computed within the loader's limits, env: values stay off the bus, and
+root connects only to the model user's own sockets, never through a symlink
+(issue 12, rows 2, 3, 5, 6, 7, 8 and 11)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import types
@@ -17,7 +20,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from hostd import config, generator
+from hostd import config, generator, sockets
+from hostd.gateway import control
+from hostd.manager.probe import Probe
+from hostd.weights import client as weights_client
 from hostd.config import schema
 from hostd.manager import errors, service
 from hostd.manager import reload as R
@@ -154,6 +160,120 @@ def test_config_and_running_config_on_the_bus_redact_env_values(tmp_path: Path):
     assert running["fixed"]["env"] == {"HF_TOKEN": "<redacted>", "OTHER": "<redacted>"}
     assert cfg["engine"]["max_num_seqs"] == running["engine"]["max_num_seqs"] == 8
     assert "hf_secret123" in world.records.committed_text("tiny")  # root's own record keeps it
+
+
+# ------------------------------------------------------------ row 3
+
+NOBODY, DAEMON = 65534, 1
+
+
+def run_server(path: Path, uid: int) -> int:
+    """Fork a server on PATH (owned by UID) listening as UID: it answers an HTTP /health or a
+    control-socket status, one connection at a time. Returns its pid."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"r"
+        os.close(ready_r)
+        return pid
+    try:  # the child: never returns into pytest
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))  # as root (pytest's tmp is root's 0700); the peer is who listens
+        os.chown(path, uid, uid)
+        os.setgid(uid)
+        os.setuid(uid)
+        sock.listen()
+        os.write(ready_w, b"r")
+        while True:
+            conn, _ = sock.accept()
+            data = conn.recv(65536)
+            if data.startswith(b"GET"):
+                body = b'{"engine_config": {}}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(body), body))
+            else:
+                conn.sendall(b'{"ok": true, "state": "serving", "in_flight": 0}\n')
+            conn.close()
+    finally:
+        os._exit(0)
+
+
+@pytest.fixture
+def model_run(tmp_path: Path, monkeypatch):
+    """/run/hostd/tiny as root makes it: 0700, owned by the model's user (nobody
+    here), inside root's 0755 runtime root; SERVE(name, uid) starts a server."""
+    if os.getuid() != 0:
+        pytest.skip("needs root: the manager's side of the sockets")
+    root = tmp_path / "run"
+    directory = root / "tiny"
+    directory.mkdir(parents=True)
+    os.chmod(root, 0o755)
+    os.chown(directory, NOBODY, NOBODY)
+    os.chmod(directory, 0o700)
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(root))
+    children = []
+
+    def serve(name: str, uid: int = NOBODY) -> Path:
+        children.append(run_server(directory / name, uid))
+        return directory / name
+
+    yield directory, serve
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_root_talks_to_the_model_users_own_sockets(model_run):
+    directory, serve = model_run
+    serve("control.sock")
+    serve("engine.sock")
+    assert control.call(directory / "control.sock", "status")["state"] == "serving"
+    assert asyncio.run(control.call_async(directory / "control.sock", "status"))["ok"]
+    assert asyncio.run(Probe("tiny").engine_health()) == {"engine_config": {}}
+
+
+@pytest.mark.parametrize("name", ["control.sock", "engine.sock", "weights.sock"])
+def test_root_refuses_a_socket_replaced_by_a_symlink(model_run, name, caplog):
+    directory, serve = model_run
+    other = serve("other.sock")  # another socket of the same user: a symlink may not lead there
+    (directory / name).symlink_to(other)
+    with pytest.raises(sockets.UnsafeSocket, match="symbolic link"):
+        sockets.connect(directory / name)
+    if name == "control.sock":
+        with pytest.raises(control.ControlError, match="symbolic link"):
+            control.call(directory / name, "status")
+        with pytest.raises(OSError, match="symbolic link"):
+            asyncio.run(control.call_async(directory / name, "status"))
+    elif name == "engine.sock":
+        assert asyncio.run(Probe("tiny").engine_health()) is None
+    else:
+        with pytest.raises(OSError, match="symbolic link"):
+            weights_client.status(directory / name)
+    assert "refusing to connect" in caplog.text
+
+
+def test_root_refuses_a_socket_not_owned_by_the_models_user(model_run):
+    directory, serve = model_run
+    serve("control.sock", uid=0)  # root's socket in the model's directory: not the model's
+    with pytest.raises(control.ControlError, match="owned by uid 0, not 65534"):
+        control.call(directory / "control.sock", "status")
+
+
+def test_root_refuses_a_peer_that_is_not_the_models_user(model_run):
+    directory, serve = model_run
+    path = serve("control.sock", uid=DAEMON)
+    os.chown(path, NOBODY, NOBODY)  # the file looks right; the process behind it is not
+    with pytest.raises(control.ControlError, match="the peer is pid .* of uid 1, not 65534"):
+        control.call(path, "status")
+
+
+def test_a_directory_others_may_write_is_refused(model_run):
+    directory, serve = model_run
+    serve("control.sock")
+    os.chmod(directory, 0o777)
+    with pytest.raises(control.ControlError, match="another user could replace the socket"):
+        control.call(directory / "control.sock", "status")
 
 
 # ------------------------------------------------------------ row 8
