@@ -139,16 +139,14 @@ class VllmBackend(upstream.UpstreamBackend):
             refused_flags=REFUSED_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
         )
-        problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=False)
-        env = upstream.effective_env(cfg)
-        exe = self.executable(cfg)
+        return problems + upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=False)
+
+    def install_refusals(self, cfg) -> list[str]:
         problem = upstream.version_refusal(
-            "vllm", [exe, "--version"], env, MINIMUM_VERSION,
+            "vllm", [self.executable(cfg), "--version"], upstream.effective_env(cfg), MINIMUM_VERSION,
             "install vLLM >= 0.31 for the hostd user, or point env.HOSTD_VLLM at its `vllm`",
         )
-        if problem:
-            problems.append(problem)
-        return problems
+        return [problem] if problem else []
 
     def memory_fraction(self, cfg) -> float:
         return cfg.engine.gpu_memory_utilization

@@ -364,6 +364,9 @@ class Reload:
             )
 
     def model_backend_refusals(self, cfg) -> list[str]:
+        """The backend's refusals from the config alone; never its
+        install_refusals(), which run upstream code (the engine unit checks
+        those as the model's user when it starts)."""
         from hostd import backends
 
         return backends.for_config(cfg).refusals(cfg)

@@ -76,6 +76,30 @@ def test_generator_escapes_specifiers_in_values():
         generator.unit_value("a\nb")
 
 
+# ------------------------------------------------------------ row 1
+
+
+def test_a_reload_never_runs_the_models_upstream_program_as_root(tmp_path: Path):
+    world = World(tmp_path)
+    marker = tmp_path / "ran-as-root"
+    script = tmp_path / "vllm"
+    script.write_text(f"#!/bin/sh\nid -u > {marker}\necho 0.31.0\n")
+    script.chmod(0o755)
+    checkpoint = tmp_path / "checkpoint"
+    (world.root / "models/tiny.yaml").write_text(
+        f"backend: vllm\nmodel: {checkpoint}\nreload: {{drain_timeout: 5}}\n"
+        f"env: {{HOSTD_VLLM: {script}}}\n")
+    world.probe.engine_started()  # the engine runs the vllm config
+    op = asyncio.run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.DONE, op.error
+    assert not marker.exists()
+    # The model's own units still check the install, as the model's user.
+    from hostd import backends
+
+    cfg = config.load_model("tiny", world.root).config
+    assert backends.for_config(cfg).install_refusals(cfg) == [] and marker.exists()
+
+
 # ------------------------------------------------------------ rows 2 and 7
 
 
