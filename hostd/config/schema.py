@@ -77,7 +77,8 @@ class DaemonConfig(_Strict):
     ] = "info"
     admin_group: Annotated[
         str,
-        _doc("Group whose members may call mutating D-Bus methods besides root."),
+        _doc("Group whose members may call mutating D-Bus methods besides root (the polkit rule "
+             "`hostd install` writes; run it again after a change)."),
     ] = "hostd-admin"
     defaults: Annotated[
         dict,

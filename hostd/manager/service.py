@@ -14,18 +14,17 @@ A model's State follows its units' PropertiesChanged signals (systemd1.py)
 and its operations; nothing polls systemd. InFlight is the gateway's count,
 read from its control socket every few seconds while the model runs.
 
-Trust: anyone on the system bus may read (the D-Bus policy allows it);
-mutating methods are allowed by the policy only to root and the hostd-admin
-group, and checked again here (errors.admin): the caller's uid comes from the
-bus daemon (GetConnectionUnixUser), never from the message.
+Trust: anyone on the system bus may read and call (the D-Bus policy allows
+it, as systemd's does); before a mutating method the manager asks polkit
+(errors.admin, errors.authorize): root always may, the admin group by
+org.hostd1.rules, nobody else. The caller's uid comes from the bus daemon
+(GetConnectionUnixUser), never from the message.
 """
 
 import asyncio
 import contextvars
-import grp
 import json
 import logging
-import pwd
 from pathlib import Path
 from typing import Optional
 
@@ -127,7 +126,7 @@ class OperationInterface(ServiceInterface):
         return int(self.op.finished * 1e6)
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Cancel(self):
         op = self.op
         if op.state != RUNNING:
@@ -287,7 +286,7 @@ class ModelInterface(ServiceInterface):
         return self.in_flight
 
     @method()
-    @admin
+    @admin(api.RELOAD_ACTION)
     async def Reload(self, patch: "a{sv}") -> "o":
         return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
 
@@ -316,7 +315,7 @@ class Manager(ServiceInterface):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def require_admin(self) -> None:
+    async def require_admin(self, action: str = api.MANAGE_ACTION) -> None:
         sender = CALLER.get()
         if sender is None:
             raise errors.AccessDenied("unknown caller")
@@ -326,18 +325,7 @@ class Manager(ServiceInterface):
         ))
         if reply.message_type == MessageType.ERROR:
             raise errors.AccessDenied("cannot tell who the caller is")
-        uid = reply.body[0]
-        if uid == 0 or self.in_admin_group(uid):
-            return
-        raise errors.AccessDenied(f"uid {uid} may not change models: only root and members of {self.admin_group!r} may")
-
-    def in_admin_group(self, uid: int) -> bool:
-        try:
-            group = grp.getgrnam(self.admin_group)
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return user.pw_gid == group.gr_gid or user.pw_name in group.gr_mem
+        await errors.authorize(self.bus, sender, reply.body[0], action, self.admin_group)
 
     def model(self, name: str) -> ModelInterface:
         self.discover()
@@ -466,12 +454,12 @@ class Manager(ServiceInterface):
         return self.model(name).path
 
     @method()
-    @admin
+    @admin(api.RELOAD_ACTION)
     async def Reload(self, name: "s", patch: "a{sv}") -> "o":
         return await self.reload(name, reload_mod.patch_from_variants(patch))
 
     @method()
-    @admin
+    @admin(api.RELOAD_ACTION)
     async def ReloadJSON(self, name: "s", patch: "s") -> "o":
         try:
             data = (json.loads(patch) if patch.strip() else None) or {}
@@ -482,17 +470,17 @@ class Manager(ServiceInterface):
         return await self.reload(name, data)
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Start(self, name: "s") -> "o":
         return await self.unit_verb(name, "start")
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Stop(self, name: "s") -> "o":
         return await self.unit_verb(name, "stop")
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Restart(self, name: "s") -> "o":
         return await self.unit_verb(name, "restart")
 

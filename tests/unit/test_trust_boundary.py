@@ -300,7 +300,83 @@ def test_a_directory_others_may_write_is_refused(model_run):
         control.call(directory / "control.sock", "status")
 
 
-# ------------------------------------------------------------ row 8
+# ------------------------------------------------------------ row 8 (polkit)
+
+
+class PolkitBus:
+    """The bus daemon and polkit as the manager sees them: the caller's uid,
+    and polkit's answer (AUTHORIZED) or its absence (ERROR)."""
+
+    def __init__(self, uid: int, authorized: bool = False, error: str = ""):
+        self.uid, self.authorized, self.error, self.asked = uid, authorized, error, []
+
+    async def call(self, msg):
+        from dbus_fast import Message
+
+        msg.serial = 1  # the real bus numbers the messages it sends
+        if msg.member == "GetConnectionUnixUser":
+            return Message.new_method_return(msg, "u", [self.uid])
+        self.asked.append((msg.member, msg.body[0][0], msg.body[0][1]["name"].value, msg.body[1]))
+        if self.error:
+            return Message.new_error(msg, self.error, "no polkit")
+        return Message.new_method_return(msg, "(bba{ss})", [[self.authorized, not self.authorized, {}]])
+
+
+def require(bus: PolkitBus, action: str) -> None:
+    manager = service.Manager.__new__(service.Manager)
+    manager.bus, manager.admin_group = bus, "hostd-admin"
+    token = service.CALLER.set(":1.42")
+    try:
+        asyncio.run(manager.require_admin(action))
+    finally:
+        service.CALLER.reset(token)
+
+
+def test_root_is_allowed_without_asking_polkit():
+    bus = PolkitBus(uid=0, error="org.freedesktop.DBus.Error.ServiceUnknown")
+    require(bus, "org.hostd1.reload")
+    assert bus.asked == []
+
+
+def test_polkit_decides_for_everyone_else_by_the_callers_bus_name():
+    bus = PolkitBus(uid=1000, authorized=True)
+    require(bus, "org.hostd1.manage")
+    assert bus.asked == [("CheckAuthorization", "system-bus-name", ":1.42", "org.hostd1.manage")]
+    with pytest.raises(errors.AccessDenied, match="uid 1000 is not authorized to reload a model .*org.hostd1.reload"):
+        require(PolkitBus(uid=1000, authorized=False), "org.hostd1.reload")
+
+
+def test_without_polkit_only_root_is_allowed_and_the_journal_says_why(caplog):
+    with pytest.raises(errors.AccessDenied, match="polkit is not running on this host, so only root may"):
+        require(PolkitBus(uid=1000, error="org.freedesktop.DBus.Error.ServiceUnknown"), "org.hostd1.reload")
+    assert "polkit is not available (org.freedesktop.DBus.Error.ServiceUnknown)" in caplog.text
+
+
+def test_the_policy_ships_the_three_actions_the_manager_asks_for():
+    from hostd.manager import api
+
+    policy = (Path(__file__).resolve().parents[2] / "packaging/org.hostd1.policy").read_text()
+    assert set(api.ACTIONS) == {"org.hostd1.reload", "org.hostd1.manage", "org.hostd1.edit"}
+    for action in api.ACTIONS:
+        assert f'<action id="{action}">' in policy
+
+
+def test_install_puts_polkit_files_where_debians_polkitd_reads_them(tmp_path: Path):
+    import argparse
+
+    from hostd import install
+
+    (tmp_path / "etc/hostd").mkdir(parents=True)
+    (tmp_path / "etc/hostd/hostd.yaml").write_text("admin_group: model-ops\n")
+    args = argparse.Namespace(root=str(tmp_path), config_dir="/etc/hostd", unit_dir="/etc/systemd/system",
+                              generator_dir="/etc/systemd/system-generators", python=None)
+    files = install.planned_files(args)
+    assert tmp_path / "usr/share/polkit-1/actions/org.hostd1.policy" in files
+    rules = files[tmp_path / "usr/share/polkit-1/rules.d/org.hostd1.rules"][0]
+    assert 'subject.isInGroup("model-ops")' in rules
+
+
+# ------------------------------------------------------------ row 8 (config files)
 
 
 def test_hostd_yaml_as_a_fifo_is_refused_without_hanging(tmp_path: Path):
