@@ -28,7 +28,7 @@ def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path
     assert names == ["good", "gpu"]
     assert "skipping model 'broken'" in capsys.readouterr().err
     assert not any("broken" in p.name for p in out.rglob("*"))
-    assert (out / "model@good.socket.d/50-hostd.conf").read_text().endswith("[Socket]\nListenStream=[::1]:8001\n")
+    assert "[Socket]\nListenStream=[::1]:8001\n" in (out / "model@good.socket.d/50-hostd.conf").read_text()
     engine = (out / "model-engine@good.service.d/50-hostd.conf").read_text()
     assert "TimeoutStartSec=60\nTimeoutStopSec=30" in engine and "DeviceAllow" not in engine
     gpu = (out / "model-weights@gpu.service.d/50-hostd.conf").read_text()

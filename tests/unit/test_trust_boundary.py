@@ -2,14 +2,17 @@
 carry no control characters, config files are regular files, a GPU's device
 node is the one NVML names, the drop-ins a reload writes hold only values
 root computed within the loader's limits, env: values stay off the bus, and
-root connects only to the model user's own sockets, never through a symlink
-(issue 12, rows 2, 3, 5, 6, 7, 8 and 11)."""
+root connects only to the model user's own sockets, never through a symlink,
+each model runs as its own user, and polkit decides who may change models
+(issue 12, rows 1 to 8 and 11; tests/system/test_polkit.py and
+test_model_users.py prove rows 8 and 4 under a real systemd)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,6 +101,40 @@ def test_a_reload_never_runs_the_models_upstream_program_as_root(tmp_path: Path)
 
     cfg = config.load_model("tiny", world.root).config
     assert backends.for_config(cfg).install_refusals(cfg) == [] and marker.exists()
+
+
+# ------------------------------------------------------------ row 4 (one user per model)
+
+
+@pytest.mark.parametrize("name, user", [
+    ("tiny", "hostd-tiny"),
+    ("a-b_c", "hostd-a-b_c"),
+    ("x" * 25, "hostd-" + "x" * 25),  # 31 characters: systemd's limit
+])
+def test_each_model_has_its_own_user_named_after_it(name, user):
+    from hostd import units
+
+    assert units.user(name) == user
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "x" * 26, "a.b", "A.b"])
+def test_a_name_no_user_name_can_hold_gets_a_readable_prefix_and_a_hash(name):
+    from hostd import units
+
+    user = units.user(name)
+    assert len(user) <= 31 and re.fullmatch(r"hostd-[a-z0-9_-]+-[0-9a-f]{8}", user), user
+    assert len({units.user(n) for n in ("a.b", "A.b", "a_b")}) == 3  # distinct models, distinct users
+
+
+def test_every_unit_of_a_model_runs_as_the_models_user():
+    cfg = msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)
+    files = generator.dropins("m", cfg)
+    for unit in ("model@m.service", "model-engine@m.service", "model-weights@m.service"):
+        assert "User=hostd-m\nGroup=hostd-m" in files[f"{unit}.d/50-hostd.conf"]
+    assert "SocketUser=hostd-m\nSocketGroup=hostd-m" in files["model-weights@m.socket.d/50-hostd.conf"]
+    socket_dropin = files["model@m.socket.d/50-hostd.conf"]
+    assert "ExecStartPre=\nExecStartPre=/usr/bin/systemd-sysusers --inline \"u hostd-m " in socket_dropin
+    assert "ExecStartPre=/usr/bin/install -d -m 0700 -o hostd-m -g hostd-m /run/hostd/%i" in socket_dropin
 
 
 # ------------------------------------------------------------ rows 2 and 7
