@@ -48,7 +48,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def refusals(self, cfg) -> list[str]:
-        """Every reason CFG cannot be served, each naming the setting; empty when fine."""
+        """Every reason CFG cannot be served, each naming the setting; empty
+        when fine. From the config and the checkpoint's files alone: it never
+        runs or imports upstream code, because the root manager calls it."""
+
+    def install_refusals(self, cfg) -> list[str]:
+        """What the upstream installation the model runs says about itself
+        (missing, broken, too old). This runs upstream's code, so only the
+        model's own units call it (check(), as the model's user); never root."""
+        return []
 
     def engine_refusals(self, cfg, model_config: dict) -> list[str]:
         """What the engine refuses at start, given the model's config.json."""
@@ -57,7 +65,7 @@ class Backend(abc.ABC):
     def check(self, cfg, model_config: Optional[dict] = None) -> None:
         """Raise Refused naming every problem; with MODEL_CONFIG (the model's
         config.json) also what the engine refuses at start."""
-        problems = self.refusals(cfg)
+        problems = self.refusals(cfg) + self.install_refusals(cfg)
         if model_config is not None:
             problems += self.engine_refusals(cfg, model_config)
         if problems:

@@ -181,15 +181,15 @@ class SglangBackend(upstream.UpstreamBackend):
                     f"env.{variable}: hostd sets it to the private runtime directory "
                     "(/run/hostd/NAME/sglang/{device_uuid}...); remove it"
                 )
-        env = upstream.effective_env(cfg)
+        return problems
+
+    def install_refusals(self, cfg) -> list[str]:
         probe = "import importlib.metadata as m; print(m.version('sglang'))"
         problem = upstream.version_refusal(
-            "sglang", [self.python(cfg), "-c", probe], env, MINIMUM_VERSION,
+            "sglang", [self.python(cfg), "-c", probe], upstream.effective_env(cfg), MINIMUM_VERSION,
             "install SGLang >= 0.5.21 into that Python, or point env.HOSTD_SGLANG_PYTHON at one",
         )
-        if problem:
-            problems.append(problem)
-        return problems
+        return [problem] if problem else []
 
     def memory_fraction(self, cfg) -> Optional[float]:
         return cfg.engine.mem_fraction_static

@@ -5,7 +5,11 @@ UpstreamBackend they derive from, so that vllm.py and sglang.py only say what
 differs (flag names, allowlists, the commands themselves, how their processes
 tell they serve). Nothing here starts a process except the version check,
 which runs the configured upstream executable with --version (or asks the
-configured Python for the package's metadata) and never anything else.
+configured Python for the package's metadata) and never anything else. The
+version check is an install_refusals(): the model's own units run it as the
+model's user when they start; the root manager never does (it calls
+refusals() only, and learns a wrong install from the engine that fails to
+start, which the reload rolls back).
 """
 
 from __future__ import annotations

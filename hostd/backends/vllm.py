@@ -252,16 +252,15 @@ class VllmBackend(upstream.UpstreamBackend):
                     "weight cache daemon, which gets extra_args too) exits on it; move it to "
                     "engine_extra_args"
                 )
-        env = upstream.effective_env(cfg)
-        exe = self.executable(cfg)
+        return problems
+
+    def install_refusals(self, cfg) -> list[str]:
         problem = upstream.version_refusal(
-            "vllm", [exe, "--version"], env, MINIMUM_VERSION,
+            "vllm", [self.executable(cfg), "--version"], upstream.effective_env(cfg), MINIMUM_VERSION,
             "install vLLM >= 0.32 for the hostd user, or point env.HOSTD_VLLM at its `vllm`",
             why_minimum=MINIMUM_WHY,
         )
-        if problem:
-            problems.append(problem)
-        return problems
+        return [problem] if problem else []
 
     def memory_fraction(self, cfg) -> float:
         return cfg.engine.gpu_memory_utilization

@@ -2,7 +2,7 @@
 runs, every refusal naming its setting, and SGLANG_JIT_CACHE_DIR resolved to a
 real absolute path that a child process inherits.
 
-Flag names are upstream's (vLLM 0.31+ `vllm preload` / `vllm serve`, SGLang
+Flag names are upstream's (vLLM 0.32+ `vllm preload` / `vllm serve`, SGLang
 0.5.21+ weight cache daemon and launch_server); docs/vllm.md and docs/sglang.md
 say where each was checked."""
 
@@ -228,7 +228,8 @@ REFUSALS = [
 @pytest.mark.parametrize(("backend", "keys", "message"), REFUSALS, ids=[m for _, _, m in REFUSALS])
 def test_refusal_names_the_setting(backend, keys, message, ckpt, home):
     cfg = make(backend, ckpt, **keys)
-    problems = backends.for_config(cfg).refusals(cfg)
+    backend_ = backends.for_config(cfg)
+    problems = backend_.refusals(cfg) + backend_.install_refusals(cfg)
     assert any(message in p for p in problems), problems
     with pytest.raises(backends.Refused, match="."):
         backends.for_config(cfg).check(cfg)
@@ -412,10 +413,10 @@ def test_vllm_frontend_flag_in_extra_args_is_refused(flag, ckpt):
 def test_vllm_older_than_032_is_refused_naming_the_version(ckpt):
     """vLLM 0.31 does not count daemon-held weights inside --gpu-memory-utilization."""
     cfg = make("vllm", ckpt, env={"HOSTD_TEST_VLLM_VERSION": "0.31.2"})
-    problems = backends.for_config(cfg).refusals(cfg)
+    problems = backends.for_config(cfg).install_refusals(cfg)
     assert any("'0.31.2'" in p and "0.32" in p and "--gpu-memory-utilization" in p for p in problems), problems
     cfg = make("vllm", ckpt, env={"HOSTD_TEST_VLLM_VERSION": "0.32.0"})
-    assert backends.for_config(cfg).refusals(cfg) == []
+    assert backends.for_config(cfg).install_refusals(cfg) == []
 
 
 def test_sglang_engine_readiness_uses_ready_not_the_generating_health(ckpt):
