@@ -88,22 +88,28 @@ async def forward(
     session: aiohttp.ClientSession,
     url: str,
     request: web.Request,
-    body: bytes,
+    body: bytes | bytearray,
     *,
+    drop: frozenset[str] = frozenset(),
+    on_start: Optional[Callable[[int], None]] = None,
     on_chunk: Optional[Callable[[int], None]] = None,
     stream_error: Optional[dict] = None,
 ) -> web.StreamResponse:
     """Send REQUEST (with BODY, already read) to URL and stream the answer back.
 
-    ON_CHUNK(bytes) is called for every chunk written to the client;
+    DROP names request fields (lower case) that stop here besides the
+    hop-by-hop ones; ON_START(status) is called when the engine's response headers arrive;
+    ON_CHUNK(bytes) for every chunk written to the client;
     STREAM_ERROR is the OpenAI error object sent as a last SSE event when the
     engine fails mid-stream. Raises Unreachable or Broken (see the module)."""
     try:
         upstream = await session.request(
-            request.method, url, headers=forwarded_headers(request.headers), data=body or None,
+            request.method, url, headers=forwarded_headers(request.headers, drop), data=body or None,
         )
     except (aiohttp.ClientConnectionError, OSError) as exc:
         raise Unreachable(str(exc)) from exc
+    if on_start is not None:
+        on_start(upstream.status)
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(forwarded_headers(upstream.headers))

@@ -9,6 +9,16 @@ from hostd.backends.base import Backend, Command
 
 class BuiltinBackend(Backend):
     name = "builtin"
+    # hostd/engine/server.py's user-facing API; its /health (PIDs, weights
+    # socket inode, engine config) and /metrics are the manager's and the
+    # gateway's, never public.
+    public_routes = (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/{model}"),
+    )
+    metrics_prefixes = ("hostd_engine_",)
 
     def weights_command(self, model: str, cfg) -> Command:
         return Command(self.hostd_argv("weights", model), dict(cfg.env))

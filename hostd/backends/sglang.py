@@ -54,6 +54,8 @@ REFUSED_FLAGS = {
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
     "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
     "--nnodes": "the weight cache under hostd is single-node",
+    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
+                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
 }
 
 OWNED_FLAGS = {
@@ -68,6 +70,30 @@ OWNED_FLAGS = {
 
 class SglangBackend(Backend):
     name = "sglang"
+    # SGLang's HTTP server (sglang/srt/entrypoints/http_server.py): native
+    # /generate, the OpenAI API, embeddings, rerank, score, classify,
+    # tokenizer and model info. Never public: /health, /health_generate,
+    # /metrics (served by the gateway), /get_server_info (server args),
+    # /flush_cache, every /update_weights_* and weights route,
+    # /release_memory_occupation, /resume_memory_occupation, profiling,
+    # /configure_logging, /abort_request, /pause_generation,
+    # /continue_generation, /set_internal_state.
+    public_routes = (
+        ("POST", "/generate"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/encode"),
+        ("POST", "/classify"),
+        ("POST", "/v1/rerank"),
+        ("POST", "/v1/score"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/v1/models"),
+        ("GET", "/get_model_info"),
+    )
+    metrics_prefixes = ("sglang:",)
 
     def python(self, cfg) -> str:
         """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
@@ -119,6 +145,7 @@ class SglangBackend(Backend):
             "--host", "127.0.0.1",
             "--port", str(port),
             "--weight-cache-mode", "client",
+            "--enable-metrics",  # sglang:* on /metrics, passed on by the gateway
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
         ]

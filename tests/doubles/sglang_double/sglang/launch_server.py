@@ -24,6 +24,7 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-cache-mode", choices=["off", "daemon", "client"], default="off")
+    parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--max-running-requests", type=int)
     parser.add_argument("--max-prefill-tokens", type=int)
     parser.add_argument("--context-length", type=int)
