@@ -9,7 +9,9 @@ the gateway's memory, file descriptors or drains. Two pieces:
   connection must finish its request headers within header_timeout of
   connecting or of sending the first byte of its next request, and an idle
   keep-alive connection is closed after idle_timeout; a request in progress
-  (body read, admitted, streaming) has no time limit here.
+  (body read, admitted, streaming) has no time limit here. Deadlines are a
+  float per connection checked by one sweep a second (SWEEP_SECONDS), not a
+  timer per request: a request costs two assignments, not two heap pushes.
 - Request bodies (BodyBudget, read_body): a body larger than max_body_bytes
   is refused with 413; the bytes of bodies held by the gateway, across all
   connections, stay under body_bytes_in_flight (a body that does not fit gets
@@ -36,6 +38,7 @@ from aiohttp import web
 FD_RESERVE = 64  # descriptors kept for the engine pool, the control socket, logs
 LINGER_SECONDS = 1.0  # how long a refused connection is read (and discarded) before closing
 LINGER_MAX = 32  # refused connections lingering at once; beyond, they are closed at once
+SWEEP_SECONDS = 1.0  # how often deadlines are checked: a timeout fires up to this much late
 
 
 def raise_fd_limit() -> int:
@@ -90,9 +93,24 @@ class Connections:
         self.refusal = refusal
         self.open: dict[asyncio.BaseTransport, "_Guarded"] = {}
         self.lingering = 0  # refused connections not closed yet
+        self._sweeper: Optional[asyncio.Task] = None
 
     def __call__(self) -> asyncio.Protocol:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return _Guarded(self)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            now = loop.time()
+            for conn in [c for c in self.open.values() if c.deadline <= now]:
+                conn.expire()
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
 
     def started(self, transport: Optional[asyncio.BaseTransport]) -> None:
         """A request's headers have arrived (called by the handler)."""
@@ -108,14 +126,15 @@ class Connections:
 
 
 class _Guarded(asyncio.Protocol):
-    """aiohttp's RequestHandler behind a cap and two timers."""
+    """aiohttp's RequestHandler behind a cap and two deadlines."""
 
     def __init__(self, guard: Connections):
         self.guard = guard
         self.inner: Optional[asyncio.Protocol] = None
         self.transport: Optional[asyncio.Transport] = None
         self.phase = "headers"
-        self.timer: Optional[asyncio.TimerHandle] = None
+        self.deadline = float("inf")
+        self.timer: Optional[asyncio.TimerHandle] = None  # a refused connection's lingering close
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -143,17 +162,16 @@ class _Guarded(asyncio.Protocol):
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        timeout = {"headers": self.guard.header_timeout, "idle": self.guard.idle_timeout}.get(phase)
-        if timeout is not None:
-            self.timer = asyncio.get_running_loop().call_later(timeout, self._expire, phase)
+        if phase == "active":
+            self.deadline = float("inf")
+        else:
+            timeout = self.guard.header_timeout if phase == "headers" else self.guard.idle_timeout
+            self.deadline = asyncio.get_running_loop().time() + timeout
 
-    def _expire(self, phase: str) -> None:
-        self.timer = None
-        if self.phase == phase and self.transport is not None:
-            self.guard.on_event(phase)
+    def expire(self) -> None:
+        self.deadline = float("inf")
+        if self.transport is not None and not self.transport.is_closing():
+            self.guard.on_event(self.phase)
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -237,6 +255,8 @@ async def read_body(request: web.Request, budget: BodyBudget, max_bytes: int, ti
     """REQUEST's whole body within TIMEOUT, holding budget for it; BodyRefused
     (413, 503 or 408) otherwise. The caller releases the returned Body."""
     body = Body(budget)
+    if not request.body_exists:
+        return body
     length = request.content_length
     try:
         if length is not None:

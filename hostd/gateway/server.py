@@ -361,6 +361,7 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
     systemd.notify("STOPPING=1")
     log.info("stopping: draining %d in-flight request(s) for up to %.0f s", gateway.admission.in_flight, stop_timeout)
     public.close()  # no new connections; admitted requests finish
+    gateway.connections.close()
     result = await gateway.admission.drain(stop_timeout)
     if not result["drained"]:
         log.warning("stopping with %d request(s) still running", result["remaining"])
