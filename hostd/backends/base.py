@@ -31,6 +31,12 @@ class Command:
 
 class Backend(abc.ABC):
     name: ClassVar[str]
+    # The engine's routes the gateway passes to the public port, (method,
+    # path template with {name} for one segment); every other path is 404
+    # there (docs/gateway.md lists them). Internal ones are never listed.
+    public_routes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Families of the engine's /metrics that the gateway's /metrics passes on.
+    metrics_prefixes: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------ entry points
 

@@ -68,6 +68,8 @@ REFUSED_FLAGS = {
     "--speculative-draft-model-path": "SGLang refuses speculative decoding with the weight cache",
     "--enable-memory-saver": "sleep mode releases weights that live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
+    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
+                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
     **REPLICA_FLAGS,
 }
 
@@ -99,6 +101,30 @@ class SglangBackend(upstream.UpstreamBackend):
     # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer; /ready (0.5.21+) answers at
     # once: 200 when started, not paused and not shutting down.
     health_path = "/ready"
+    # SGLang's HTTP server (sglang/srt/entrypoints/http_server.py): native
+    # /generate, the OpenAI API, embeddings, rerank, score, classify,
+    # tokenizer and model info. Never public: /health, /health_generate,
+    # /metrics (served by the gateway), /get_server_info (server args),
+    # /flush_cache, every /update_weights_* and weights route,
+    # /release_memory_occupation, /resume_memory_occupation, profiling,
+    # /configure_logging, /abort_request, /pause_generation,
+    # /continue_generation, /set_internal_state.
+    public_routes = (
+        ("POST", "/generate"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/encode"),
+        ("POST", "/classify"),
+        ("POST", "/v1/rerank"),
+        ("POST", "/v1/score"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/v1/models"),
+        ("GET", "/get_model_info"),
+    )
+    metrics_prefixes = ("sglang:",)
 
     def python(self, cfg) -> str:
         """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
@@ -150,6 +176,7 @@ class SglangBackend(upstream.UpstreamBackend):
             "--host", "127.0.0.1",
             "--port", str(port),
             *(["--weight-cache-mode", "client"] if self.retains_weights(cfg) else []),
+            "--enable-metrics",  # sglang:* on /metrics, passed on by the gateway
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
             *cfg.engine_extra_args,

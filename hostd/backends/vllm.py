@@ -95,6 +95,8 @@ REFUSED_FLAGS = {
     "--speculative-config": "speculative decoding adds draft daemons hostd does not supervise",
     "--enable-sleep-mode": "sleep mode offloads weights, and zero_copy weights live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
+    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
+                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
     **REPLICA_FLAGS,
 }
 
@@ -165,6 +167,37 @@ class VllmBackend(upstream.UpstreamBackend):
     # vLLM's /health answers at once (no generation); 200 while it serves,
     # and still 200 during a --shutdown-timeout drain.
     health_path = "/health"
+    # vLLM's OpenAI-compatible server (vllm/entrypoints/openai/api_server.py):
+    # inference, tokenizer, embeddings/pooling, rerank, score, model info and
+    # version. Never public: /health, /ping, /metrics (served by the gateway),
+    # /load, /server_info, sleep/wake (/sleep, /wake_up, /is_sleeping),
+    # cache resets (/reset_prefix_cache, /reset_mm_cache), LoRA loading
+    # (/v1/load_lora_adapter, /v1/unload_lora_adapter), /collective_rpc,
+    # profiling (/start_profile, /stop_profile), /pause, /resume,
+    # /scale_elastic_ep and every weight update route.
+    public_routes = (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/{response_id}"),
+        ("POST", "/v1/responses/{response_id}/cancel"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/audio/transcriptions"),
+        ("POST", "/v1/audio/translations"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/pooling"),
+        ("POST", "/classify"),
+        ("POST", "/score"),
+        ("POST", "/v1/score"),
+        ("POST", "/rerank"),
+        ("POST", "/v1/rerank"),
+        ("POST", "/v2/rerank"),
+        ("POST", "/v2/embed"),
+        ("GET", "/version"),
+    )
+    metrics_prefixes = ("vllm:",)
 
     def executable(self, cfg) -> str:
         """`vllm`: $HOSTD_VLLM, else vllm on PATH (both from env: and ours)."""

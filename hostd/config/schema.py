@@ -93,7 +93,7 @@ class DaemonConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    """How the model's front door admits requests while the engine is away."""
+    """The model's front door: admission while the engine is away, bounds on what clients may hold, API keys."""
 
     admission: Annotated[
         Literal["reject", "queue"],
@@ -111,6 +111,50 @@ class GatewayConfig(_Strict):
     retry_after: Annotated[
         int, _doc("Retry-After header of a 503, in seconds.", ge=1, le=3600)
     ] = 5
+    max_connections: Annotated[
+        int,
+        _doc(
+            "Open public connections at most; one more is answered 503 and closed. "
+            "Lowered at start when the file descriptor limit (LimitNOFILE=) is too small.",
+            ge=1, le=1000000,
+        ),
+    ] = 1024
+    header_timeout: Annotated[
+        float,
+        _doc("Seconds a connection has to send a request's headers (from connecting, "
+             "or from the first byte of its next request); then it is closed.", gt=0, le=3600),
+    ] = 10.0
+    idle_timeout: Annotated[
+        float, _doc("Seconds an idle keep-alive connection stays open.", gt=0, le=86400)
+    ] = 60.0
+    body_timeout: Annotated[
+        float,
+        _doc("Seconds a request's body has to arrive once its headers have; then 408. "
+             "A request is admitted only once its body has arrived.", gt=0, le=3600),
+    ] = 30.0
+    max_body_bytes: Annotated[
+        int, _doc("Largest request body accepted; larger ones get 413.", ge=1024, le=1 << 34)
+    ] = 32 << 20
+    body_bytes_in_flight: Annotated[
+        int,
+        _doc("Bytes of request bodies the gateway holds at once, across all connections; "
+             "a body that does not fit gets 503 at once.", ge=1024, le=1 << 36),
+    ] = 128 << 20
+    api_keys: Annotated[
+        Optional[str],
+        _doc(
+            "Absolute path of a file of API keys (one per line, '#' comments): every request but "
+            "GET /health then needs 'Authorization: Bearer KEY'. The unit receives the file as the "
+            "systemd credential api-keys (LoadCredential=); the YAML never holds a key."
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.api_keys is not None and not self.api_keys.startswith("/"):
+            raise ValueError(f"api_keys: {self.api_keys!r} is not an absolute path to a keys file")
+        problem = self.api_keys and control_character_problem("api_keys", self.api_keys)
+        if problem:
+            raise ValueError(problem)  # it reaches a unit file (LoadCredential=)
 
 
 class ReloadConfig(_Strict):

@@ -11,7 +11,7 @@ answer naming the problem and changes nothing.
 
     -> {"verb": "drain", "timeout": 30}
     <- {"ok": true, "drained": false, "remaining": 2, "state": "draining"}
-    -> {"verb": "resume"}            -> {"verb": "status"}
+    -> {"verb": "resume"}  (optionally "outcome": "done")    -> {"verb": "status"}
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Awaitable, Callable, Union
+from typing import Annotated, Any, Awaitable, Callable, Optional, Union
 
 import msgspec
 
@@ -38,7 +38,9 @@ class Drain(msgspec.Struct, tag_field="verb", tag="drain", forbid_unknown_fields
 
 
 class Resume(msgspec.Struct, tag_field="verb", tag="resume", forbid_unknown_fields=True):
-    pass
+    # How the reload that drained ended, for the gateway's reload histogram
+    # (label `outcome`); unset: the state the resume leads to.
+    outcome: Optional[Annotated[str, msgspec.Meta(pattern="^[a-z][a-z-]{0,31}$")]] = None
 
 
 class Status(msgspec.Struct, tag_field="verb", tag="status", forbid_unknown_fields=True):

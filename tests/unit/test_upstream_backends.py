@@ -148,6 +148,7 @@ def test_sglang_tp1_defaults(ckpt, home):
     assert engine.argv == [
         PY, "-m", "sglang.launch_server", "--model-path", ckpt, "--dtype", "auto", "--tp-size", "1",
         "--served-model-name", "m", "--host", "127.0.0.1", "--port", "31000", "--weight-cache-mode", "client",
+        "--enable-metrics",
     ]
     expected_env = {
         "PYTHONPATH": SGLANG_PATH,
@@ -173,7 +174,7 @@ def test_sglang_tp2_every_editable_field(ckpt, home):
         "--model-path", ckpt, "--dtype", "float16", "--tp-size", "2",
     ]
     engine = backend.engine_command("m", cfg, port=31001)
-    assert engine.argv[engine.argv.index("client") + 1:] == [
+    assert engine.argv[engine.argv.index("--enable-metrics") + 1:] == [
         "--max-running-requests", "32", "--max-prefill-tokens", "8192", "--context-length", "4096",
         "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.7", "--disable-decode-cuda-graph",
         "--disable-prefill-cuda-graph",
@@ -210,6 +211,8 @@ REFUSALS = [
     ("sglang", {"extra_args": ["--enable-memory-saver"]}, "--enable-memory-saver is refused"),
     ("vllm", {"extra_args": ["--cpu-offload-gb", "4"]}, "--cpu-offload-gb is refused"),
     ("sglang", {"extra_args": ["--cpu-offload-gb=4"]}, "--cpu-offload-gb is refused"),
+    ("vllm", {"extra_args": ["--api-key", "sk-1"]}, "--api-key is refused: the manager's checks carry no key"),
+    ("sglang", {"extra_args": ["--api-key=sk-1"]}, "set gateway.api_keys"),
     ("vllm", {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}, "env.PYTORCH_CUDA_ALLOC_CONF"),
     ("sglang", {"env": {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}}, "env.PYTORCH_ALLOC_CONF"),
     ("vllm", {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}, "pipeline_parallel_size: 2"),
