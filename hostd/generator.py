@@ -115,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         normal_dir = Path(argv[0]) if argv else Path("/run/systemd/generator")
-        unit_dir = Path(os.environ.get(UNIT_DIR_ENV, "/etc/systemd/system"))
+        unit_dir = Path(os.environ.get(UNIT_DIR_ENV, "/usr/local/lib/systemd/system"))
         generate(normal_dir, unit_dir)
     except Exception as exc:  # never fail the boot
         log(f"failed: {type(exc).__name__}: {exc}")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hostd import generator
 
 
@@ -53,13 +55,19 @@ def test_install_and_uninstall_under_a_root(tmp_path: Path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "hostd.main", *a, "--root", str(root), "--no-reload"],  # noqa: E731
                                     capture_output=True, text=True, check=True)
     run("install")
-    unit = (root / "etc/systemd/system/model-engine@.service").read_text()
+    # Vendor files where systemd and dbus-daemon read them; /etc is the administrator's.
+    unit = (root / "usr/local/lib/systemd/system/model-engine@.service").read_text()
     assert f"ExecStart={sys.executable} -m hostd.main engine %i" in unit
     assert "BindsTo=model-weights@%i.service" in unit and "@" + "USER@" not in unit
-    assert os.access(root / "etc/systemd/system-generators/hostd-generator", os.X_OK)
-    for path in ("etc/sysusers.d/hostd.conf", "etc/tmpfiles.d/hostd.conf",
-                 "etc/dbus-1/system.d/org.hostd1.conf", "etc/hostd/hostd.yaml"):
+    assert os.access(root / "usr/local/lib/systemd/system-generators/hostd-generator", os.X_OK)
+    for path in ("usr/local/lib/sysusers.d/hostd.conf", "usr/local/lib/tmpfiles.d/hostd.conf",
+                 "usr/share/dbus-1/system.d/org.hostd1.conf", "etc/hostd/hostd.yaml"):
         assert (root / path).is_file(), path
+    activation = (root / "usr/local/share/dbus-1/system-services/org.hostd1.service").read_text()
+    assert "Name=org.hostd1" in activation and "SystemdService=hostd.service" in activation
+    assert not (root / "etc/systemd").exists() and not (root / "etc/dbus-1").exists()
+    for command in ("hostd", "hostctl"):  # on root's PATH
+        assert os.readlink(root / "usr/local/bin" / command) == str(Path(sys.executable).parent / command)
 
     run("uninstall")
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
@@ -72,6 +80,26 @@ def test_install_under_tmp_keeps_the_services_able_to_see_it(tmp_path: Path):
     root = tmp_path / "root"
     subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload",
                     "--python", "/tmp/ci/.venv/bin/python"], capture_output=True, text=True, check=True)
-    unit = (root / "etc/systemd/system/model-weights@.service").read_text()
+    unit = (root / "usr/local/lib/systemd/system/model-weights@.service").read_text()
     assert "PrivateTmp=no" in unit and "Environment=TMPDIR=%C/hostd/%i" in unit
     assert "PrivateTmp=yes" not in unit
+
+
+def test_installed_wheel_finds_its_data_files_under_the_prefix_not_in_site_packages(tmp_path: Path, monkeypatch):
+    """The bug of a regular `pip install`: site-packages holds the PyPI library
+    `packaging/`, which is not hostd's; the wheel's files are in <prefix>/share/hostd."""
+    from hostd import install
+
+    site = tmp_path / "lib/python3/site-packages"
+    (site / "packaging").mkdir(parents=True)
+    (site / "units").mkdir()
+    share = tmp_path / "share/hostd/packaging"
+    share.mkdir(parents=True)
+    (share / "hardening.conf").write_text("UMask=0077\n")
+    monkeypatch.setattr(install, "CHECKOUT", site)
+    monkeypatch.setattr(install.sys, "prefix", str(tmp_path))
+    assert install.data_dir("packaging") == share
+    assert install.docs_dir() == str(tmp_path / "share/doc/hostd")
+    monkeypatch.setattr(install.sys, "prefix", str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match="reinstall hostd"):
+        install.data_dir("units")
