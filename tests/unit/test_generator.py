@@ -18,7 +18,7 @@ def model(root: Path, name: str, text: str) -> None:
     (root / "models" / f"{name}.yaml").write_text(text)
 
 
-def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path: Path, capsys):
+def test_generator_writes_dropins_for_good_models_and_failing_ones_for_broken_ones(tmp_path: Path, capsys):
     etc, out = tmp_path / "etc", tmp_path / "out"
     model(etc, "good", "backend: builtin\nmodel: /m\nlisten: '[::1]:8001'\ntimeouts: {start: 60, stop: 30}\n")
     model(etc, "gpu", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [2, 3]\nautostart: true\n")
@@ -28,8 +28,16 @@ def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path
 
     assert names == ["good", "gpu"]
     assert "skipping model 'broken'" in capsys.readouterr().err
-    assert not any("broken" in p.name for p in out.rglob("*"))
-    assert (out / "model@good.socket.d/50-hostd.conf").read_text().endswith("[Socket]\nListenStream=[::1]:8001\n")
+    # The broken model's socket fails at start, saying which file and why.
+    socket = (out / "model@broken.socket.d/50-hostd.conf").read_text()
+    assert f"SourcePath={etc}/models/broken.yaml" in socket
+    assert f'ExecStartPre=/bin/echo "hostd: model broken is not started: invalid configuration: {etc}/models/broken.yaml:3: malformed YAML' in socket
+    assert "ExecStartPre=/bin/false" in socket
+    assert f"Description=hostd model broken: INVALID CONFIG {etc}/models/broken.yaml" in (
+        out / "model@broken.service.d/50-hostd.conf").read_text()
+    assert not (out / "model-engine@broken.service.d").exists()
+    good = (out / "model@good.socket.d/50-hostd.conf").read_text()
+    assert good.endswith("[Socket]\nListenStream=[::1]:8001\n") and f"SourcePath={etc}/models/good.yaml" in good
     engine = (out / "model-engine@good.service.d/50-hostd.conf").read_text()
     assert "TimeoutStartSec=60\nTimeoutStopSec=30" in engine and "DeviceAllow" not in engine
     gpu = (out / "model-weights@gpu.service.d/50-hostd.conf").read_text()
@@ -39,6 +47,27 @@ def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path
     link = out / "multi-user.target.wants/model@gpu.service"
     assert link.is_symlink() and os.readlink(link) == "/etc/systemd/system/model@.service"
     assert not (out / "multi-user.target.wants/model@good.service").exists()
+
+
+def test_invalid_config_message_is_quoted_for_the_unit_file_command_line():
+    assert generator._unit_quote('a "b" 50% $HOME\\n\nnext') == '"a \\"b\\" 50%% $$HOME\\\\n next"'
+
+
+def test_dry_run_prints_what_it_would_write_and_writes_nothing(tmp_path: Path):
+    etc = tmp_path / "etc"
+    model(etc, "good", "backend: builtin\nmodel: /m\nlisten: 127.0.0.1:8001\nautostart: true\n")
+    for option in ("--dry-run", "--dryrun"):
+        result = subprocess.run([sys.executable, "-m", "hostd.generator", option], cwd=tmp_path,
+                                env={**os.environ, "HOSTD_CONFIG_DIR": str(etc), "HOSTD_UNIT_DIR": "/u"},
+                                capture_output=True, text=True, check=True)
+        assert "# model@good.socket.d/50-hostd.conf\n" in result.stdout
+        assert "ListenStream=127.0.0.1:8001" in result.stdout
+        assert "# multi-user.target.wants/model@good.service -> /u/model@.service" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]  # nothing written, no "--dryrun" directory
+    bad = subprocess.run([sys.executable, "-m", "hostd.generator", "--bogus"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]
 
 
 def test_generator_never_fails_even_on_an_unreadable_tree(tmp_path: Path):
