@@ -227,6 +227,14 @@ class Merged:
                 continue
             self._forget(here)
             into[key] = _copy(value)
+            # Every key below a new subtree keeps its own line, so a problem
+            # at engine.max_num_seqs points there, not at `engine:`.
+            n, base = len(here), prefix + here
+            for stale in [k for k in self.lines if len(k) > n and k[:n] == here]:
+                del self.lines[stale]
+            for below, below_line in source.lines.items():
+                if len(below) > len(base) and below[: len(base)] == base:
+                    self.lines[here + below[len(base):]] = (source.path, below_line)
             if isinstance(value, dict) and value:
                 for leaf in _leaves(value, here):
                     self.origins[leaf] = source.path
@@ -523,4 +531,33 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
             load_model(name, root)
         except ConfigError as exc:
             problems += exc.problems
+        problems += [p for p in dropin_problems(name, root) if p not in problems]
+    return problems
+
+
+def dropin_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
+    """What is wrong in each drop-in of NAME on its own: NAME.yaml with only
+    that drop-in over it. A wrong value is reported even when a later drop-in
+    (the manager's 90-reload.yaml, say) shadows it in the merged result."""
+    root = config_root(root)
+    try:
+        files = dropin_files(name, root)
+        main = read_yaml(model_file(name, root))
+    except ConfigError:
+        return []  # the merged check reports these
+    daemon_file = root / "hostd.yaml"
+    problems: list[Problem] = []
+    for path in files:
+        merged = Merged()
+        try:
+            if daemon_file.exists():
+                daemon = read_yaml(daemon_file)
+                defaults = daemon.data.get("defaults")
+                if isinstance(defaults, dict):
+                    merged.add(daemon, defaults, prefix=("defaults",))
+            merged.add(main)
+            merged.add(read_yaml(path))
+            validate(merged, model_type(merged))
+        except ConfigError as exc:
+            problems += [p for p in exc.problems if p.file == str(path)]
     return problems

@@ -33,6 +33,7 @@ import asyncio
 import enum
 import json
 import logging
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,16 @@ log = logging.getLogger("hostd.manager.reload")
 
 RELOAD_DROPIN = "90-reload.yaml"
 ROLLBACK_DROPIN = "99-rollback.yaml"
+
+
+def rollback_text(cause: str, pinned: dict) -> str:
+    """99-rollback.yaml: the whole cause as comment lines (never cut mid-word),
+    then the pinned values."""
+    words = " ".join(cause.split())
+    lines = textwrap.wrap(f"Written by hostd's manager: the reload of these values failed: {words}", 76,
+                          break_long_words=False, break_on_hyphens=False)
+    lines.append("Remove this file once the config is fixed.")
+    return "".join(f"# {line}\n" for line in lines) + yaml.safe_dump(pinned, sort_keys=True)
 
 # MESSAGE_IDs of the journal lines a reload writes (journalctl MESSAGE_ID=...).
 MESSAGE_IDS = {
@@ -123,6 +134,7 @@ class Operation:
     weights_reused: bool = False
     restored: bool = False
     created: float = field(default_factory=time.time)
+    stage_entered: float = field(default_factory=time.time)  # when the current stage began
     finished: float = 0.0
     notes: list[str] = field(default_factory=list)
     on_change: Optional[Callable[["Operation"], None]] = None
@@ -145,6 +157,7 @@ class Operation:
         if stage not in TRANSITIONS[self.stage]:
             raise RuntimeError(f"reload {self.id}: no transition {self.stage.value} -> {stage.value}")
         self.stage = stage
+        self.stage_entered = time.time()
         log.info(
             "reload %d of %s: stage %s", self.id, self.model, stage.value,
             extra={"hostd_model": self.model, "hostd_operation": str(self.id), "hostd_stage": stage.value},
@@ -370,12 +383,7 @@ class Reload:
             # The new values came from the administrator's own drop-in: pin the
             # values the engine ran before above it rather than editing their file.
             pinned = {"engine": self.running_engine}
-            write_atomic(
-                directory / ROLLBACK_DROPIN,
-                "# Written by hostd's manager: the reload of these values failed "
-                f"({cause.splitlines()[0][:200]}).\n# Remove this file once the config is fixed.\n"
-                + yaml.safe_dump(pinned, sort_keys=True),
-            )
+            write_atomic(directory / ROLLBACK_DROPIN, rollback_text(cause, pinned))
             self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
         restored = hostd_config.load_model(self.model.name, self.model.root).config
         await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)

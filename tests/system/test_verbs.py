@@ -14,6 +14,8 @@ One container for the module, set up as test_model_units does.
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from collections import Counter
@@ -146,3 +148,56 @@ def test_a_crashed_gateway_leaves_the_socket_listening_and_comes_back_on_the_nex
     wait_for(lambda: status_code(host) == 200, timeout=60, what="serving again")
     assert host.systemctl("show", "-p", "ActiveEnterTimestampMonotonic", "model@tiny.socket").stdout == listening
     assert host.systemctl("show", "-p", "MainPID", "--value", "model-engine@tiny.service").stdout == engine
+
+
+# ---------------------------------------------------------------- hostctl, as systemctl is used
+
+
+def hostctl(host: SystemdContainer, *args: str):
+    return host.run(["hostctl", *args], check=False, timeout=300)
+
+
+def test_hostctl_status_overview_detail_json_and_exit_codes(host):
+    serving(host)
+    host.run(["hostctl", "reload", "tiny", "max_num_seqs=3"], timeout=300)  # a last operation to show
+
+    overview = hostctl(host, "status")
+    assert overview.returncode == 0, overview.stderr
+    header, row = overview.stdout.splitlines()[:2]
+    assert header.split()[:4] == ["MODEL", "STATE", "BACKEND", "LISTEN"]
+    assert row.split()[:4] == ["tiny", "serving", "builtin", host.base_url.removeprefix("http://")]
+    assert "reload" in row and "done" in row and "yes" in row.split()  # weights retained
+    assert hostctl(host, "status", "--no-legend").stdout.splitlines()[0].startswith("tiny ")
+
+    detail = hostctl(host, "status", "tiny")
+    assert detail.returncode == 0 and detail.stdout.startswith("● tiny - builtin model, serving")
+    weights_pid = host.systemctl("show", "-p", "MainPID", "--value", "model-weights@tiny.service").stdout.strip()
+    assert f"Weights: retained by PID {weights_pid}" in detail.stdout
+
+    data = json.loads(hostctl(host, "status", "tiny", "--json=pretty").stdout)
+    assert data["weights_pid"] == int(weights_pid) and data["weights_retained"] is True
+    assert data["engine"]["max_num_seqs"] == 3 and data["last_operation"]["State"] == "done"
+    assert set(data["units"]) >= {"model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"}
+    short = hostctl(host, "--json=short", "list").stdout
+    assert short.count("\n") == 1 and json.loads(short) == [{"name": "tiny", "state": "serving"}]
+
+    # The model's D-Bus object tells a script the same without hostctl.
+    props = host.busctl_json("get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model",
+                             "WeightsPID")
+    assert props["data"] == int(weights_pid)
+
+    missing = hostctl(host, "status", "ghost")
+    assert missing.returncode == 4 and missing.stderr.count("\n") == 1 and "NoSuchModel" in missing.stderr
+    host.systemctl("stop", "model@tiny.service", timeout=300)
+    stopped = hostctl(host, "status", "tiny")
+    assert stopped.returncode == 3 and stopped.stdout.startswith("○ tiny")
+
+
+def test_hostctl_reload_shows_each_stage_with_elapsed_time_and_the_engine_status(host):
+    serving(host)
+    result = host.run(["hostctl", "reload", "tiny", "max_num_seqs=5"], timeout=300)
+    print(result.stderr + result.stdout)
+    stages = [line for line in result.stderr.splitlines() if line.startswith("reload ")]
+    assert any(": drain (" in line for line in stages) and any(": verify (" in line for line in stages)
+    assert any(", engine: " in line for line in stages if ": restart (" in line), stages
+    assert re.search(r"reload of tiny: done \(weights reused\) in \d+\.\d s", result.stdout)
