@@ -2,7 +2,8 @@
 
 One job: copy the unit templates (with this installation's Python, user and
 paths substituted), the generator, the sysusers.d and tmpfiles.d entries, the
-D-Bus policy and an example config into the system, and take them away again.
+D-Bus policy, man pages, bash completion and an example config into the
+system, and take them away again.
 Works for a virtual environment and for a system prefix alike: the units run
 `<this python> -m hostd.main`, whichever Python that is; links in
 /usr/local/bin put `hostd` and `hostctl` on root's PATH. Data files come from
@@ -41,6 +42,11 @@ TMPFILES = "usr/local/lib/tmpfiles.d/hostd.conf"
 DBUS_POLICY = "usr/share/dbus-1/system.d/org.hostd1.conf"
 DBUS_ACTIVATION = "usr/local/share/dbus-1/system-services/org.hostd1.service"
 COMMANDS = ("hostd", "hostctl")
+# man-db reads /usr/local/share/man (manpath.config maps /usr/local/bin there);
+# bash-completion loads completions/<command> from $XDG_DATA_DIRS, which
+# starts with /usr/local/share.
+MAN_DIR = "usr/local/share/man"
+COMPLETION_DIR = "usr/local/share/bash-completion/completions"
 
 
 def in_checkout() -> bool:
@@ -122,6 +128,12 @@ def planned_files(args: argparse.Namespace) -> dict[Path, tuple[str, int]]:
     files[root / TMPFILES] = ((packaging / "tmpfiles.conf").read_text(), 0o644)
     files[root / DBUS_POLICY] = ((packaging / "org.hostd1.conf").read_text(), 0o644)
     files[root / DBUS_ACTIVATION] = ((packaging / "org.hostd1.service").read_text(), 0o644)
+    from hostd import manpages
+
+    for rel, page in manpages.pages().items():
+        files[root / MAN_DIR / rel] = (page, 0o644)
+    for command, script in manpages.completions().items():
+        files[root / COMPLETION_DIR / command] = (script, 0o644)
     return files
 
 

@@ -96,6 +96,12 @@ def test_install_and_uninstall_under_a_root(tmp_path: Path):
     activation = (root / "usr/local/share/dbus-1/system-services/org.hostd1.service").read_text()
     assert "Name=org.hostd1" in activation and "SystemdService=hostd.service" in activation
     assert not (root / "etc/systemd").exists() and not (root / "etc/dbus-1").exists()
+    page = (root / "usr/local/share/man/man1/hostctl.1").read_text()
+    assert page.startswith('.TH HOSTCTL "1"') and "\\-\\-json" in page and "status" in page
+    assert ".B engine.max_num_seqs" in (root / "usr/local/share/man/man5/hostd.yaml.5").read_text()
+    assert (root / "usr/local/share/man/man8/hostd.8").read_text().startswith('.TH HOSTD "8"')
+    completion = (root / "usr/local/share/bash-completion/completions/hostctl").read_text()
+    assert "complete " in completion and "reload" in completion and "--no-legend" in completion
     for command in ("hostd", "hostctl"):  # on root's PATH
         assert os.readlink(root / "usr/local/bin" / command) == str(Path(sys.executable).parent / command)
 
