@@ -222,13 +222,29 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0 if state == "done" else 1
 
 
+def config_problem(args: argparse.Namespace, name: str) -> str:
+    """Why model NAME's config does not load ("" when it does): read here, from
+    the files, as the generator and the manager read them."""
+    try:
+        config.load_model(name, config.config_root(args.config_dir))
+    except config.ConfigError as exc:
+        return " ".join(str(exc).split("\n")[0].split())
+    except OSError as exc:
+        return f"cannot read: {exc}"
+    return ""
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with _client() as hostd:
         models = hostd.list_models()
+    problems = {m["name"]: config_problem(args, m["name"]) for m in models}
     if args.json:
-        emit_json(args, [{"name": m["name"], "state": m["state"]} for m in models])
+        emit_json(args, [{"name": m["name"], "state": m["state"], "config_problem": problems[m["name"]]}
+                         for m in models])
         return 0
-    table(args, ["MODEL", "STATE"], [[m["name"], m["state"]] for m in models])
+    table(args, ["MODEL", "STATE", "CONFIG"],
+          [[m["name"], m["state"], f"invalid: {problems[m['name']]}" if problems[m["name"]] else "ok"]
+           for m in models])
     return 0
 
 

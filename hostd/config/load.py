@@ -432,6 +432,16 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
     return files
 
 
+def add_daemon_defaults(merged: Merged, root: Path) -> None:
+    """The `defaults:` of hostd.yaml, under every model's own files."""
+    daemon_file = root / "hostd.yaml"
+    if daemon_file.exists():
+        daemon = read_yaml(daemon_file)
+        defaults = daemon.data.get("defaults")
+        if isinstance(defaults, dict):
+            merged.add(daemon, defaults, prefix=("defaults",))
+
+
 def merge_model(
     name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict | YamlFile]] = None
 ) -> tuple[Merged, list[Problem]]:
@@ -450,12 +460,7 @@ def merge_model(
     if not main.exists() and not main.is_symlink():
         raise ConfigError([Problem(str(main), "", f"no such model: {name!r} is not configured")])
     merged = Merged()
-    daemon_file = root / "hostd.yaml"
-    if daemon_file.exists():
-        daemon = read_yaml(daemon_file)
-        defaults = daemon.data.get("defaults")
-        if isinstance(defaults, dict):
-            merged.add(daemon, defaults, prefix=("defaults",))
+    add_daemon_defaults(merged, root)
     problems: list[Problem] = []
     try:
         dropins = dropin_files(name, root)
@@ -545,16 +550,11 @@ def dropin_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
         main = read_yaml(model_file(name, root))
     except ConfigError:
         return []  # the merged check reports these
-    daemon_file = root / "hostd.yaml"
     problems: list[Problem] = []
     for path in files:
         merged = Merged()
         try:
-            if daemon_file.exists():
-                daemon = read_yaml(daemon_file)
-                defaults = daemon.data.get("defaults")
-                if isinstance(defaults, dict):
-                    merged.add(daemon, defaults, prefix=("defaults",))
+            add_daemon_defaults(merged, root)
             merged.add(main)
             merged.add(read_yaml(path))
             validate(merged, model_type(merged))

@@ -24,17 +24,9 @@ import httpx
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_model_units import free_port, prepare_model, status_code
+from test_model_units import host, status_code  # noqa: F401 (host: the module's container, set up alike)
 
 POLL_S = 0.02
-
-
-@pytest.fixture(scope="module")
-def host(systemd_container: SystemdContainer):
-    port = free_port()
-    prepare_model(systemd_container, port)
-    systemd_container.base_url = f"http://127.0.0.1:{port}"
-    return systemd_container
 
 
 class Poller:
@@ -179,12 +171,22 @@ def test_hostctl_status_overview_detail_json_and_exit_codes(host):
     assert data["engine"]["max_num_seqs"] == 3 and data["last_operation"]["State"] == "done"
     assert set(data["units"]) >= {"model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"}
     short = hostctl(host, "--json=short", "list").stdout
-    assert short.count("\n") == 1 and json.loads(short) == [{"name": "tiny", "state": "serving"}]
+    assert short.count("\n") == 1
+    assert json.loads(short) == [{"name": "tiny", "state": "serving", "config_problem": ""}]
 
     # The model's D-Bus object tells a script the same without hostctl.
     props = host.busctl_json("get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model",
                              "WeightsPID")
     assert props["data"] == int(weights_pid)
+
+    # A model whose YAML does not load is listed with the reason.
+    host.write_file("/etc/hostd/models/bad.yaml", "backend: builtin\nmodel: /m\nengine:\n  max_num_seqs: lots\n")
+    try:
+        listed = hostctl(host, "list").stdout
+        assert re.search(r"^bad\s+\S+\s+invalid: /etc/hostd/models/bad.yaml:4: engine.max_num_seqs: expected `int`",
+                         listed, re.M), listed
+    finally:
+        host.run(["rm", "-f", "/etc/hostd/models/bad.yaml"])
 
     missing = hostctl(host, "status", "ghost")
     assert missing.returncode == 4 and missing.stderr.count("\n") == 1 and "NoSuchModel" in missing.stderr
