@@ -39,6 +39,7 @@ import asyncio
 import enum
 import json
 import logging
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,16 @@ log = logging.getLogger("hostd.manager.reload")
 
 RELOAD_DROPIN = "90-reload.yaml"
 ROLLBACK_DROPIN = "99-rollback.yaml"
+
+
+def rollback_header(cause: str) -> str:
+    """The comment lines of 99-rollback.yaml: the cause made safe and bounded
+    (comment_text), wrapped at words, never cut mid-word."""
+    lines = textwrap.wrap(f"Written by hostd's manager: the reload of these values failed: {comment_text(cause)}",
+                          76, break_long_words=False, break_on_hyphens=False)
+    lines.append("Remove this file once the config is fixed.")
+    return "".join(f"# {line}\n" for line in lines)
+
 
 # MESSAGE_IDs of the journal lines a reload writes (journalctl MESSAGE_ID=...).
 MESSAGE_IDS = {
@@ -128,6 +139,7 @@ class Operation:
     weights_reused: bool = False
     restored: bool = False
     created: float = field(default_factory=time.time)
+    stage_entered: float = field(default_factory=time.time)  # when the current stage began
     finished: float = 0.0
     notes: list[str] = field(default_factory=list)
     on_change: Optional[Callable[["Operation"], None]] = None
@@ -150,6 +162,7 @@ class Operation:
         if stage not in TRANSITIONS[self.stage]:
             raise RuntimeError(f"reload {self.id}: no transition {self.stage.value} -> {stage.value}")
         self.stage = stage
+        self.stage_entered = time.time()
         log.info(
             "reload %d of %s: stage %s", self.id, self.model, stage.value,
             extra={"hostd_model": self.model, "hostd_operation": str(self.id), "hostd_stage": stage.value},
@@ -428,10 +441,8 @@ class Reload:
             # values the engine ran before above it rather than editing their file.
             if self.running_engine is None:
                 raise RuntimeError("no committed or schema-valid previous values to pin")
-            header = (f"# Written by hostd's manager: the reload of these values failed ({comment_text(cause)}).\n"
-                      "# Remove this file once the config is fixed.\n")
             write_atomic(directory / ROLLBACK_DROPIN,
-                         render(ROLLBACK_DROPIN, header, {"engine": self.running_engine}))
+                         render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine}))
             self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
         restored = hostd_config.load_model(self.model.name, self.model.root).config
         await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)

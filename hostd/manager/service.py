@@ -125,6 +125,20 @@ class OperationInterface(ServiceInterface):
     def FinishedUSec(self) -> "t":
         return int(self.op.finished * 1e6)
 
+    @dbus_property(access=PropertyAccess.READ)
+    def StageUSec(self) -> "t":
+        """When the current Stage began (CLOCK_REALTIME, µs): its elapsed time."""
+        return int(self.op.stage_entered * 1e6)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EngineStatus(self) -> "s":
+        """The engine unit's STATUS= line ("attaching weights", "warming up", ...)."""
+        return self.engine_status()
+
+    def engine_status(self) -> str:
+        props = self.manager.systemd.cached(units.engine(self.op.model)) or {}
+        return str(props.get("StatusText", ""))
+
     @method()
     @admin(api.MANAGE_ACTION)
     async def Cancel(self):
@@ -140,6 +154,7 @@ class OperationInterface(ServiceInterface):
             "State": self.op.state.value, "Stage": self.op.stage.value, "Error": self.op.error,
             "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
             "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
+            "StageUSec": int(self.op.stage_entered * 1e6), "EngineStatus": self.engine_status(),
         })
 
     @property
@@ -185,6 +200,7 @@ class ModelInterface(ServiceInterface):
         self.manager, self.model_name = manager, name  # self.name is the interface's
         self.path = api.model_path(name)
         self.units = (units.umbrella(name), units.engine(name))
+        self.weights_unit = units.weights(name)  # tracked too, for its PID
         self.state = "unknown"
         self.in_flight = 0
         self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
@@ -278,8 +294,12 @@ class ModelInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def WeightsRetained(self) -> "b":
-        """Are the weights kept across engine restarts (a reload reuses them)?"""
-        return not self.weights_not_retained()
+        """Does a weight cache daemon hold the weights now, so that engine
+        restarts attach them (a reload reuses them)? False for a model whose
+        config cannot retain them (WeightsNotRetainedReason) or whose weights
+        unit is not active."""
+        active = (self.manager.systemd.cached(self.weights_unit) or {}).get("ActiveState") == "active"
+        return active and not self.weights_not_retained()
 
     @dbus_property(access=PropertyAccess.READ)
     def WeightsNotRetainedReason(self) -> "s":
@@ -305,6 +325,45 @@ class ModelInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def InFlight(self) -> "u":
         return self.in_flight
+
+    # What a script needs without a second tool (read with Get/GetAll; they
+    # follow the units, so only State and InFlight send PropertiesChanged).
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Units(self) -> "as":
+        name = self.model_name
+        return [units.umbrella(name), units.socket(name), units.engine(name), units.weights(name),
+                units.instance(units.WEIGHTS_SOCKET, name)]
+
+    def _pid(self, unit: str) -> int:
+        return int((self.manager.systemd.cached(unit) or {}).get("MainPID", 0) or 0)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def GatewayPID(self) -> "u":
+        return self._pid(self.units[0])
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EnginePID(self) -> "u":
+        return self._pid(self.units[1])
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsPID(self) -> "u":
+        return self._pid(self.weights_unit)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EngineStatus(self) -> "s":
+        return str((self.manager.systemd.cached(self.units[1]) or {}).get("StatusText", ""))
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Listen(self) -> "s":
+        loaded = self.loaded()
+        return str(loaded.config.listen) if loaded else ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def LastOperation(self) -> "o":
+        """The model's latest operation, running or finished, while it is on the bus."""
+        last = self.active
+        return last.path if last is not None and last.op.id in self.manager.operations else "/"
 
     @method()
     @admin(api.RELOAD_ACTION)
@@ -351,7 +410,11 @@ class Manager(ServiceInterface):
     def model(self, name: str) -> ModelInterface:
         self.discover()
         if name not in self.models:
-            raise errors.NoSuchModel(f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
+            problem = schema.model_name_problem(name)
+            if problem is not None:  # never a path built from it: "../models/x" names no file
+                raise errors.NoSuchModel(problem)
+            raise errors.NoSuchModel(
+                f"no model {name!r}: {hostd_config.model_file(name, self.root)} does not exist")
         return self.models[name]
 
     def discover(self) -> None:
@@ -374,7 +437,7 @@ class Manager(ServiceInterface):
 
     async def track(self, model: ModelInterface) -> None:
         """Start following MODEL's units (one GetAll each); signals do the rest."""
-        for unit in model.units:
+        for unit in (*model.units, model.weights_unit):
             try:
                 await self.systemd.properties(unit)
             except Exception as exc:  # one model's trouble must not stop the others'
@@ -385,6 +448,9 @@ class Manager(ServiceInterface):
         model = self._by_unit.get(unit)
         if model is not None:
             model.refresh()
+            running = model.busy()
+            if running is not None and unit == model.units[1]:  # the engine's STATUS= for the operation
+                running.emit_properties_changed({"EngineStatus": running.engine_status()})
 
     def new_operation(self, model: ModelInterface, kind: str, patch: dict) -> OperationInterface:
         """An operation, not yet visible on the bus (see publish); MODEL is busy from here on."""
