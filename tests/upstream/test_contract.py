@@ -41,7 +41,7 @@ CONFIGS = {
         # an inline template: vLLM's validate() opens a path-like one
         "engine_extra_args": ["--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
                               "--enable-auto-tool-choice",
-                              "--tool-call-parser", "hermes", "--api-key", "k", "--response-role=bot"]}),
+                              "--tool-call-parser", "hermes", "--response-role=bot"]}),
     "vllm-fp8-in-the-cache": ("vllm", {"quantization": "fp8", "dtype": "bfloat16", "served_model_name": "served"}),
     "vllm-gptq-from-disk": ("vllm", {"quantization": "gptq"}),
     "vllm-tensor-parallel-2": ("vllm", {"tensor_parallel_size": 2, "gpus": [0, 1]}),
@@ -55,8 +55,7 @@ CONFIGS = {
         "schedule_conservativeness": 1.5}}),
     "sglang-extra-and-frontend-args": ("sglang", {
         "extra_args": ["--trust-remote-code", "--random-seed", "7"],
-        "engine_extra_args": ["--chat-template", "/etc/hostd/t.jinja", "--tool-call-parser", "qwen25",
-                              "--api-key", "k"]}),
+        "engine_extra_args": ["--chat-template", "/etc/hostd/t.jinja", "--tool-call-parser", "qwen25"]}),
     "sglang-fp8-in-the-cache": ("sglang", {"quantization": "fp8", "dtype": "bfloat16"}),
     "sglang-awq-from-disk": ("sglang", {"quantization": "awq"}),
     "sglang-tensor-parallel-2": ("sglang", {"tensor_parallel_size": 2, "gpus": [0, 1]}),
