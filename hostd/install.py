@@ -2,7 +2,9 @@
 
 One job: copy the unit templates (with this installation's Python, user and
 paths substituted), the generator, the sysusers.d and tmpfiles.d entries, the
-D-Bus policy and an example config into the system, and take them away again.
+D-Bus policy, the polkit actions and rules (where Debian's polkitd reads
+them; the rules name hostd.yaml's admin_group) and an example config into the
+system, and take them away again.
 Works for a virtual environment and for a system prefix alike: the units run
 `<this python> -m hostd.main`, whichever Python that is.
 
@@ -14,6 +16,7 @@ only when absent and is left in place by uninstall unless --purge.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -65,6 +68,9 @@ def render_units(python: str, config_dir: str) -> dict[str, str]:
         text = path.read_text()
         for key, value in values.items():
             text = text.replace(key, value)
+        if "@HARDENING@" not in path.read_text() and values["@HARDENING@"] != hardening:
+            # The manager's own sandbox (hostd.service) has the same conflict.
+            text = text.replace("PrivateTmp=yes", "# PrivateTmp= off: hostd is installed under /tmp\nPrivateTmp=no")
         units[path.name] = text
     return units
 
@@ -75,6 +81,22 @@ def generator_script(python: str, config_dir: str, unit_dir: str) -> str:
         "# hostd-generator: /etc/hostd/models/*.yaml -> unit drop-ins (see hostd/generator.py)\n"
         f"HOSTD_CONFIG_DIR={config_dir} HOSTD_UNIT_DIR={unit_dir} exec {python} -m hostd.generator \"$@\"\n"
     )
+
+
+POLKIT_ACTIONS = "usr/share/polkit-1/actions"  # polkitd reads actions from here only
+POLKIT_RULES = "usr/share/polkit-1/rules.d"  # and rules from here and /etc/polkit-1/rules.d
+
+
+def polkit_rules(config_dir: Path) -> str:
+    """packaging/org.hostd1.rules for the admin group hostd.yaml names (the
+    default when it cannot be read), as a JavaScript string literal."""
+    from hostd import config
+
+    try:
+        group = config.load_daemon(config_dir).admin_group
+    except config.ConfigError:
+        group = config.schema.DaemonConfig().admin_group
+    return (data_dir("packaging") / "org.hostd1.rules").read_text().replace("@ADMIN_GROUP@", json.dumps(group))
 
 
 def planned_files(args: argparse.Namespace) -> dict[Path, tuple[str, int]]:
@@ -90,6 +112,8 @@ def planned_files(args: argparse.Namespace) -> dict[Path, tuple[str, int]]:
     files[root / "etc/sysusers.d/hostd.conf"] = ((packaging / "sysusers.conf").read_text(), 0o644)
     files[root / "etc/tmpfiles.d/hostd.conf"] = ((packaging / "tmpfiles.conf").read_text(), 0o644)
     files[root / "etc/dbus-1/system.d/org.hostd1.conf"] = ((packaging / "org.hostd1.conf").read_text(), 0o644)
+    files[root / POLKIT_ACTIONS / "org.hostd1.policy"] = ((packaging / "org.hostd1.policy").read_text(), 0o644)
+    files[root / POLKIT_RULES / "org.hostd1.rules"] = (polkit_rules(root / args.config_dir.lstrip("/")), 0o644)
     return files
 
 

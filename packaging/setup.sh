@@ -4,12 +4,13 @@
 # torch (CPU build 2.13.0) and hostd with its test extras. Idempotent: a second
 # run installs nothing new.
 #   apt: systemd-container (systemd-nspawn: the real-systemd tier and the demo),
-#        dbus (the system bus inside those containers)
+#        dbus (the system bus inside those containers),
+#        polkitd (the manager asks it before mutating methods; tested there too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
-apt_packages=(systemd-container dbus)
+apt_packages=(systemd-container dbus polkitd)
 if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
     apt_packages+=(python3-venv)
 fi

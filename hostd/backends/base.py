@@ -1,19 +1,22 @@
 """The backend interface: everything hostd needs to know to run one model.
 
-A backend answers, for a model's config: the weight daemon's and the engine's
-command and environment, which fields a reload may change, how to tell that
-the engine serves, what it refuses before anything is torn down, and how long
-it lets admitted requests finish when asked to stop (its drain).
+One job: be the only place outside the configuration schema that knows which
+backends exist. Callers get a Backend from for_config() (hostd/backends/__init__.py,
+the one switch on the backend's name) and ask it; nobody else compares the
+name. A backend answers, for a model's config: what `hostd weights NAME` and
+`hostd engine NAME` run, what it refuses before anything is torn down, whether
+its units need the GPU devices, which fraction of a GPU its engine sizes its
+memory by, the limits its engine reports, and how long it lets admitted
+requests finish when asked to stop (its drain).
 """
 
 from __future__ import annotations
 
 import abc
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from hostd.config import schema
+import msgspec
 
 
 class Refused(Exception):
@@ -35,20 +38,31 @@ class Backend(abc.ABC):
     # Families of the engine's /metrics that the gateway's /metrics passes on.
     metrics_prefixes: ClassVar[tuple[str, ...]] = ()
 
-    def editable_fields(self) -> tuple[str, ...]:
-        return schema.editable_fields(self.name)
+    # ------------------------------------------------------------ entry points
 
     @abc.abstractmethod
-    def weights_command(self, model: str, cfg) -> Command:
-        """What model-weights@MODEL.service runs."""
+    def run_weights(self, args, cfg) -> int:
+        """`hostd weights NAME` for this backend (model-weights@NAME.service):
+        hold the weights until SIGTERM; returns the exit code."""
 
     @abc.abstractmethod
-    def engine_command(self, model: str, cfg) -> Command:
-        """What model-engine@MODEL.service runs; it serves HTTP on engine.sock."""
+    def run_engine(self, args, cfg) -> int:
+        """`hostd engine NAME` for this backend (model-engine@NAME.service):
+        serve HTTP on engine.sock until SIGTERM; returns the exit code."""
+
+    # ------------------------------------------------------------ refusals
 
     @abc.abstractmethod
     def refusals(self, cfg) -> list[str]:
-        """Every reason CFG cannot be served, each naming the setting; empty when fine."""
+        """Every reason CFG cannot be served, each naming the setting; empty
+        when fine. From the config and the checkpoint's files alone: it never
+        runs or imports upstream code, because the root manager calls it."""
+
+    def install_refusals(self, cfg) -> list[str]:
+        """What the upstream installation the model runs says about itself
+        (missing, broken, too old). This runs upstream's code, so only the
+        model's own units call it (check(), as the model's user); never root."""
+        return []
 
     def engine_refusals(self, cfg, model_config: dict) -> list[str]:
         """What the engine refuses at start, given the model's config.json."""
@@ -57,16 +71,30 @@ class Backend(abc.ABC):
     def check(self, cfg, model_config: Optional[dict] = None) -> None:
         """Raise Refused naming every problem; with MODEL_CONFIG (the model's
         config.json) also what the engine refuses at start."""
-        problems = self.refusals(cfg)
+        problems = self.refusals(cfg) + self.install_refusals(cfg)
         if model_config is not None:
             problems += self.engine_refusals(cfg, model_config)
         if problems:
             raise Refused("; ".join(problems))
 
+    # ------------------------------------------------------------ facts
+
+    @abc.abstractmethod
+    def uses_gpu(self, cfg) -> bool:
+        """Do the model's units need the NVIDIA devices (DeviceAllow=, the
+        manager's GPU memory preflight)?"""
+
+    def memory_fraction(self, cfg) -> Optional[float]:
+        """The fraction of each GPU the engine sizes its memory pool by, which
+        includes the daemon-held weights; None when it sizes by need."""
+        return None
+
+    def limits(self, cfg) -> dict:
+        """The engine's limits as its /health reports them: the backend's own
+        names, plus max_num_seqs and max_model_len, which the manager reads for
+        every backend."""
+        return msgspec.to_builtins(cfg.engine)
+
     @abc.abstractmethod
     def drain_seconds(self, cfg) -> float:
         """How long the engine lets admitted requests finish after SIGTERM."""
-
-    @staticmethod
-    def hostd_argv(*args: str) -> list[str]:
-        return [sys.executable, "-m", "hostd.main", *args]

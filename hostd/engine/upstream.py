@@ -50,14 +50,6 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
-def limits(cfg) -> dict:
-    """The engine's limits by the backend's own names, plus the two names the
-    manager's probe compares for every backend (max_num_seqs, max_model_len)."""
-    engine = msgspec.to_builtins(cfg.engine)
-    if cfg.backend == "sglang":
-        return {**engine, "max_num_seqs": engine.get("max_running_requests"),
-                "max_model_len": engine.get("context_length")}
-    return engine
 
 
 class EngineSupervisor:
@@ -68,16 +60,14 @@ class EngineSupervisor:
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
-        if cfg.backend == "vllm":
-            self.upstream_socket: Optional[Path] = upstream.upstream_engine_socket(name)
+        self.upstream_socket: Optional[Path] = self.backend.engine_socket(name)
+        if self.upstream_socket:
             self.port = 0
             self.base = "http://engine"
-            self.command = self.backend.engine_command(name, cfg)
         else:
-            self.upstream_socket = None
             self.port = free_loopback_port()
             self.base = f"http://127.0.0.1:{self.port}"
-            self.command = self.backend.engine_command(name, cfg, port=self.port)
+        self.command = self.backend.engine_command(name, cfg, port=self.port)
 
     # ------------------------------------------------------------ upstream
 
@@ -126,7 +116,7 @@ class EngineSupervisor:
     def deadline(self) -> float:
         """Seconds the child gets after SIGTERM before SIGKILL."""
         drain = self.backend.drain_seconds(self.cfg)
-        grace = 10.0 if self.cfg.backend == "vllm" else 0.0  # vLLM honours its own timeout
+        grace = self.backend.stop_grace_seconds
         return max(1.0, min(drain + grace, self.cfg.timeouts.stop - 2.0))
 
     async def stop_child(self) -> Optional[int]:
@@ -151,7 +141,7 @@ class EngineSupervisor:
             "backend": self.cfg.backend,
             "upstream_health": code,
             "upstream_pid": self.proc.pid if self.proc else None,
-            "limits": limits(self.cfg),
+            "limits": self.backend.limits(self.cfg),
             "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
             "weights": "daemon",
             "weights_pid": self.weights_pid,

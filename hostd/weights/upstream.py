@@ -98,7 +98,7 @@ class Supervisor:
     def __init__(self, name: str, cfg, state_dir: Optional[Path]):
         self.name, self.cfg, self.state_dir = name, cfg, state_dir
         self.backend = backends.for_config(cfg)
-        self.directory = upstream.upstream_dir(name, cfg.backend)
+        self.directory = self.backend.socket_dir(name)
         self.child: Optional[subprocess.Popen] = None
         self.fingerprint: Optional[protocol.Fingerprint] = None
         self.socket_inode = 0
@@ -118,7 +118,7 @@ class Supervisor:
         want = self.backend.expected_sockets(self.cfg)
         if len(upstream_sockets(self.directory)) < want:
             return False
-        if self.cfg.backend == "sglang":
+        if self.backend.writes_ready_files:
             return len(list(self.directory.glob("*.ready"))) >= want
         return True
 

@@ -63,6 +63,11 @@ AllowIsolate=yes
 #: Where the writable units directory appears inside the container.
 CONTAINER_UNITS_DIR = "/etc/systemd/system"
 
+#: polkitd reads actions only under /usr, which is the host's and read-only
+#: inside: each gets an empty writable directory of the container's own, so
+#: `hostd install` can put its polkit files where a real host has them.
+POLKIT_DIRS = ("/usr/share/polkit-1/actions", "/usr/share/polkit-1/rules.d")
+
 #: Environment for commands run inside the container; nothing of the
 #: caller's environment (virtualenv, pyenv shims, pager settings) leaks in.
 INSIDE_ENV = {
@@ -281,6 +286,8 @@ class SystemdContainer:
         binds = [Bind(p, p) for p in _dedupe([self.checkout, *python_paths()])]
         binds.append(Bind(self.units_dir, Path(CONTAINER_UNITS_DIR), readonly=False))
         binds.append(Bind(self.workdir / "machine-id", Path("/etc/machine-id")))
+        binds += [Bind(self.workdir / Path(d).name, Path(d), readonly=False) for d in POLKIT_DIRS
+                  if Path(d).is_dir()]
         return binds + self._extra_binds
 
     @property
@@ -361,6 +368,8 @@ class SystemdContainer:
         if not mask.is_symlink():
             mask.symlink_to("/dev/null")
         (self.workdir / "machine-id").write_text(secrets.token_hex(16) + "\n")
+        for directory in POLKIT_DIRS:
+            (self.workdir / Path(directory).name).mkdir(exist_ok=True)
 
     def _find_pid1(self, deadline: float) -> int:
         """The container's PID 1: the child of nspawn that has exec'd systemd."""

@@ -130,12 +130,12 @@ def test_engine_restart_keeps_weights_daemon_socket_and_gateway(running):
     assert greedy(host) == output
 
 
-def test_private_runtime_dir_is_0700_hostd_and_survives_engine_and_weights_restarts(running):
+def test_private_runtime_dir_is_0700_the_models_user_and_survives_engine_and_weights_restarts(running):
     host = running
 
     def check() -> None:
-        assert stat(host, "/run/hostd/tiny") | {"inode": 0} == {"inode": 0, "mode": "700", "owner": "hostd"}
-        assert stat(host, "/run/hostd/tiny/weights.sock") | {"inode": 0} == {"inode": 0, "mode": "600", "owner": "hostd"}
+        assert stat(host, "/run/hostd/tiny") | {"inode": 0} == {"inode": 0, "mode": "700", "owner": "hostd-tiny"}
+        assert stat(host, "/run/hostd/tiny/weights.sock") | {"inode": 0} == {"inode": 0, "mode": "600", "owner": "hostd-tiny"}
         for name in ("engine.sock", "control.sock"):
             assert stat(host, f"/run/hostd/tiny/{name}")["mode"] == "600"
 
@@ -197,7 +197,7 @@ def test_stop_stops_everything_closes_the_socket_and_removes_the_runtime_dir(run
     wait_for(lambda: set(active(host, *everything)) == {"inactive"}, timeout=120, what="all inactive")
     assert status_code(host) == 0  # nothing listens on the public address
     assert host.run(["test", "-e", "/run/hostd/tiny"], check=False).returncode == 1
-    assert host.run(["pgrep", "-u", "hostd"], check=False).stdout.strip() == ""
+    assert host.run(["pgrep", "-u", "hostd-tiny"], check=False).stdout.strip() == ""
 
 
 def test_units_verify(host):

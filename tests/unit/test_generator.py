@@ -16,7 +16,8 @@ def model(root: Path, name: str, text: str) -> None:
     (root / "models" / f"{name}.yaml").write_text(text)
 
 
-def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path: Path, capsys):
+def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
     etc, out = tmp_path / "etc", tmp_path / "out"
     model(etc, "good", "backend: builtin\nmodel: /m\nlisten: '[::1]:8001'\ntimeouts: {start: 60, stop: 30}\n"
                        "gateway: {api_keys: /etc/hostd/keys/good}\n")
@@ -28,7 +29,7 @@ def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path
     assert names == ["good", "gpu"]
     assert "skipping model 'broken'" in capsys.readouterr().err
     assert not any("broken" in p.name for p in out.rglob("*"))
-    assert (out / "model@good.socket.d/50-hostd.conf").read_text().endswith("[Socket]\nListenStream=[::1]:8001\n")
+    assert "[Socket]\nListenStream=[::1]:8001\n" in (out / "model@good.socket.d/50-hostd.conf").read_text()
     gateway = (out / "model@good.service.d/50-hostd.conf").read_text()
     assert "LoadCredential=api-keys:/etc/hostd/keys/good\n" in gateway
     assert "LoadCredential" not in (out / "model@gpu.service.d/50-hostd.conf").read_text()

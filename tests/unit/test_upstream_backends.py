@@ -232,7 +232,8 @@ REFUSALS = [
 @pytest.mark.parametrize(("backend", "keys", "message"), REFUSALS, ids=[m for _, _, m in REFUSALS])
 def test_refusal_names_the_setting(backend, keys, message, ckpt, home):
     cfg = make(backend, ckpt, **keys)
-    problems = backends.for_config(cfg).refusals(cfg)
+    backend_ = backends.for_config(cfg)
+    problems = backend_.refusals(cfg) + backend_.install_refusals(cfg)
     assert any(message in p for p in problems), problems
     with pytest.raises(backends.Refused, match="."):
         backends.for_config(cfg).check(cfg)
