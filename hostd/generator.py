@@ -116,8 +116,7 @@ def dropins(name: str, cfg) -> dict[str, str]:
         + model_user_lines(name),
         f"{units.weights_socket(name)}.d/{DROPIN}": header + "[Socket]\n"
         + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n",
-        f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n"
-        + "\n".join(timeouts + run_as(name) + credential_lines(cfg)) + "\n",
+        f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg)) + "\n",
     }
     for unit in (units.engine(name), units.weights(name)):
         body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg))

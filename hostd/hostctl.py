@@ -117,6 +117,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"model {props['Name']} ({props['Backend']}): {props['State']}, {props['InFlight']} in flight")
     print(f"  engine limits: {json.dumps(engine, sort_keys=True)}")
     print(f"  editable: {', '.join(props['EditableFields'])}")
+    if props.get("WeightsRetained") is False:
+        print(f"  weights: not retained ({props.get('WeightsNotRetainedReason', '')}); "
+              "the engine loads them from disk on every start and reload")
     if props["ActiveOperation"] != "/":
         print(f"  active operation: {props['ActiveOperation']}")
     return 0

@@ -84,6 +84,11 @@ class Backend(abc.ABC):
         """Do the model's units need the NVIDIA devices (DeviceAllow=, the
         manager's GPU memory preflight)?"""
 
+    def weights_not_retained(self, cfg) -> Optional[str]:
+        """Why CFG's weights are not kept across engine restarts (the engine
+        loads them from disk each start), or None when they are."""
+        return None
+
     def memory_fraction(self, cfg) -> Optional[float]:
         """The fraction of each GPU the engine sizes its memory pool by, which
         includes the daemon-held weights; None when it sizes by need."""

@@ -363,6 +363,11 @@ class Reload:
                 f"run `systemctl restart {self.model.umbrella_unit}` (a full restart loads the weights again)",
             )
 
+    def weights_not_retained(self) -> str:
+        from hostd import backends
+
+        return backends.for_config(self.target).weights_not_retained(self.target) or ""
+
     def model_backend_refusals(self, cfg) -> list[str]:
         """The backend's refusals from the config alone; never its
         install_refusals(), which run upstream code (the engine unit checks
@@ -542,8 +547,14 @@ class Reload:
                 op.degraded = True  # the gateway stays paused: nothing safe to serve
                 return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
             return self._end(State.ROLLED_BACK, cause)
-        # Verified: the engine attached the same weight daemon (PID, inode).
-        op.weights_reused = self.weights_before is not None
+        # Verified: the engine attached the same weight daemon (PID, inode),
+        # which holds the weights unless the backend says they are not retained.
+        not_retained = self.weights_not_retained()
+        op.weights_reused = self.weights_before is not None and not not_retained
+        if not_retained:
+            op.notes.append(f"weights not retained ({not_retained}): the engine loaded them from disk")
+            log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
+                     op.id, op.model, not_retained)
         op.enter(Stage.RESUME)
         try:
             await self.model.probe.resume()

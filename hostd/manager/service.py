@@ -277,6 +277,27 @@ class ModelInterface(ServiceInterface):
         return list(schema.editable_fields(loaded.config.backend)) if loaded else []
 
     @dbus_property(access=PropertyAccess.READ)
+    def WeightsRetained(self) -> "b":
+        """Are the weights kept across engine restarts (a reload reuses them)?"""
+        return not self.weights_not_retained()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsNotRetainedReason(self) -> "s":
+        """Why not, naming the setting; empty when they are retained."""
+        return self.weights_not_retained()
+
+    def weights_not_retained(self) -> str:
+        from hostd import backends
+
+        loaded = self.loaded()
+        if loaded is None:
+            return ""
+        try:
+            return backends.for_config(loaded.config).weights_not_retained(loaded.config) or ""
+        except backends.Refused:
+            return ""
+
+    @dbus_property(access=PropertyAccess.READ)
     def ActiveOperation(self) -> "o":
         active = self.busy()
         return active.path if active else "/"

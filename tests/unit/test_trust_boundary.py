@@ -86,7 +86,7 @@ def test_a_reload_never_runs_the_models_upstream_program_as_root(tmp_path: Path)
     world = World(tmp_path)
     marker = tmp_path / "ran-as-root"
     script = tmp_path / "vllm"
-    script.write_text(f"#!/bin/sh\nid -u > {marker}\necho 0.31.0\n")
+    script.write_text(f"#!/bin/sh\nid -u > {marker}\necho 0.32.0\n")
     script.chmod(0o755)
     checkpoint = tmp_path / "checkpoint"
     (world.root / "models/tiny.yaml").write_text(
