@@ -20,6 +20,10 @@ from typing import Iterator
 
 import torch
 
+from hostd.weights import lean
+
+lean.apply()  # before anything in this process imports transformers
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
