@@ -82,7 +82,7 @@ def settle(handle, seconds: float = 3.0) -> int:
     return used(handle)
 
 
-def test_cuda_ipc_restarts_share_one_copy_and_free_everything(tmp_path: Path, checkpoint: Path, nvml):
+def test_cuda_ipc_restarts_share_one_copy_agree_with_disk_and_free_everything(tmp_path: Path, checkpoint: Path, nvml):
     weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     baseline = settle(nvml, 0.5)
     tree = ModelTree(tmp_path, name="gpu")
@@ -114,6 +114,12 @@ def test_cuda_ipc_restarts_share_one_copy_and_free_everything(tmp_path: Path, ch
                 assert per_process < weight_bytes
             assert engine.stop() == 0
         assert len(set(outputs)) == 1 and outputs[0]
+        # The daemon's one-pass load (hashing while copying into the block)
+        # holds exactly what safetensors reads: a cold engine agrees.
+        engine = tree.start_engine("--from-disk", timeout=600)
+        assert tree.health()["weights"] == "disk"
+        assert greedy(tree) == outputs[0]
+        assert engine.stop() == 0
         assert daemon.proc.poll() is None
     finally:
         tree.stop_all()
