@@ -34,7 +34,8 @@ BLOCKED = {
     "sklearn": (
         "transformers' assisted generation (generation/candidate_generator.py) imports "
         "scikit-learn when it is installed; the builtin engine never runs assisted "
-        "generation. 1.3 s of a 7B engine start on the GPU image (issue 14)."
+        "generation. 2.2 s of a 7B engine's imports on the GPU image by "
+        "python -X importtime (transformers 5.17; docs/benchmarks.md)."
     ),
 }
 
