@@ -5,6 +5,11 @@
     with Client() as hostd:
         print(hostd.list_models())
 
+Waiting is systemctl's way: the client subscribes (AddMatch) to the manager's
+OperationFinished and the operations' PropertiesChanged when it connects,
+before it calls anything; after the call it reads the operation once (GetAll)
+and from then on follows the signals. No polling, no introspection.
+
 Errors come back as dbus_fast DBusError with the manager's error names
 (org.hostd1.Error.NotEditable, ...). Patches travel as JSON (ReloadJSON), so
 every YAML value, null included, can be expressed.
@@ -16,115 +21,132 @@ import asyncio
 import json
 from typing import Any, Callable, Optional
 
-from dbus_fast import BusType
+from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
+from dbus_fast.errors import DBusError
 
-BUS_NAME = "org.hostd1"
-ROOT_PATH = "/org/hostd1"
-OPERATION = "org.hostd1.Operation"
-FINAL_STATES = ("done", "rolled-back", "failed", "cancelled")
+from hostd.manager import api
+
+MATCHES = (
+    f"type='signal',sender='{api.BUS_NAME}',interface='{api.MANAGER}',member='OperationFinished'",
+    f"type='signal',sender='{api.BUS_NAME}',interface='{api.PROPERTIES}',member='PropertiesChanged',"
+    f"path_namespace='{api.OPERATION_PATH}'",
+)
 
 
 class AsyncClient:
     def __init__(self, bus_address: Optional[str] = None):
         self._address = bus_address
         self.bus: Optional[MessageBus] = None
-        self.manager = None
+        self._watching: dict[str, asyncio.Queue] = {}  # operation path -> its signals
 
     async def __aenter__(self) -> "AsyncClient":
         if self._address:
             self.bus = await MessageBus(bus_address=self._address).connect()
         else:
             self.bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
-        self.manager = await self._interface(ROOT_PATH, "org.hostd1.Manager")
+        self.bus.add_message_handler(self._signal)
+        for rule in MATCHES:
+            await self._call("AddMatch", "s", [rule], destination="org.freedesktop.DBus",
+                             path="/org/freedesktop/DBus", interface="org.freedesktop.DBus")
         return self
 
     async def __aexit__(self, *exc) -> None:
         if self.bus:
             self.bus.disconnect()
 
-    async def _interface(self, path: str, name: str):
-        introspection = await self.bus.introspect(BUS_NAME, path)
-        return self.bus.get_proxy_object(BUS_NAME, path, introspection).get_interface(name)
+    async def _call(self, member: str, signature: str = "", body: Optional[list] = None,
+                    path: str = api.ROOT_PATH, interface: str = api.MANAGER,
+                    destination: str = api.BUS_NAME) -> list:
+        reply = await self.bus.call(Message(destination=destination, path=path, interface=interface,
+                                            member=member, signature=signature, body=body or []))
+        if reply.message_type == MessageType.ERROR:
+            raise DBusError(reply.error_name, (reply.body or [""])[0])
+        return reply.body
+
+    def _signal(self, msg: Message) -> None:
+        if msg.message_type != MessageType.SIGNAL:
+            return
+        if msg.interface == api.MANAGER and msg.member == "OperationFinished":
+            queue = self._watching.get(msg.body[1])
+            if queue is not None:
+                queue.put_nowait({"State": msg.body[3]})
+        elif msg.interface == api.PROPERTIES and msg.member == "PropertiesChanged":
+            queue = self._watching.get(msg.path)
+            if queue is not None and msg.body[0] == api.OPERATION:
+                queue.put_nowait({k: v.value for k, v in msg.body[1].items()})
 
     async def _properties(self, path: str, interface: str) -> dict[str, Any]:
-        props = await self._interface(path, "org.freedesktop.DBus.Properties")
-        values = await props.call_get_all(interface)
+        [values] = await self._call("GetAll", "s", [interface], path=path, interface=api.PROPERTIES)
         return {k: v.value for k, v in values.items()}
 
     # ------------------------------------------------------------ reading
 
     async def list_models(self) -> list[dict]:
-        rows = await self.manager.call_list_models()
+        [rows] = await self._call("ListModels")
         return [{"name": n, "state": s, "path": p} for n, s, p in rows]
 
     async def model(self, name: str) -> dict[str, Any]:
-        path = await self.manager.call_get_model(name)
-        props = await self._properties(path, "org.hostd1.Model")
+        [path] = await self._call("GetModel", "s", [name])
+        props = await self._properties(path, api.MODEL)
         for key in ("Config", "RunningConfig"):
             props[key] = json.loads(props[key] or "{}")
         return props
 
     async def operations(self) -> list[dict]:
-        rows = await self.manager.call_list_operations()
+        [rows] = await self._call("ListOperations")
         keys = ("id", "model", "kind", "state", "stage", "path")
         return [dict(zip(keys, row)) for row in rows]
 
     async def operation(self, path: str) -> dict[str, Any]:
-        return await self._properties(path, OPERATION)
+        return await self._properties(path, api.OPERATION)
 
     # ------------------------------------------------------------ acting
 
     async def wait(self, path: str, on_change: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
-        """Wait until the operation at PATH ends; ON_CHANGE sees every change."""
-        props_iface = await self._interface(path, "org.freedesktop.DBus.Properties")
-        changed = asyncio.Event()
+        """Wait until the operation at PATH ends; ON_CHANGE sees every change.
 
-        def handler(_iface, _changed, _invalidated):
-            changed.set()
-
-        props_iface.on_properties_changed(handler)
+        One GetAll, then the signals matched since connecting: the manager
+        sends its signals and replies in order, so whatever arrives after the
+        GetAll reply is newer than it."""
+        queue = self._watching[path] = asyncio.Queue()
         try:
-            last = None
+            props = await self.operation(path)
             while True:
-                props = await self._properties(path, OPERATION)
-                if on_change and props != last:
-                    on_change(props)
-                last = props
-                if props["State"] in FINAL_STATES:
+                if on_change:
+                    on_change(dict(props))
+                if props["State"] in api.FINAL_STATES:
                     return props
-                changed.clear()
-                try:
-                    await asyncio.wait_for(changed.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
+                while True:  # apply every change queued, report once
+                    props.update(await queue.get())
+                    if queue.empty():
+                        break
         finally:
-            props_iface.off_properties_changed(handler)
+            del self._watching[path]
 
     async def reload(self, name: str, patch: Optional[dict] = None, wait: bool = True,
                      on_change: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
-        path = await self.manager.call_reload_json(name, json.dumps(patch or {}))
+        [path] = await self._call("ReloadJSON", "ss", [name, json.dumps(patch or {})])
         if not wait:
             return {"path": path}
         return {"path": path, **await self.wait(path, on_change)}
 
     async def _verb(self, verb: str, name: str, wait: bool) -> dict[str, Any]:
-        path = await getattr(self.manager, f"call_{verb}")(name)
+        [path] = await self._call(verb, "s", [name])
         return {"path": path, **(await self.wait(path) if wait else {})}
 
     async def start(self, name: str, wait: bool = True) -> dict[str, Any]:
-        return await self._verb("start", name, wait)
+        return await self._verb("Start", name, wait)
 
     async def stop(self, name: str, wait: bool = True) -> dict[str, Any]:
-        return await self._verb("stop", name, wait)
+        return await self._verb("Stop", name, wait)
 
     async def restart(self, name: str, wait: bool = True) -> dict[str, Any]:
-        return await self._verb("restart", name, wait)
+        return await self._verb("Restart", name, wait)
 
     async def cancel(self, op_id: int) -> None:
-        path = await self.manager.call_get_operation(op_id)
-        op = await self._interface(path, "org.hostd1.Operation")
-        await op.call_cancel()
+        [path] = await self._call("GetOperation", "u", [op_id])
+        await self._call("Cancel", path=path, interface=api.OPERATION)
 
 
 class Client:

@@ -22,7 +22,7 @@ from typing import Optional
 import yaml
 from dbus_fast.errors import DBusError
 
-from hostd import config
+from hostd import config, units
 from hostd.config import show
 
 
@@ -150,7 +150,7 @@ EDIT_DROPIN = "95-override.yaml"
 
 
 def cmd_edit(args: argparse.Namespace) -> int:
-    """Edit NAME.d/50-override.yaml in $EDITOR; save it only if the result is valid."""
+    """Edit NAME.d/95-override.yaml (EDIT_DROPIN) in $EDITOR; save it only if the result is valid."""
     root = config.config_root(args.config_dir)
     target = config.dropin_dir(args.name, root) / EDIT_DROPIN
     if not config.model_file(args.name, root).exists():
@@ -169,21 +169,19 @@ def cmd_edit(args: argparse.Namespace) -> int:
     if edited == original:
         print("hostctl: no changes", file=sys.stderr)
         return 0
-    with tempfile.TemporaryDirectory() as trial:
-        # Validate the whole tree with the edited drop-in in place, touching nothing.
-        trial_root = Path(trial)
-        subprocess.run(["cp", "-a", f"{root}/.", trial], check=True)
-        trial_file = config.dropin_dir(args.name, trial_root) / EDIT_DROPIN
-        trial_file.parent.mkdir(parents=True, exist_ok=True)
-        trial_file.write_text(edited)
-        try:
-            config.load_model(args.name, trial_root)
-        except config.ConfigError as exc:
-            print(str(exc).replace(str(trial_root), str(root)), file=sys.stderr)
-            print(f"hostctl: not saved: {target} would be invalid", file=sys.stderr)
-            return 1
+    # Validate the tree as it would be with the edited drop-in, touching nothing.
+    try:
+        data = config.load.parse_yaml(edited, str(target))
+        merged, problems = config.load.merge_model(args.name, root, overlay={EDIT_DROPIN: data})
+        if problems:
+            raise config.ConfigError(problems)
+        config.load.validate(merged, config.load.model_type(merged))
+    except config.ConfigError as exc:
+        print(exc, file=sys.stderr)
+        print(f"hostctl: not saved: {target} would be invalid", file=sys.stderr)
+        return 1
     config.write_atomic(target, edited)
-    print(f"saved {target}; apply with: systemctl reload model@{args.name}")
+    print(f"saved {target}; apply with: systemctl reload {units.umbrella(args.name)}")
     return 0
 
 

@@ -65,6 +65,9 @@ def render_units(python: str, config_dir: str) -> dict[str, str]:
         text = path.read_text()
         for key, value in values.items():
             text = text.replace(key, value)
+        if "@HARDENING@" not in path.read_text() and values["@HARDENING@"] != hardening:
+            # The manager's own sandbox (hostd.service) has the same conflict.
+            text = text.replace("PrivateTmp=yes", "# PrivateTmp= off: hostd is installed under /tmp\nPrivateTmp=no")
         units[path.name] = text
     return units
 

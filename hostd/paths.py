@@ -58,15 +58,11 @@ def max_model_name_length() -> int:
 
 
 def manager_state_root() -> Path:
-    """The manager's records (reload intents, committed configs, the operation
-    counter): root's own directory, apart from the service user's state_dir,
-    so the service user cannot forge what root acts on. ('.manager' cannot be
-    a model name.)"""
+    """The manager's records: root's own directory, apart from the service
+    user's state_dir, so the service user cannot forge what root acts on.
+    ('.manager' cannot be a model name.) What lies inside is
+    hostd/manager/records.py's alone."""
     return Path(os.environ.get("HOSTD_STATE_DIR") or STATE_ROOT) / ".manager"
-
-
-def manager_state_dir(name: str) -> Path:
-    return manager_state_root() / name
 
 
 def state_dir(name: str) -> Path:

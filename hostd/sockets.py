@@ -1,13 +1,35 @@
-"""Unix sockets in a model's private runtime directory.
+"""Unix sockets hostd listens on: the one place that binds them.
 
-One job: create or check /run/hostd/NAME and bind sockets in it safely. The
-directory must be a real directory (not a symlink) owned by this uid with no
-group or other access; a socket path that is a symlink or belongs to another
-uid is refused rather than replaced.
+One job: take a Unix socket path safely and give it up cleanly. Every
+listener (weights.sock, engine.sock, control.sock, the gateway's public Unix
+address when run by hand) and every path an upstream child will bind for us
+(vLLM's --uds) goes through here, so there is one rule for each question:
+
+- Directory. A private socket lives in a real directory (not a symlink) owned
+  by this uid with no group or other access (0700), created when missing. A
+  public socket's directory is created 0755 when missing and otherwise left
+  as the administrator made it.
+- What is already at the path (claim()):
+    nothing                      -> bind
+    a socket nobody accepts on   -> stale (its server died): removed, then bind
+    a socket that accepts        -> refused: another process serves there
+    a symlink, a non-socket, or a socket owned by another uid
+                                 -> refused, never replaced
+  The probe is a non-blocking connect(): ECONNREFUSED means nobody listens;
+  success or EAGAIN (a full backlog) means somebody does.
+- Modes. A private socket is 0600 (umask 0177 while binding, so it is never
+  wider, not even for an instant), a public one 0666 (systemd's SocketMode=
+  default); both are owned by the uid that binds.
+- Release. A socket we bound is removed at shutdown only if the file at its
+  path is still the one we bound (a successor may have replaced it).
+
+Trusts: nobody at the socket path. Peers are identified with SO_PEERCRED
+(peer_credentials); connecting clients check a path with check_socket_path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -16,7 +38,37 @@ from pathlib import Path
 
 
 class UnsafePath(Exception):
-    """A runtime path is a symlink, foreign-owned or open to other users."""
+    """A runtime path is a symlink, foreign-owned, open to other users, or in use."""
+
+
+class InUse(UnsafePath):
+    """Another process accepts connections on the socket path."""
+
+
+PRIVATE_MODE = 0o600
+PUBLIC_MODE = 0o666
+
+
+class UnixListener(socket.socket):
+    """A listening Unix socket this process bound, and the file it made.
+
+    A plain socket.socket for everyone who uses it (asyncio, aiohttp, accept());
+    release() closes it and removes its file if that file is still ours."""
+
+    path: Path
+    identity: tuple[int, int, int]  # the file's (device, inode, change time in ns)
+
+    def release(self) -> None:
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            if _identity(os.lstat(self.path)) == self.identity:
+                os.unlink(self.path)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    # The inode alone is not enough: a successor's socket can get the number
+    # of the one it replaced.
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def ensure_private_dir(directory: Path) -> None:
@@ -41,30 +93,78 @@ def ensure_private_dir(directory: Path) -> None:
         )
 
 
-def bind_private(path: Path, backlog: int = 64) -> socket.socket:
-    """Listen on PATH (mode 0600) in a private directory, replacing a stale socket."""
-    ensure_private_dir(path.parent)
+def claim(path: Path) -> None:
+    """Make PATH free to bind: remove a stale socket of ours, refuse anything else."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
-            raise UnsafePath(f"{path} exists and is not our socket; refusing to replace it")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{path} is a symbolic link; refusing to listen through a link (remove it)")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UnsafePath(f"{path} exists and is not a socket; refusing to replace it (remove it or "
+                         "choose another path)")
+    if st.st_uid != os.getuid():
+        raise UnsafePath(f"{path} is a socket owned by uid {st.st_uid}, not {os.getuid()}; "
+                         "refusing to replace another user's socket")
+    if _accepts(path):
+        raise InUse(f"another process is already serving on {path}; stop it first")
+    os.unlink(path)
+
+
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+        except BlockingIOError:  # EAGAIN: a listener whose backlog is full
+            return True
+        except FileNotFoundError:  # removed between lstat and connect
+            return False
+        except OSError as exc:
+            raise UnsafePath(f"cannot tell whether {path} is in use: {exc}") from None
+    return True
+
+
+def bind_private(path: Path, backlog: int = 64) -> UnixListener:
+    """Listen on PATH (0600) in a private 0700 directory, replacing a stale socket."""
+    ensure_private_dir(path.parent)
+    return _bind(path, PRIVATE_MODE, backlog)
+
+
+def bind_public(path: Path, backlog: int = 1024) -> UnixListener:
+    """Listen on PATH (0666, as systemd's SocketMode= default) for any local user."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    return _bind(path, PUBLIC_MODE, backlog)
+
+
+def _bind(path: Path, mode: int, backlog: int) -> UnixListener:
+    claim(path)
+    sock = UnixListener(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         old = os.umask(0o177)
         try:
             sock.bind(str(path))
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
+        os.chmod(path, mode)  # before listen(): nobody can connect in between
+        sock.path, sock.identity = path, _identity(os.lstat(path))
         sock.listen(backlog)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def release(listener: socket.socket) -> None:
+    """Close LISTENER; remove its file if we bound it and the file is still ours
+    (a socket systemd passed us is closed and left alone)."""
+    if isinstance(listener, UnixListener):
+        listener.release()
+    else:
+        listener.close()
 
 
 def check_socket_path(path: Path) -> os.stat_result:

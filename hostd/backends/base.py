@@ -1,19 +1,22 @@
 """The backend interface: everything hostd needs to know to run one model.
 
-A backend answers, for a model's config: the weight daemon's and the engine's
-command and environment, which fields a reload may change, how to tell that
-the engine serves, what it refuses before anything is torn down, and how long
-it lets admitted requests finish when asked to stop (its drain).
+One job: be the only place outside the configuration schema that knows which
+backends exist. Callers get a Backend from for_config() (hostd/backends/__init__.py,
+the one switch on the backend's name) and ask it; nobody else compares the
+name. A backend answers, for a model's config: what `hostd weights NAME` and
+`hostd engine NAME` run, what it refuses before anything is torn down, whether
+its units need the GPU devices, which fraction of a GPU its engine sizes its
+memory by, the limits its engine reports, and how long it lets admitted
+requests finish when asked to stop (its drain).
 """
 
 from __future__ import annotations
 
 import abc
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from hostd.config import schema
+import msgspec
 
 
 class Refused(Exception):
@@ -29,16 +32,19 @@ class Command:
 class Backend(abc.ABC):
     name: ClassVar[str]
 
-    def editable_fields(self) -> tuple[str, ...]:
-        return schema.editable_fields(self.name)
+    # ------------------------------------------------------------ entry points
 
     @abc.abstractmethod
-    def weights_command(self, model: str, cfg) -> Command:
-        """What model-weights@MODEL.service runs."""
+    def run_weights(self, args, cfg) -> int:
+        """`hostd weights NAME` for this backend (model-weights@NAME.service):
+        hold the weights until SIGTERM; returns the exit code."""
 
     @abc.abstractmethod
-    def engine_command(self, model: str, cfg) -> Command:
-        """What model-engine@MODEL.service runs; it serves HTTP on engine.sock."""
+    def run_engine(self, args, cfg) -> int:
+        """`hostd engine NAME` for this backend (model-engine@NAME.service):
+        serve HTTP on engine.sock until SIGTERM; returns the exit code."""
+
+    # ------------------------------------------------------------ refusals
 
     @abc.abstractmethod
     def refusals(self, cfg) -> list[str]:
@@ -57,10 +63,24 @@ class Backend(abc.ABC):
         if problems:
             raise Refused("; ".join(problems))
 
+    # ------------------------------------------------------------ facts
+
+    @abc.abstractmethod
+    def uses_gpu(self, cfg) -> bool:
+        """Do the model's units need the NVIDIA devices (DeviceAllow=, the
+        manager's GPU memory preflight)?"""
+
+    def memory_fraction(self, cfg) -> Optional[float]:
+        """The fraction of each GPU the engine sizes its memory pool by, which
+        includes the daemon-held weights; None when it sizes by need."""
+        return None
+
+    def limits(self, cfg) -> dict:
+        """The engine's limits as its /health reports them: the backend's own
+        names, plus max_num_seqs and max_model_len, which the manager reads for
+        every backend."""
+        return msgspec.to_builtins(cfg.engine)
+
     @abc.abstractmethod
     def drain_seconds(self, cfg) -> float:
         """How long the engine lets admitted requests finish after SIGTERM."""
-
-    @staticmethod
-    def hostd_argv(*args: str) -> list[str]:
-        return [sys.executable, "-m", "hostd.main", *args]

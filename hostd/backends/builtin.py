@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hostd.backends.base import Backend, Command
+from hostd.backends.base import Backend
 
 
 class BuiltinBackend(Backend):
     name = "builtin"
 
-    def weights_command(self, model: str, cfg) -> Command:
-        return Command(self.hostd_argv("weights", model), dict(cfg.env))
+    def run_weights(self, args, cfg) -> int:
+        from hostd.weights import daemon  # imports torch: only in the process that runs it
 
-    def engine_command(self, model: str, cfg) -> Command:
-        return Command(self.hostd_argv("engine", model), dict(cfg.env))
+        return daemon.serve(args, cfg)
+
+    def run_engine(self, args, cfg) -> int:
+        from hostd.engine import main
+
+        return main.serve(args, cfg)
 
     def refusals(self, cfg) -> list[str]:
         """What no engine could serve. Limits beyond what the model can do (a
@@ -41,6 +45,9 @@ class BuiltinBackend(Backend):
                 f"({positions}); lower it or leave it unset"
             ]
         return []
+
+    def uses_gpu(self, cfg) -> bool:
+        return cfg.device == "cuda"
 
     def drain_seconds(self, cfg) -> float:
         return cfg.engine.shutdown_timeout

@@ -13,10 +13,12 @@ Flags checked against SGLang's sources and docs (docs/sglang.md says which).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
+from hostd import paths
 from hostd.backends import upstream
-from hostd.backends.base import Backend, Command
+from hostd.backends.base import Command
 
 MINIMUM_VERSION = (0, 5, 21)  # the standalone weight cache daemon (Xinference's floor too)
 
@@ -66,8 +68,9 @@ OWNED_FLAGS = {
 }
 
 
-class SglangBackend(Backend):
+class SglangBackend(upstream.UpstreamBackend):
     name = "sglang"
+    writes_ready_files = True
 
     def python(self, cfg) -> str:
         """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
@@ -79,8 +82,8 @@ class SglangBackend(Backend):
             args += ["--quantization", cfg.quantization]
         return args
 
-    def socket_dir(self, model: str):
-        return upstream.upstream_dir(model, "sglang")
+    def socket_dir(self, model: str) -> Path:
+        return paths.runtime_dir(model) / paths.SGLANG_SOCKET_DIR
 
     def jit_cache_dir(self, cfg) -> str:
         """SGLANG_JIT_CACHE_DIR as a real absolute path: the model's env:, else
@@ -158,8 +161,15 @@ class SglangBackend(Backend):
             problems.append(problem)
         return problems
 
-    def expected_sockets(self, cfg) -> int:
-        return cfg.tensor_parallel_size
+    def memory_fraction(self, cfg) -> Optional[float]:
+        return cfg.engine.mem_fraction_static
+
+    def limits(self, cfg) -> dict:
+        """SGLang's own names, plus max_num_seqs and max_model_len translated
+        from max_running_requests and context_length for the manager."""
+        engine = super().limits(cfg)
+        return {**engine, "max_num_seqs": engine.get("max_running_requests"),
+                "max_model_len": engine.get("context_length")}
 
     def drain_seconds(self, cfg) -> float:
         """SGLang's SIGTERM drain has no limit of its own: hostd allows the

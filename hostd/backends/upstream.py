@@ -1,14 +1,16 @@
 """What the vllm and sglang backends share: refusals, environment and caches.
 
-One job: the policy tables and helpers both upstream backends use, so that
-vllm.py and sglang.py only say what differs (flag names, allowlists, the
-commands themselves). Nothing here starts a process except the version check,
+One job: the policy tables and helpers both upstream backends use, and the
+UpstreamBackend they derive from, so that vllm.py and sglang.py only say what
+differs (flag names, allowlists, the commands themselves, how their processes
+tell they serve). Nothing here starts a process except the version check,
 which runs the configured upstream executable with --version (or asks the
 configured Python for the package's metadata) and never anything else.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import json
 import os
@@ -16,9 +18,9 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
-from hostd import paths
+from hostd.backends.base import Backend, Command
 
 # Variables that make PyTorch's allocator hand out expandable segments. CUDA
 # IPC cannot export memory from them: both upstream weight caches refuse to
@@ -106,17 +108,6 @@ def gpu_env(cfg) -> dict[str, str]:
     if "CUDA_VISIBLE_DEVICES" in cfg.env:
         return {}
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in cfg.gpus)}
-
-
-def upstream_dir(model: str, backend: str) -> Path:
-    """/run/hostd/MODEL/vllm or .../sglang: the upstream sockets, ready and lock files."""
-    sub = paths.VLLM_SOCKET_DIR if backend == "vllm" else paths.SGLANG_SOCKET_DIR
-    return paths.runtime_dir(model) / sub
-
-
-def upstream_engine_socket(model: str) -> Path:
-    """Where `vllm serve --uds` listens; engine.sock is hostd's proxy in front of it."""
-    return paths.runtime_dir(model) / "vllm-engine.sock"
 
 
 def checkpoint_quantization(model_dir: str) -> Optional[dict]:
@@ -235,3 +226,53 @@ def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:
     if override:
         return override
     return shutil.which(name, path=env.get("PATH")) or name
+
+
+class UpstreamBackend(Backend):
+    """A backend whose weights and engine are upstream's own programs, run as
+    children of hostd's supervisors (hostd/weights/upstream.py,
+    hostd/engine/upstream.py), which ask it what to run and how to tell that
+    the children serve."""
+
+    # SGLang's daemon writes {device_uuid}.ready once a rank serves; its socket
+    # alone appears earlier. vLLM's daemon has no such file: its socket is it.
+    writes_ready_files: ClassVar[bool] = False
+
+    # Seconds past drain_seconds() before the engine supervisor SIGKILLs the
+    # server: vLLM ends its own drain (--shutdown-timeout) and gets time to exit.
+    stop_grace_seconds: ClassVar[float] = 0.0
+
+    def run_weights(self, args, cfg) -> int:
+        from hostd.weights import upstream as supervisor
+
+        return supervisor.run(args, cfg)
+
+    def run_engine(self, args, cfg) -> int:
+        from hostd.engine import upstream as supervisor
+
+        return supervisor.run(args, cfg)
+
+    def uses_gpu(self, cfg) -> bool:
+        return True  # both weight caches share CUDA allocations only
+
+    def expected_sockets(self, cfg) -> int:
+        """Upstream sockets that exist once every rank serves: one per GPU."""
+        return cfg.tensor_parallel_size
+
+    @abc.abstractmethod
+    def socket_dir(self, model: str) -> Path:
+        """/run/hostd/MODEL/<dir>: the upstream daemon's sockets, ready and lock files."""
+
+    def engine_socket(self, model: str) -> Optional[Path]:
+        """The Unix socket upstream's server listens on; None: it listens on
+        the private loopback port passed to engine_command()."""
+        return None
+
+    @abc.abstractmethod
+    def weights_command(self, model: str, cfg) -> Command:
+        """What hostd's weights supervisor runs as its child."""
+
+    @abc.abstractmethod
+    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
+        """What hostd's engine supervisor runs as its child; PORT is the
+        private loopback port it picked when engine_socket() is None."""

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from pathlib import Path
+
+from hostd import paths
 from hostd.backends import upstream
-from hostd.backends.base import Backend, Command
+from hostd.backends.base import Command
 
 MINIMUM_VERSION = (0, 31)  # `vllm preload` and --load-format ipc_cache appeared in 0.31.0
 
@@ -60,8 +63,9 @@ OWNED_FLAGS = {
 }
 
 
-class VllmBackend(Backend):
+class VllmBackend(upstream.UpstreamBackend):
     name = "vllm"
+    stop_grace_seconds = 10.0  # vLLM honours its own --shutdown-timeout
 
     def executable(self, cfg) -> str:
         """`vllm`: $HOSTD_VLLM, else vllm on PATH (both from env: and ours)."""
@@ -81,8 +85,12 @@ class VllmBackend(Backend):
             **upstream.cache_defaults(cfg, {"VLLM_CACHE_ROOT": "vllm"}),
         }
 
-    def socket_dir(self, model: str):
-        return upstream.upstream_dir(model, "vllm")
+    def socket_dir(self, model: str) -> Path:
+        return paths.runtime_dir(model) / paths.VLLM_SOCKET_DIR
+
+    def engine_socket(self, model: str) -> Path:
+        """Where `vllm serve --uds` listens; engine.sock is hostd's proxy in front of it."""
+        return paths.runtime_dir(model) / "vllm-engine.sock"
 
     def weights_command(self, model: str, cfg) -> Command:
         argv = [
@@ -94,7 +102,8 @@ class VllmBackend(Backend):
         ]
         return Command(argv, self._env(cfg))
 
-    def engine_command(self, model: str, cfg) -> Command:
+    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
+        """PORT is unused: `vllm serve` listens on engine_socket()."""
         extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
         argv = [
             self.executable(cfg), "serve", cfg.model,
@@ -102,7 +111,7 @@ class VllmBackend(Backend):
             *self._layout_args(cfg),
             "--load-format", "ipc_cache",
             "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True),
-            "--uds", str(upstream.upstream_engine_socket(model)),
+            "--uds", str(self.engine_socket(model)),
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
         ]
@@ -141,9 +150,8 @@ class VllmBackend(Backend):
             problems.append(problem)
         return problems
 
-    def expected_sockets(self, cfg) -> int:
-        """Upstream sockets that exist once every rank serves: one per GPU."""
-        return cfg.tensor_parallel_size
+    def memory_fraction(self, cfg) -> float:
+        return cfg.engine.gpu_memory_utilization
 
     def drain_seconds(self, cfg) -> float:
         return float(cfg.engine.shutdown_timeout)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -93,14 +94,35 @@ def read_yaml(path: Path) -> YamlFile:
     """Parse one YAML file whose top level must be a mapping (empty is {})."""
     name = str(path)
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ConfigError([Problem(name, "", f"larger than {MAX_FILE_BYTES} bytes")])
-        text = path.read_bytes().decode("utf-8")
+        text = read_regular_file(path, name).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([Problem(name, "", f"not UTF-8 text ({exc.reason})")]) from None
     except OSError as exc:
         raise ConfigError([Problem(name, "", f"cannot read: {exc.strerror}")]) from None
     return parse_yaml(text, name)
+
+
+def read_regular_file(path: Path, name: str) -> bytes:
+    """The bytes of PATH, which must be a regular file of at most
+    MAX_FILE_BYTES. Opened without blocking and checked on the open file
+    (fstat), so a FIFO cannot hang the reader and a link to /dev/zero cannot
+    exhaust its memory; a symlink to a regular file is fine."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError([Problem(
+                name, "", "not a regular file: config files must be regular files "
+                "(not a FIFO, device, socket or directory)")])
+        if st.st_size > MAX_FILE_BYTES:
+            raise ConfigError([Problem(name, "", f"larger than {MAX_FILE_BYTES} bytes")])
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ConfigError([Problem(name, "", f"larger than {MAX_FILE_BYTES} bytes")])
+        return data
+    finally:
+        os.close(fd)
 
 
 def parse_yaml(text: str, name: str) -> YamlFile:
@@ -359,7 +381,9 @@ def list_models(root: Optional[Path] = None) -> list[str]:
     models = config_root(root) / "models"
     if not models.is_dir():
         return []
-    return sorted(p.name[: -len(".yaml")] for p in models.glob("*.yaml") if p.is_file())
+    # Any entry, not only regular files: a FIFO or device named NAME.yaml is a
+    # model whose config is broken (the loader says why), not a silent absence.
+    return sorted(p.name[: -len(".yaml")] for p in models.glob("*.yaml") if not p.is_dir())
 
 
 def load_daemon(root: Optional[Path] = None) -> schema.DaemonConfig:
@@ -401,20 +425,21 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
 
 
 def merge_model(
-    name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict]] = None
+    name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict | YamlFile]] = None
 ) -> tuple[Merged, list[Problem]]:
     """Read and merge every readable file of model NAME (values not validated);
     the problems of the files that could not be read come back beside it.
 
     OVERLAY maps a drop-in file name to data that stands in for that file (or
     joins the directory), in its lexical place: what the tree would be if the
-    file held that data. Nothing is written."""
+    file held that data (a YamlFile from parse_yaml keeps its line numbers for
+    messages). Nothing is written."""
     root = config_root(root)
     problem = schema.model_name_problem(name)
     main = model_file(name, root)
     if problem:
         raise ConfigError([Problem(str(main), "", problem)])
-    if not main.is_file():
+    if not main.exists() and not main.is_symlink():
         raise ConfigError([Problem(str(main), "", f"no such model: {name!r} is not configured")])
     merged = Merged()
     daemon_file = root / "hostd.yaml"
@@ -435,7 +460,8 @@ def merge_model(
     for path in sources:
         try:
             if path.name in overlay and path.parent == directory:
-                merged.add(YamlFile(str(path), overlay[path.name], {}))
+                data = overlay[path.name]
+                merged.add(data if isinstance(data, YamlFile) else YamlFile(str(path), data, {}))
             else:
                 merged.add(read_yaml(path))
         except ConfigError as exc:
@@ -446,8 +472,9 @@ def merge_model(
 def model_type(merged: Merged) -> type:
     """The schema type for the backend named in MERGED."""
     backend = merged.data.get("backend")
-    if isinstance(backend, str) and backend in schema.MODEL_TYPES:
-        return schema.MODEL_TYPES[backend]
+    found = schema.MODEL_TYPES.get(backend) if isinstance(backend, str) else None
+    if found is not None:
+        return found
     file, line = merged.where(("backend",))
     message = (
         "required key is missing"

@@ -46,6 +46,17 @@ def model_name_problem(name: str) -> Optional[str]:
     return None
 
 
+def control_character_problem(key: str, value: str) -> Optional[str]:
+    """Why VALUE cannot be used for KEY: a control character. Such strings reach
+    unit files (a newline there starts a new setting, e.g. an ExecStartPre= run
+    as root), environment blocks and command lines, so every string a model
+    config passes on is refused with one, not escaped."""
+    for i, c in enumerate(value):
+        if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F:
+            return f"{key}: {value!r} contains the control character {c!r} at position {i}; remove it"
+    return None
+
+
 def _doc(description: str, **constraints) -> Meta:
     return Meta(description=description, **constraints)
 
@@ -275,6 +286,15 @@ class _ModelBase(_Strict):
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
 
     def __post_init__(self) -> None:
+        strings = [("model", self.model), ("listen", self.listen)]
+        if self.served_model_name is not None:
+            strings.append(("served_model_name", self.served_model_name))
+        for key, value in self.env.items():
+            strings += [(f"env: key {key!r}", key), (f"env.{key}", value)]
+        for key, value in strings:
+            problem = control_character_problem(key, value)
+            if problem:
+                raise ValueError(problem)
         if not self.model.startswith("/"):
             raise ValueError(
                 f"model: {self.model!r} is not an absolute path; give the "
@@ -311,6 +331,16 @@ class _UpstreamModel(_ModelBase, kw_only=True):
     extra_args: Annotated[
         list[str], _doc("More upstream flags, passed to both weights and engine.")
     ] = []
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        strings = [(f"extra_args[{i}]", arg) for i, arg in enumerate(self.extra_args)]
+        if self.quantization is not None:
+            strings.append(("quantization", self.quantization))
+        for key, value in strings:
+            problem = control_character_problem(key, value)
+            if problem:
+                raise ValueError(problem)
 
 
 class VllmModel(_UpstreamModel, kw_only=True):

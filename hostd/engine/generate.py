@@ -3,7 +3,7 @@
 One job: given a built model that already holds its weights (on CPU or CUDA),
 a prompt as token ids and the sampling parameters, produce the completion token
 by token, with the model's KV cache, and turn it into text. Nothing here knows
-about HTTP; the server (server.py) decides what to admit and how to answer.
+about HTTP; the application (app.py) decides what to admit and how to answer.
 
 Three layers, each usable alone:
 

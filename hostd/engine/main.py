@@ -1,10 +1,10 @@
 """hostd engine NAME: the builtin engine of one model.
 
-vllm and sglang models are handed to upstream.py, which supervises upstream's
-own server behind engine.sock instead.
+run() hands the model to its backend; the vllm and sglang backends run
+upstream.py, which supervises upstream's own server behind engine.sock instead.
 
 One job: get the model's weights into this process without copying them,
-then serve the OpenAI API (server.py) on /run/hostd/NAME/engine.sock.
+then serve the OpenAI API (server.py runs app.py) on /run/hostd/NAME/engine.sock.
 
 Normal start: connect to the weight cache daemon, send the fingerprint this
 engine expects (checkpoint content, dtype, device, versions), build the model
@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from hostd import backends, paths, sockets, systemd
+from hostd import backends, paths, systemd
 from hostd import config as hostd_config
 from hostd.weights import checkpoint, client, fingerprint, shared
 
@@ -102,17 +102,20 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
+    """`hostd engine NAME`: what the model's backend runs as its engine."""
     from hostd import logs
 
     logs.setup(args.name, "engine")
     loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
-    cfg = loaded.config
-    if cfg.backend != "builtin":
-        from hostd.engine import upstream
+    return backends.for_config(loaded.config).run_engine(args, loaded.config)
 
-        return upstream.run(args, cfg)
+
+def serve(args: argparse.Namespace, cfg) -> int:
+    """The builtin engine (BuiltinBackend.run_engine)."""
+    from transformers import AutoTokenizer
+
+    from hostd.engine import server
+
     config_json = Path(cfg.model) / "config.json"
     model_config = json.loads(config_json.read_text()) if config_json.is_file() else {}
     if backends.refused_at_start(cfg, args.name, log, model_config):
@@ -133,21 +136,23 @@ def run(args: argparse.Namespace) -> int:
         # letting every request's matmuls fight over all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.engine.max_num_seqs))
     positions = getattr(model.config, "max_position_embeddings", None) or 2048
-    max_model_len = cfg.engine.max_model_len or positions
+    limits = server.Limits(
+        max_num_seqs=cfg.engine.max_num_seqs,
+        max_model_len=cfg.engine.max_model_len or positions,
+        shutdown_timeout=cfg.engine.shutdown_timeout,
+    )
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = {
-        "limits": {"max_num_seqs": cfg.engine.max_num_seqs, "max_model_len": max_model_len},
+        "limits": {"max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len},
         "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
         "phases_s": phases.seconds,
     }
     sock = next(iter(systemd.listen_sockets()), None)
     unix_path = None
-    if sock is None:
+    if sock is None:  # bound by server.py through hostd/sockets.py
         unix_path = str(Path(args.socket) if args.socket else paths.engine_socket(args.name))
-        if not args.socket:
-            sockets.ensure_private_dir(Path(unix_path).parent)
 
     def ready() -> None:
         phases.mark("warm_up_and_listen")
@@ -159,15 +164,11 @@ def run(args: argparse.Namespace) -> int:
         if text.startswith("shutting down"):
             systemd.notify("STOPPING=1")
 
-    from hostd.engine import server
-
     return server.run_server(
         model,
         tokenizer,
+        limits,
         served_name=cfg.served_model_name or args.name,
-        max_num_seqs=cfg.engine.max_num_seqs,
-        max_model_len=max_model_len,
-        shutdown_timeout=cfg.engine.shutdown_timeout,
         unix_path=unix_path,
         sock=sock,
         on_ready=ready,

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
-import stat
 from pathlib import Path
 from typing import Optional
 
@@ -36,14 +34,13 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from hostd import backends, paths, sockets, systemd
+from hostd import backends, forward, paths, sockets, systemd
 from hostd.backends import upstream
 from hostd.weights import client as weights_client
 from hostd.weights import protocol
 
 log = logging.getLogger("hostd.engine")
 
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 CLIENT_MAX_SIZE = 64 * 1024 * 1024
 
 
@@ -53,24 +50,6 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
-def remove_stale_socket(path: Path) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
-        raise sockets.UnsafePath(f"{path} exists and is not our socket; refusing to replace it")
-    os.unlink(path)
-
-
-def limits(cfg) -> dict:
-    """The engine's limits by the backend's own names, plus the two names the
-    manager's probe compares for every backend (max_num_seqs, max_model_len)."""
-    engine = msgspec.to_builtins(cfg.engine)
-    if cfg.backend == "sglang":
-        return {**engine, "max_num_seqs": engine.get("max_running_requests"),
-                "max_model_len": engine.get("context_length")}
-    return engine
 
 
 class EngineSupervisor:
@@ -81,16 +60,14 @@ class EngineSupervisor:
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
-        if cfg.backend == "vllm":
-            self.upstream_socket: Optional[Path] = upstream.upstream_engine_socket(name)
+        self.upstream_socket: Optional[Path] = self.backend.engine_socket(name)
+        if self.upstream_socket:
             self.port = 0
             self.base = "http://engine"
-            self.command = self.backend.engine_command(name, cfg)
         else:
-            self.upstream_socket = None
             self.port = free_loopback_port()
             self.base = f"http://127.0.0.1:{self.port}"
-            self.command = self.backend.engine_command(name, cfg, port=self.port)
+        self.command = self.backend.engine_command(name, cfg, port=self.port)
 
     # ------------------------------------------------------------ upstream
 
@@ -99,14 +76,11 @@ class EngineSupervisor:
             aiohttp.UnixConnector(path=str(self.upstream_socket)) if self.upstream_socket
             else aiohttp.TCPConnector()
         )
-        return aiohttp.ClientSession(
-            connector=connector, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        )
+        return forward.session(connector, 10)
 
     async def start(self) -> None:
         if self.upstream_socket:
-            remove_stale_socket(self.upstream_socket)
+            sockets.claim(self.upstream_socket)  # vLLM binds it: clear a stale one, refuse a live one
         log.info("starting %s", " ".join(self.command.argv))
         self.proc = await asyncio.create_subprocess_exec(
             *self.command.argv, env=upstream.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
@@ -142,7 +116,7 @@ class EngineSupervisor:
     def deadline(self) -> float:
         """Seconds the child gets after SIGTERM before SIGKILL."""
         drain = self.backend.drain_seconds(self.cfg)
-        grace = 10.0 if self.cfg.backend == "vllm" else 0.0  # vLLM honours its own timeout
+        grace = self.backend.stop_grace_seconds
         return max(1.0, min(drain + grace, self.cfg.timeouts.stop - 2.0))
 
     async def stop_child(self) -> Optional[int]:
@@ -167,7 +141,7 @@ class EngineSupervisor:
             "backend": self.cfg.backend,
             "upstream_health": code,
             "upstream_pid": self.proc.pid if self.proc else None,
-            "limits": limits(self.cfg),
+            "limits": self.backend.limits(self.cfg),
             "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
             "weights": "daemon",
             "weights_pid": self.weights_pid,
@@ -177,26 +151,17 @@ class EngineSupervisor:
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         assert self.session
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         body = await request.read()
         try:
-            async with self.session.request(
-                request.method, self.base + str(request.rel_url), headers=headers, data=body or None,
-            ) as up:
-                response = web.StreamResponse(status=up.status, reason=up.reason)
-                for key, value in up.headers.items():
-                    if key.lower() not in HOP_BY_HOP:
-                        response.headers.add(key, value)
-                await response.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except (aiohttp.ClientError, OSError) as exc:
+            return await forward.forward(self.session, self.base + str(request.rel_url), request, body)
+        except forward.Unreachable as exc:
             return web.json_response(
                 {"error": {"message": f"the {self.cfg.backend} engine did not answer: {exc}", "type": "engine_unavailable"}},
                 status=502,
             )
+        except forward.Broken as exc:
+            log.warning("the %s engine failed mid-response: %s", self.cfg.backend, exc)
+            return exc.response
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=CLIENT_MAX_SIZE)
@@ -212,7 +177,7 @@ class EngineSupervisor:
             loop.add_signal_handler(signum, self.stopping.set)
         passed = systemd.listen_sockets()
         runner: Optional[web.AppRunner] = None
-        bound = False
+        listener: Optional[socket.socket] = None
         try:
             await self.start()
             systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}")
@@ -225,11 +190,8 @@ class EngineSupervisor:
                 log.error("upstream engine exited with %s before it served", self.proc.returncode)
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
-            if passed:
-                listener = passed[0]
-            else:
-                listener, bound = sockets.bind_private(self.socket_path), True
-            runner = web.AppRunner(self.app(), access_log=None)
+            listener = passed[0] if passed else sockets.bind_private(self.socket_path)
+            runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
             await runner.setup()
             await web.SockSite(runner, listener).start()
             log.info("serving %s through %s engine pid %d", self.name, self.cfg.backend, self.proc.pid)
@@ -255,11 +217,8 @@ class EngineSupervisor:
                 await runner.cleanup()
             if self.session is not None:
                 await self.session.close()
-            if bound:
-                try:
-                    os.unlink(self.socket_path)
-                except FileNotFoundError:
-                    pass
+            if listener is not None:
+                sockets.release(listener)
 
 
 def run(args, cfg) -> int:

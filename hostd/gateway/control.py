@@ -65,9 +65,8 @@ def parse(line: bytes) -> Request:
         raise ControlError(f"not a JSON object: {exc}") from None
 
 
-async def serve(path: Path, handle: Handler) -> asyncio.AbstractServer:
-    """Listen on PATH (0600, replacing a stale socket) and answer requests."""
-    listener = sockets.bind_private(path)
+async def serve(listener: socket.socket, handle: Handler) -> asyncio.AbstractServer:
+    """Answer requests on LISTENER (from sockets.bind_private)."""
     return await asyncio.start_unix_server(
         lambda r, w: _connection(r, w, handle), sock=listener, limit=MAX_LINE
     )

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import socket
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -36,7 +34,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from hostd import paths, systemd
+from hostd import forward, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.gateway import control
 from hostd.gateway.state import HELD, Admission, State
@@ -45,10 +43,6 @@ log = logging.getLogger("hostd.gateway")
 
 MAX_BODY = 32 << 20
 HEALTH_INTERVAL = 0.5
-HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailers", "transfer-encoding", "upgrade", "content-length", "host",
-}
 
 
 class Metrics:
@@ -83,6 +77,8 @@ class Gateway:
         self.metrics = Metrics(self.admission)
         self.session: Optional[aiohttp.ClientSession] = None
         self._last_status = ""
+        self.stream_error = {"message": f"model {name}'s engine stopped mid-stream",
+                             "type": "engine_error", "code": "engine_down"}
 
     # ------------------------------------------------------------ app
 
@@ -96,10 +92,7 @@ class Gateway:
         return app
 
     async def _startup(self, app: web.Application) -> None:
-        connector = aiohttp.UnixConnector(path=str(self.engine_socket), limit=0)
-        self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False
-        )
+        self.session = forward.session(aiohttp.UnixConnector(path=str(self.engine_socket), limit=0), 5)
         app["monitor"] = asyncio.create_task(self.monitor())
 
     async def _cleanup(self, app: web.Application) -> None:
@@ -155,44 +148,26 @@ class Gateway:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         assert self.session
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         try:
-            upstream = await self.session.request(
-                request.method, f"http://engine{request.rel_url}", data=body, headers=headers
+            return await forward.forward(
+                self.session, f"http://engine{request.rel_url}", request, body,
+                on_chunk=self._count_bytes, stream_error=self.stream_error,
             )
-        except (aiohttp.ClientConnectionError, OSError) as exc:
+        except forward.Unreachable as exc:
             log.warning("engine unreachable: %s", exc)
             await self.admission.engine_lost()
             return self.unavailable("engine-down")
-        async with upstream:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in HOP_BY_HOP:
-                    response.headers[key] = value
-            if upstream.headers.get("Content-Length") and "text/event-stream" not in upstream.headers.get(
-                "Content-Type", ""
-            ):
-                response.content_length = int(upstream.headers["Content-Length"])
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                    self.admission.counters.proxied_bytes += len(chunk)
-                    self.metrics.proxied_bytes.inc(len(chunk))
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionError) as exc:
-                # The engine died mid-response: end this request with an error
-                # the client's library reports, and stop admitting new ones.
-                self.metrics.errors.inc()
-                log.warning("engine failed mid-response: %s", exc)
-                await self.admission.engine_lost()
-                if "text/event-stream" in upstream.headers.get("Content-Type", ""):
-                    error = {"error": {"message": f"model {self.name}'s engine stopped mid-stream",
-                                       "type": "engine_error", "code": "engine_down"}}
-                    await response.write(f"data: {json.dumps(error)}\n\n".encode())
-                request.transport and request.transport.close()
-                return response
-            await response.write_eof()
-            return response
+        except forward.Broken as exc:
+            # The engine died mid-response: the client's library reports an
+            # error; stop admitting new requests until it is healthy again.
+            self.metrics.errors.inc()
+            log.warning("engine failed mid-response: %s", exc)
+            await self.admission.engine_lost()
+            return exc.response
+
+    def _count_bytes(self, n: int) -> None:
+        self.admission.counters.proxied_bytes += n
+        self.metrics.proxied_bytes.inc(n)
 
     # ------------------------------------------------------------ monitor
 
@@ -238,20 +213,11 @@ class Gateway:
 def listener_from_config(listen: str) -> socket.socket:
     """Bind the configured public address (used when not socket-activated)."""
     if listen.startswith("/"):
-        path = Path(listen)
-        if path.is_socket():
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(listen)
-    else:
-        host, _, port = listen.rpartition(":")
-        host = host.strip("[]") or "127.0.0.1"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, int(port)))
-    sock.listen(1024)
-    return sock
+        return sockets.bind_public(Path(listen), backlog=1024)
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, int(port)), family=family, backlog=1024)
 
 
 async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) -> None:
@@ -260,7 +226,8 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
     listener.setblocking(False)
     site = web.SockSite(runner, listener, shutdown_timeout=stop_timeout)
     await site.start()
-    ctl = await control.serve(gateway.control_socket, gateway.control)
+    ctl_listener = sockets.bind_private(gateway.control_socket)
+    ctl = await control.serve(ctl_listener, gateway.control)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -275,6 +242,8 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
         log.warning("stopping with %d request(s) still running", result["remaining"])
     ctl.close()
     await runner.cleanup()
+    sockets.release(ctl_listener)
+    sockets.release(listener)
 
 
 def run(args: argparse.Namespace) -> int:

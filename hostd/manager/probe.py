@@ -17,7 +17,7 @@ from typing import Optional
 import aiohttp
 import msgspec
 
-from hostd import paths
+from hostd import backends, paths, units
 from hostd.gateway import control
 from hostd.weights import client as weights_client
 
@@ -104,7 +104,7 @@ class Probe:
         try:
             result = await asyncio.to_thread(
                 subprocess.run,
-                ["journalctl", "-u", f"model-engine@{self.name}.service", "-p", "err", "-n", "3",
+                ["journalctl", "-u", units.engine(self.name), "-p", "err", "-n", "3",
                  "-o", "cat", "--no-pager", "--since", "-5min"],
                 capture_output=True, text=True, timeout=10,
             )
@@ -124,10 +124,10 @@ class Probe:
         PIDs are another namespace's, so then it falls back to the device:
         used - the weight daemon's share. vLLM and SGLang size their pools as a
         fraction of the whole GPU that includes the daemon-held weights."""
-        if getattr(cfg, "device", "cuda") == "cpu":
+        backend = backends.for_config(cfg)
+        if not backend.uses_gpu(cfg):
             return None
-        fraction = getattr(cfg.engine, "gpu_memory_utilization", None) or getattr(
-            cfg.engine, "mem_fraction_static", None)
+        fraction = backend.memory_fraction(cfg)
         try:
             import pynvml
 

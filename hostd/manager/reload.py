@@ -1,20 +1,28 @@
-"""The reload of one model: an explicit state machine, one function per stage.
+"""The reload of one model: an explicit state machine, one function per stage,
+and every way a reload can end, its recovery after a manager crash included.
 
-    validate -> preflight -> record -> drain -> restart -> verify -> resume -> commit
-                                         |          \\________/
-                                         |               | failure
-                                   timeout/cancel     rollback -> (verify old) -> resume
-                                         |               |
-                                   restore, resume   rolled-back | failed (degraded)
+    validate -> preflight -> record -> drain -> restart -> verify -> resume -> commit -> finished (done)
+        |           |                    |          \\________/         |
+     refused     refused                 |               | failure     +- resume fails: commit, failed
+    (nothing touched)          timeout/cancel/stop       |
+                                         |           rollback -> (verify old) -> resume -> finished (rolled-back)
+                                restore, resume              |                          \\ fails: failed (degraded)
+                                (no resume when stopping)    +- the model is being stopped (interrupted):
+                                         |                      restore, start nothing -> finished (failed)
+                                finished (cancelled | failed)
 
 Nothing is touched before validate and preflight pass: a refusal changes no
 file, drains nothing and restarts nothing. From `record` on, the intent
-(previous drop-in content and target config) is on disk in
-/var/lib/hostd/NAME/reload-intent.json, so a manager that dies mid-way decides
-on its next start: commit if the engine runs the target config, else roll back.
+(previous drop-in content and target config) is in the manager's records
+(records.py), so a manager that dies mid-way decides on its next start
+(recover): commit if the engine runs the target config; leave an engine that
+runs the previous config alone (the crash came before its restart); else
+drain, restart it with the previous config and resume. Recovery never stops an
+engine that still has admitted requests without draining it first.
 
-Drop-ins: a patch is written into /etc/hostd/models/NAME.d/90-reload.yaml
-(atomically). An empty patch applies what is on disk now; if that fails, the
+Drop-ins: a patch is merged into /etc/hostd/models/NAME.d/90-reload.yaml by
+one function (merge_patch, parsing with the config loader) and written
+atomically. An empty patch applies what is on disk now; if that fails, the
 previous values are pinned in 99-rollback.yaml (the administrator's own files
 are never edited) and the Operation says so.
 """
@@ -34,16 +42,16 @@ import msgspec
 import yaml
 
 from hostd import config as hostd_config
-from hostd import paths
+from hostd import units
 from hostd.config import schema
 from hostd.config.atomic import remove_durably, write_atomic
+from hostd.manager import errors
+from hostd.manager.records import Records
 
 log = logging.getLogger("hostd.manager.reload")
 
 RELOAD_DROPIN = "90-reload.yaml"
 ROLLBACK_DROPIN = "99-rollback.yaml"
-INTENT = "reload-intent.json"
-COMMITTED = "committed.json"
 
 # MESSAGE_IDs of the journal lines a reload writes (journalctl MESSAGE_ID=...).
 MESSAGE_IDS = {
@@ -91,14 +99,7 @@ TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.RESTORE: {Stage.FINISHED},
     Stage.FINISHED: set(),
 }
-
-
-class Refused(Exception):
-    """Validation or preflight refused the reload; nothing was changed."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind  # NoSuchModel, NotEditable, InvalidValue, Busy, NotRunning, InsufficientMemory
+CANCELLABLE = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN)
 
 
 class Cancelled(Exception):
@@ -129,6 +130,16 @@ class Operation:
     cancel_requested: bool = False
     interrupt_requested: bool = False  # the model is being stopped
     degraded: bool = False
+    asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+        self.asked.set()
+
+    def interrupt(self) -> None:
+        """The model is being stopped."""
+        self.interrupt_requested = True
+        self.asked.set()
 
     def enter(self, stage: Stage) -> None:
         if stage not in TRANSITIONS[self.stage]:
@@ -161,13 +172,6 @@ class Operation:
 # ---------------------------------------------------------------- files
 
 
-def state_dir(name: str) -> Path:
-    """Root's records of NAME's reloads (the manager runs as root)."""
-    directory = paths.manager_state_dir(name)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return directory
-
-
 def read_text(path: Path) -> Optional[str]:
     try:
         return path.read_text()
@@ -182,33 +186,39 @@ def restore_file(path: Path, content: Optional[str]) -> None:
         write_atomic(path, content)
 
 
-def engine_section(cfg) -> dict:
-    return msgspec.to_builtins(cfg.engine)
+def merge_patch(dropin: Path, patch: dict) -> dict:
+    """What DROPIN (90-reload.yaml) holds once PATCH is merged into its engine
+    section: the one place a patch meets the file, parsed by the config loader."""
+    try:
+        data = hostd_config.load.read_yaml(dropin).data if dropin.exists() else {}
+    except hostd_config.ConfigError as exc:
+        raise errors.InvalidValue(f"{RELOAD_DROPIN} cannot be merged with the patch:\n{exc}") from None
+    engine = data.get("engine")
+    return {**data, "engine": {**(engine if isinstance(engine, dict) else {}), **patch}}
 
 
 # ---------------------------------------------------------------- the run
 
 
 class Model:
-    """What a reload needs to act on one model; the manager provides it."""
+    """What a reload needs to act on one model; the manager provides it (tests
+    give fakes): SYSTEMD (systemd1.Systemd), PROBE (probe.Probe), RECORDS
+    (records.Records) and LOAD, the manager's cached parse of the model's YAML."""
 
-    def __init__(self, name: str, root: Path, systemd, probe):
-        self.name = name
-        self.root = root
-        self.systemd = systemd
-        self.probe = probe  # hostd.manager.probe.Probe
+    def __init__(self, name: str, root: Path, systemd, probe, records: Optional[Records] = None,
+                 load: Optional[Callable[[], hostd_config.LoadedModel]] = None):
+        self.name, self.root, self.systemd, self.probe = name, root, systemd, probe
+        self.records = records or Records()
+        self._load = load
+        self.engine_unit = units.engine(name)
+        self.umbrella_unit = units.umbrella(name)
 
     @property
     def dropins(self) -> Path:
         return hostd_config.dropin_dir(self.name, self.root)
 
-    @property
-    def engine_unit(self) -> str:
-        return f"model-engine@{self.name}.service"
-
-    @property
-    def umbrella_unit(self) -> str:
-        return f"model@{self.name}.service"
+    def load(self) -> hostd_config.LoadedModel:
+        return self._load() if self._load else hostd_config.load_model(self.name, self.root)
 
 
 class Reload:
@@ -216,25 +226,26 @@ class Reload:
         self.model, self.op = model, op
         self.previous_reload: Optional[str] = None
         self.previous_rollback: Optional[str] = None
+        self.reload_data: Optional[dict] = None  # 90-reload.yaml with the patch merged
         self.current = None  # effective config before the reload
         self.target = None  # effective config after it
         self.running_engine: Optional[dict] = None
         self.weights_before: Optional[tuple[int, int]] = None
-        self.drained = False
+        self.recorded = False  # the previous files are known: restore() may write
 
     # ------------------------------------------------------------ stages
 
     async def validate(self) -> None:
         name, patch = self.model.name, self.op.patch
         try:
-            current = hostd_config.load_model(name, self.model.root)
+            current = self.model.load()
         except hostd_config.ConfigError as exc:
             if not hostd_config.model_file(name, self.model.root).exists():
-                raise Refused("NoSuchModel", f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
-            raise Refused("InvalidValue", f"the configuration on disk is invalid:\n{exc}")
+                raise errors.NoSuchModel(f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
+            raise errors.InvalidValue(f"the configuration on disk is invalid:\n{exc}")
         # "reloading": `systemctl reload model@NAME` is what called us.
         if await self.model.systemd.active_state(self.model.umbrella_unit) not in ("active", "reloading"):
-            raise Refused("NotRunning", f"model {name} is not running: systemctl start model@{name} first")
+            raise errors.NotRunning(f"model {name} is not running: systemctl start {self.model.umbrella_unit} first")
         editable = schema.editable_fields(current.config.backend)
         fixed = {f.name for f in msgspec.structs.fields(type(current.config))} - {"engine"}
         for key in patch:
@@ -243,49 +254,47 @@ class Reload:
             if key in fixed:
                 why = (
                     f"{key!r} is fixed (it describes the weights or the units); change it in "
-                    f"/etc/hostd/models/{name}.yaml and run `systemctl restart model@{name}`, "
+                    f"/etc/hostd/models/{name}.yaml and run `systemctl restart {self.model.umbrella_unit}`, "
                     "which loads the weights again"
                 )
             else:
                 why = f"{key!r} is not a field of the {current.config.backend} backend"
-            raise Refused("NotEditable", f"{why}; editable: {', '.join(editable)}")
-        committed = self.read_committed()
+            raise errors.NotEditable(f"{why}; editable: {', '.join(editable)}")
+        committed = self.model.records.committed(name)
         self.current = current.config
         health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = (health or {}).get("engine_config") or (committed or {}).get("engine")
-        self.target = self.config_with(patch) if patch else current.config
+        if patch:
+            self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch)
+            self.target = self.config_with(self.reload_data, patch)
+        else:
+            self.target = current.config
         if committed is not None:
             self.check_fixed_unchanged(committed)
-        if not patch:
-            if self.running_engine is None:
-                raise Refused("NotRunning", f"the engine of {name} does not answer; cannot tell what it runs")
+        if not patch and self.running_engine is None:
+            raise errors.NotRunning(f"the engine of {name} does not answer; cannot tell what it runs")
         problems = self.model_backend_refusals(self.target)
         if problems:
-            raise Refused("InvalidValue", "; ".join(problems))
+            raise errors.InvalidValue("; ".join(problems))
 
-    def config_with(self, patch: dict):
-        """The effective config if 90-reload.yaml also held PATCH, every drop-in
+    def config_with(self, reload_data: dict, patch: dict):
+        """The effective config if 90-reload.yaml held RELOAD_DATA, every drop-in
         in its lexical place; a key a later drop-in overrides is refused."""
         reload_file = self.model.dropins / RELOAD_DROPIN
-        data = yaml.safe_load(read_text(reload_file) or "") or {}
-        if not isinstance(data, dict):
-            data = {}
-        data = {**data, "engine": {**(data.get("engine") or {}), **patch}}
         merged, problems = hostd_config.load.merge_model(
-            self.model.name, self.model.root, overlay={RELOAD_DROPIN: data}
+            self.model.name, self.model.root, overlay={RELOAD_DROPIN: reload_data}
         )
         if problems:
-            raise Refused("InvalidValue", "\n".join(map(str, problems)))
+            raise errors.InvalidValue("\n".join(map(str, problems)))
         try:
             cfg = hostd_config.load.validate(merged, hostd_config.load.model_type(merged))
         except hostd_config.ConfigError as exc:
-            raise Refused("InvalidValue", "; ".join(f"{p.key}: {p.message}" for p in exc.problems)) from None
+            raise errors.InvalidValue("; ".join(f"{p.key}: {p.message}" for p in exc.problems)) from None
         for key in patch:
             origin = merged.origin(("engine", key))
             if origin != str(reload_file):
-                raise Refused(
-                    "InvalidValue",
+                raise errors.InvalidValue(
                     f"engine.{key} is set by {origin}, which comes after {RELOAD_DROPIN} and "
                     "would override the reload; change that file and `systemctl reload` instead",
                 )
@@ -299,10 +308,9 @@ class Reload:
         now.pop("engine", None)
         changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
         if changed:
-            raise Refused(
-                "NotEditable",
+            raise errors.NotEditable(
                 f"fixed field(s) {', '.join(changed)} changed on disk; a reload cannot apply them: "
-                f"run `systemctl restart model@{self.model.name}` (a full restart loads the weights again)",
+                f"run `systemctl restart {self.model.umbrella_unit}` (a full restart loads the weights again)",
             )
 
     def model_backend_refusals(self, cfg) -> list[str]:
@@ -311,39 +319,32 @@ class Reload:
         return backends.for_config(cfg).refusals(cfg)
 
     async def preflight(self) -> None:
-        props = await self.model.systemd.unit_properties(self.model.engine_unit)
+        props = await self.model.systemd.properties(self.model.engine_unit)
         problem = await self.model.probe.memory_problem(self.target, props.get("MainPID", 0))
         if problem:
-            raise Refused("InsufficientMemory", problem)
+            raise errors.InsufficientMemory(problem)
 
     async def record(self) -> None:
         directory = self.model.dropins
         self.previous_reload = read_text(directory / RELOAD_DROPIN)
         self.previous_rollback = read_text(directory / ROLLBACK_DROPIN)
+        self.recorded = True
         self.weights_before = await self.model.probe.weights_identity()
-        intent = {
+        self.model.records.write_intent(self.model.name, {
             "operation": self.op.id,
             "patch": self.op.patch,
             "previous_reload": self.previous_reload,
             "previous_rollback": self.previous_rollback,
             "previous_engine": self.running_engine,
-            "target_engine": engine_section(self.target),
+            "target_engine": msgspec.to_builtins(self.target.engine),
             "weights": list(self.weights_before) if self.weights_before else None,
-            "at": time.time(),
-        }
-        write_atomic(state_dir(self.model.name) / INTENT, json.dumps(intent, indent=1), mode=0o600)
-        if self.op.patch:
-            merged = yaml.safe_load(self.previous_reload or "") or {}
-            if not isinstance(merged, dict):
-                merged = {}
-            engine = merged.setdefault("engine", {})
-            engine.update(self.op.patch)
+        })
+        if self.reload_data is not None:
             header = "# Written by hostd's manager on reload; hostctl config NAME shows the effect.\n"
-            write_atomic(directory / RELOAD_DROPIN, header + yaml.safe_dump(merged, sort_keys=True))
+            write_atomic(directory / RELOAD_DROPIN, header + yaml.safe_dump(self.reload_data, sort_keys=True))
 
     async def drain(self) -> None:
         result = await self.model.probe.drain(self.current.reload.drain_timeout)
-        self.drained = True
         if not result["drained"]:
             raise TimeoutError(
                 f"drain timed out after {self.current.reload.drain_timeout:g} s with "
@@ -356,12 +357,9 @@ class Reload:
     async def verify(self, cfg) -> None:
         await self.model.probe.verify_engine(cfg, self.weights_before)
 
-    async def resume(self) -> None:
-        await self.model.probe.resume()
-
     async def commit(self) -> None:
-        self.write_committed(self.target)
-        remove_durably(state_dir(self.model.name) / INTENT)
+        self.model.records.write_committed(self.model.name, self.target)
+        self.model.records.drop_intent(self.model.name)
 
     async def rollback(self, cause: str) -> None:
         """Put the previous config back and bring the previous engine up."""
@@ -383,15 +381,15 @@ class Reload:
         await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)
         await self.verify(restored)
         self.op.restored = True
-        remove_durably(state_dir(self.model.name) / INTENT)
+        self.model.records.drop_intent(self.model.name)
 
-    async def restore(self, resume: bool = True) -> None:
-        directory = self.model.dropins
-        restore_file(directory / RELOAD_DROPIN, self.previous_reload)
+    def restore(self) -> None:
+        """Put 90-reload.yaml back as it was; the engine was never restarted."""
+        if not self.recorded:  # cancelled before anything was written
+            return
+        restore_file(self.model.dropins / RELOAD_DROPIN, self.previous_reload)
         self.op.restored = True
-        remove_durably(state_dir(self.model.name) / INTENT)
-        if resume:
-            await self.model.probe.resume()
+        self.model.records.drop_intent(self.model.name)
 
     async def stopping(self) -> bool:
         """Is the model being stopped (by the manager's Stop or by systemctl)?"""
@@ -400,38 +398,19 @@ class Reload:
         state = await self.model.systemd.active_state(self.model.umbrella_unit)
         return state in ("deactivating", "inactive", "failed")
 
-    # ------------------------------------------------------------ committed config
-
-    def read_committed(self) -> Optional[dict]:
-        text = read_text(state_dir(self.model.name) / COMMITTED)
-        return json.loads(text) if text else None
-
-    def write_committed(self, cfg) -> None:
-        data = msgspec.to_builtins(cfg)
-        engine = data.pop("engine")
-        write_atomic(
-            state_dir(self.model.name) / COMMITTED,
-            json.dumps({"engine": engine, "fixed": data, "at": time.time()}, indent=1),
-            mode=0o600,
-        )
-
     # ------------------------------------------------------------ driver
 
-    def check_cancel(self) -> None:
-        if self.op.cancel_requested:
-            raise Cancelled("cancelled by request")
-
     async def check(self) -> None:
-        """Validate and preflight: raises Refused, having touched nothing."""
+        """Validate and preflight: raises errors.Refused, having touched nothing."""
         await self.validate()
         self.op.enter(Stage.PREFLIGHT)
         await self.preflight()
 
     def start(self) -> asyncio.Task:
         """Apply the checked reload in the background; the Operation reports."""
-        return asyncio.create_task(self._guarded())
+        return asyncio.create_task(self.run())
 
-    async def _guarded(self) -> None:
+    async def run(self) -> None:
         try:
             await self._apply()
         except Exception as exc:  # a bug or an unexpected error: never leave it running
@@ -439,22 +418,27 @@ class Reload:
             if self.op.state == State.RUNNING:
                 self.op.finish(State.FAILED, f"unexpected error: {exc}")
 
-    async def _apply(self) -> None:
+    def _end(self, state: State, error: str = "") -> None:
+        if self.op.stage != Stage.FINISHED:
+            self.op.enter(Stage.FINISHED)
+        self.op.finish(state, error)
+
+    async def _drain_stage(self) -> None:
+        """Record and drain; Cancelled, Interrupted or the drain's own failure
+        leave with the file restored (and the gateway resumed unless stopping)."""
         op = self.op
-        log.info(
-            "reload %d of %s started: %s", op.id, op.model, json.dumps(op.patch) if op.patch else "config on disk",
-            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"]},
-        )
         try:
-            self.check_cancel()
+            if op.cancel_requested:
+                raise Cancelled("cancelled by request")
             op.enter(Stage.RECORD)
             await self.record()
             op.enter(Stage.DRAIN)
             drain = asyncio.create_task(self.drain())
-            while not drain.done():
-                await asyncio.wait({drain}, timeout=0.2)
-                if (op.cancel_requested or op.interrupt_requested) and not drain.done():
-                    drain.cancel()
+            asked = asyncio.create_task(op.asked.wait())
+            await asyncio.wait({drain, asked}, return_when=asyncio.FIRST_COMPLETED)
+            asked.cancel()
+            if not drain.done():
+                drain.cancel()
             try:
                 await drain
             except asyncio.CancelledError:
@@ -468,13 +452,23 @@ class Reload:
         except Exception as exc:  # drain timed out, was cancelled, or the gateway failed
             op.enter(Stage.RESTORE)
             try:
-                await self.restore(resume=not isinstance(exc, Interrupted))
-            except Exception as again:  # pragma: no cover - logged for operators
+                self.restore()
+                if not isinstance(exc, Interrupted):
+                    await self.model.probe.resume()
+            except Exception as again:  # logged for operators
                 log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
-            state = State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED
-            op.enter(Stage.FINISHED)
-            op.finish(state, str(exc))
-            return
+            raise
+
+    async def _apply(self) -> None:
+        op = self.op
+        log.info(
+            "reload %d of %s started: %s", op.id, op.model, json.dumps(op.patch) if op.patch else "config on disk",
+            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"]},
+        )
+        try:
+            await self._drain_stage()
+        except Exception as exc:
+            return self._end(State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED, str(exc))
         try:
             op.enter(Stage.RESTART)
             await self.restart()
@@ -484,42 +478,92 @@ class Reload:
             if await self.stopping():
                 # A stop replaced our restart job: put the file back, start nothing.
                 op.enter(Stage.ROLLBACK)
-                restore_file(self.model.dropins / RELOAD_DROPIN, self.previous_reload)
-                remove_durably(state_dir(self.model.name) / INTENT)
-                op.restored = True
-                op.enter(Stage.FINISHED)
-                op.finish(State.FAILED, f"interrupted: the model is being stopped ({exc})")
-                return
+                self.restore()
+                return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
             cause = await self.model.probe.engine_error(str(exc))
             op.enter(Stage.ROLLBACK)
             try:
                 await self.rollback(cause)
                 op.enter(Stage.RESUME)
-                await self.resume()
+                await self.model.probe.resume()
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 op.degraded = True  # the gateway stays paused: nothing safe to serve
-                op.enter(Stage.FINISHED)
-                op.finish(State.FAILED, f"{cause}; rollback failed: {again}")
-                return
-            op.enter(Stage.FINISHED)
-            op.finish(State.ROLLED_BACK, cause)
-            return
+                return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
+            return self._end(State.ROLLED_BACK, cause)
         # Verified: the engine attached the same weight daemon (PID, inode).
         op.weights_reused = self.weights_before is not None
         op.enter(Stage.RESUME)
         try:
-            await self.resume()
+            await self.model.probe.resume()
         except Exception as exc:  # the engine runs the target: commit, but say so
-            await self.commit()
             op.enter(Stage.COMMIT)
-            op.enter(Stage.FINISHED)
-            op.finish(State.FAILED, f"the new config runs, but the gateway did not resume: {exc}")
-            return
+            await self.commit()
+            return self._end(State.FAILED, f"the new config runs, but the gateway did not resume: {exc}")
         op.enter(Stage.COMMIT)
         await self.commit()
-        op.enter(Stage.FINISHED)
-        op.finish(State.DONE)
+        self._end(State.DONE)
+
+
+# ---------------------------------------------------------------- recovery
+
+
+async def recover(model: Model, intent: dict) -> str:
+    """End the reload a previous manager left half done (INTENT is its record).
+    Returns what it did: committed, left (the engine runs the previous config),
+    restarted, or restored (the model is stopped: files only)."""
+    name, probe, systemd = model.name, model.probe, model.systemd
+    where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
+    # An engine restarted just before the crash may still be starting: let it
+    # finish (or fail) before deciding what it runs.
+    await systemd.settle(model.engine_unit, timeout=300)
+    health = await probe.engine_health()
+    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
+        log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"), extra=where)
+        model.records.write_committed(name, model.load().config)
+        outcome = "committed"
+    else:
+        directory = model.dropins
+        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
+        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
+        previous = intent.get("previous_engine")
+        if health is not None and previous is not None and probe.runs(health, previous):
+            log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",
+                     name, intent.get("operation"), extra=where)
+            outcome = "left"
+        elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
+            log.warning("recovery: %s does not run the target of reload %s; draining and restarting its engine",
+                        name, intent.get("operation"), extra=where)
+            outcome = await _restart_drained(model)
+        else:  # never start a stopped model
+            log.info("recovery: %s is stopped; files restored", name, extra=where)
+            outcome = "restored"
+    if outcome != "restored":
+        try:
+            await probe.resume()
+        except Exception as exc:  # the gateway may be down; it starts serving on its own then
+            log.warning("recovery: resuming %s: %s", name, exc, extra=where)
+    model.records.drop_intent(name)
+    return outcome
+
+
+async def _restart_drained(model: Model) -> str:
+    """Restart the engine with the config on disk, after draining what it admitted."""
+    cfg = model.load().config
+    try:
+        result = await model.probe.drain(cfg.reload.drain_timeout)
+    except Exception as exc:  # no gateway: nothing was admitted through it
+        log.warning("recovery: draining %s: %s", model.name, exc)
+        result = {"drained": True}
+    if not result["drained"]:
+        log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
+                  "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit)
+        return "left"
+    try:
+        await model.systemd.restart(model.engine_unit, timeout=cfg.timeouts.start + 30)
+    except Exception as exc:
+        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc)
+    return "restarted"
 
 
 def patch_from_variants(patch: dict[str, Any]) -> dict:

@@ -1,16 +1,23 @@
 """hostd manager: the org.hostd1 service on the system bus (hostd.service).
 
-One job: expose models and operations the way systemd exposes units and jobs,
-and run each model's reload (reload.py) when asked.
+One job: describe models and operations on the bus the way systemd describes
+units and jobs, and dispatch verbs: a reload to reload.py, start/stop/restart
+to systemd. What a reload does, how it ends and how it is recovered after a
+crash live in reload.py; the records on disk in records.py; refusals and their
+D-Bus errors in errors.py; names shared with clients in api.py.
 
-    /org/hostd1                     org.hostd1.Manager    verbs, OperationFinished
+    /org/hostd1                     org.hostd1.Manager    verbs, OperationFinished, OperationRemoved
     /org/hostd1/model/<name>        org.hostd1.Model      one per configured model
-    /org/hostd1/operation/<id>      org.hostd1.Operation  one per reload/start/stop/restart
+    /org/hostd1/operation/<id>      org.hostd1.Operation  the running ones and the last 64 finished
+
+A model's State follows its units' PropertiesChanged signals (systemd1.py)
+and its operations; nothing polls systemd. InFlight is the gateway's count,
+read from its control socket every few seconds while the model runs.
 
 Trust: anyone on the system bus may read (the D-Bus policy allows it);
 mutating methods are allowed by the policy only to root and the hostd-admin
-group, and checked again here: the caller's uid comes from the bus daemon
-(GetConnectionUnixUser), never from the message.
+group, and checked again here (errors.admin): the caller's uid comes from the
+bus daemon (GetConnectionUnixUser), never from the message.
 """
 
 import asyncio
@@ -19,35 +26,30 @@ import grp
 import json
 import logging
 import pwd
-import time
 from pathlib import Path
 from typing import Optional
 
 import msgspec
-from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
-from dbus_fast.errors import DBusError
 from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
 from hostd import config as hostd_config
-from hostd import paths
+from hostd import units
 from hostd.config import schema
+from hostd.manager import api, errors
 from hostd.manager import reload as reload_mod
+from hostd.manager.errors import admin, replies
 from hostd.manager.probe import Probe
-from hostd.manager.systemd1 import Systemd, UnitJobFailed
+from hostd.manager.records import Records
+from hostd.manager.systemd1 import Systemd
 
 log = logging.getLogger("hostd.manager")
 
-BUS_NAME = "org.hostd1"
-ROOT_PATH = "/org/hostd1"
-ERROR = "org.hostd1.Error"
 CALLER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("caller", default=None)
-REFRESH_INTERVAL = 2.0
-
-
-def escape(name: str) -> str:
-    """A model name as one D-Bus object path element (like systemd's escaping)."""
-    return "".join(c if c.isalnum() and c.isascii() else f"_{ord(c):02x}" for c in name)
+IN_FLIGHT_INTERVAL = 2.0
+GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
+RUNNING = reload_mod.State.RUNNING
 
 
 class CallerAwareBus(MessageBus):
@@ -71,10 +73,10 @@ class CallerAwareBus(MessageBus):
 
 
 class OperationInterface(ServiceInterface):
-    def __init__(self, op: reload_mod.Operation, kind: str):
-        super().__init__("org.hostd1.Operation")
-        self.op, self.kind = op, kind
-        self.path = f"{ROOT_PATH}/operation/{op.id}"
+    def __init__(self, manager: "Manager", op: reload_mod.Operation, kind: str):
+        super().__init__(api.OPERATION)
+        self.manager, self.op, self.kind = manager, op, kind
+        self.path = api.operation_path(op.id)
 
     @dbus_property(access=PropertyAccess.READ)
     def Id(self) -> "u":
@@ -125,15 +127,14 @@ class OperationInterface(ServiceInterface):
         return int(self.op.finished * 1e6)
 
     @method()
+    @admin
     async def Cancel(self):
-        await self.manager.require_admin()
         op = self.op
-        if op.state != reload_mod.State.RUNNING:
-            raise DBusError(f"{ERROR}.NotRunning", f"operation {op.id} already ended ({op.state.value})")
-        if op.stage not in (reload_mod.Stage.VALIDATE, reload_mod.Stage.PREFLIGHT,
-                            reload_mod.Stage.RECORD, reload_mod.Stage.DRAIN):
-            raise DBusError(f"{ERROR}.Busy", f"operation {op.id} is past its drain ({op.stage.value}); it cannot be cancelled now")
-        op.cancel_requested = True
+        if op.state != RUNNING:
+            raise errors.NotRunning(f"operation {op.id} already ended ({op.state.value})")
+        if self.kind != "reload" or op.stage not in reload_mod.CANCELLABLE:
+            raise errors.Busy(f"operation {op.id} is past its drain ({op.stage.value}); it cannot be cancelled now")
+        op.cancel()
 
     def changed(self) -> None:
         self.emit_properties_changed({
@@ -142,24 +143,98 @@ class OperationInterface(ServiceInterface):
             "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
         })
 
+    @property
+    def running(self) -> bool:
+        return self.op.state == RUNNING
+
 
 # ---------------------------------------------------------------- models
 
 
+def config_stamp(name: str, root: Path) -> tuple:
+    """What the model's parsed config depends on, cheaply: every file's mtime and size."""
+    files = [hostd_config.model_file(name, root), hostd_config.config_root(root) / "hostd.yaml"]
+    directory = hostd_config.dropin_dir(name, root)
+    try:
+        files += sorted(directory.iterdir())
+    except OSError:
+        pass
+    stamp = []
+    for path in files:
+        try:
+            st = path.stat()
+            stamp.append((path.name, st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            stamp.append((path.name, None))
+    return tuple(stamp)
+
+
 class ModelInterface(ServiceInterface):
     def __init__(self, manager: "Manager", name: str):
-        super().__init__("org.hostd1.Model")
+        super().__init__(api.MODEL)
         self.manager, self.model_name = manager, name  # self.name is the interface's
-        self.path = f"{ROOT_PATH}/model/{escape(name)}"
+        self.path = api.model_path(name)
+        self.units = (units.umbrella(name), units.engine(name))
         self.state = "unknown"
         self.in_flight = 0
+        self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
         self.active: Optional[OperationInterface] = None
+        self._stamp: Optional[tuple] = None
+        self._loaded: Optional[hostd_config.LoadedModel] = None
+        self._problem: Optional[hostd_config.ConfigError] = None
+
+    def load(self) -> hostd_config.LoadedModel:
+        """The model's effective config, parsed again only when a file changed."""
+        stamp = config_stamp(self.model_name, self.manager.root)
+        if stamp != self._stamp:
+            self._stamp, self._loaded, self._problem = stamp, None, None
+            try:
+                self._loaded = hostd_config.load_model(self.model_name, self.manager.root)
+            except hostd_config.ConfigError as exc:
+                self._problem = exc
+        if self._problem is not None:
+            raise self._problem
+        return self._loaded
 
     def loaded(self) -> Optional[hostd_config.LoadedModel]:
         try:
-            return hostd_config.load_model(self.model_name, self.manager.root)
+            return self.load()
         except hostd_config.ConfigError:
             return None
+
+    def forget(self) -> None:
+        self._stamp = None
+
+    def busy(self) -> Optional[OperationInterface]:
+        return self.active if self.active and self.active.running else None
+
+    def compute_state(self) -> str:
+        active = self.busy()
+        if active and active.kind == "reload":
+            return "reloading"
+        if self.active and self.active.op.degraded:
+            return "degraded"
+        umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
+        state = umbrella.get("ActiveState", "unknown")
+        if state == "active":
+            serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
+            return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
+        return {"activating": "starting", "deactivating": "stopping", "reloading": "reloading",
+                "unknown": "unknown"}.get(state, "stopped")
+
+    def refresh(self, in_flight: Optional[int] = None, gateway: Optional[str] = None) -> None:
+        if gateway is not None:
+            self.gateway = gateway
+        changed = {}
+        state = self.compute_state()
+        if state != self.state:
+            self.state = changed["State"] = state
+        if state not in GATEWAY_UP:
+            in_flight = 0
+        if in_flight is not None and in_flight != self.in_flight:
+            self.in_flight = changed["InFlight"] = in_flight
+        if changed:
+            self.emit_properties_changed(changed)
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":
@@ -181,8 +256,7 @@ class ModelInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def RunningConfig(self) -> "s":
-        text = reload_mod.read_text(reload_mod.state_dir(self.model_name) / reload_mod.COMMITTED)
-        return text or "{}"
+        return self.manager.records.committed_text(self.model_name) or "{}"
 
     @dbus_property(access=PropertyAccess.READ)
     def EditableFields(self) -> "as":
@@ -191,16 +265,15 @@ class ModelInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def ActiveOperation(self) -> "o":
-        active = self.active
-        if active and active.op.state == reload_mod.State.RUNNING:
-            return active.path
-        return "/"
+        active = self.busy()
+        return active.path if active else "/"
 
     @dbus_property(access=PropertyAccess.READ)
     def InFlight(self) -> "u":
         return self.in_flight
 
     @method()
+    @admin
     async def Reload(self, patch: "a{sv}") -> "o":
         return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
 
@@ -209,18 +282,17 @@ class ModelInterface(ServiceInterface):
 
 
 class Manager(ServiceInterface):
-    def __init__(self, bus: MessageBus, systemd: Systemd, root: Path):
-        super().__init__("org.hostd1.Manager")
+    def __init__(self, bus: MessageBus, systemd: Systemd, root: Path, records: Optional[Records] = None):
+        super().__init__(api.MANAGER)
         self.bus, self.systemd, self.root = bus, systemd, root
+        self.manager = self  # for errors.admin
+        self.records = records or Records()
         self.models: dict[str, ModelInterface] = {}
         self.operations: dict[int, OperationInterface] = {}
+        self._by_unit: dict[str, ModelInterface] = {}
         self._tasks: set[asyncio.Task] = set()
         self.admin_group = "hostd-admin"
-        self._counter_file = paths.manager_state_root() / "next-operation"
-        try:
-            self._next_id = int(self._counter_file.read_text())
-        except (OSError, ValueError):
-            self._next_id = 1
+        systemd.on_unit_change = self._unit_changed
 
     # ------------------------------------------------------------ plumbing
 
@@ -230,32 +302,20 @@ class Manager(ServiceInterface):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def new_id(self) -> int:
-        op_id = self._next_id
-        self._next_id += 1
-        try:
-            reload_mod.write_atomic(self._counter_file, str(self._next_id))
-        except OSError as exc:
-            log.warning("cannot persist the operation counter: %s", exc)
-        return op_id
-
     async def require_admin(self) -> None:
         sender = CALLER.get()
         if sender is None:
-            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "unknown caller")
+            raise errors.AccessDenied("unknown caller")
         reply = await self.bus.call(Message(
             destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
             interface="org.freedesktop.DBus", member="GetConnectionUnixUser", signature="s", body=[sender],
         ))
         if reply.message_type == MessageType.ERROR:
-            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "cannot tell who the caller is")
+            raise errors.AccessDenied("cannot tell who the caller is")
         uid = reply.body[0]
         if uid == 0 or self.in_admin_group(uid):
             return
-        raise DBusError(
-            "org.freedesktop.DBus.Error.AccessDenied",
-            f"uid {uid} may not change models: only root and members of {self.admin_group!r} may",
-        )
+        raise errors.AccessDenied(f"uid {uid} may not change models: only root and members of {self.admin_group!r} may")
 
     def in_admin_group(self, uid: int) -> bool:
         try:
@@ -268,73 +328,110 @@ class Manager(ServiceInterface):
     def model(self, name: str) -> ModelInterface:
         self.discover()
         if name not in self.models:
-            raise DBusError(f"{ERROR}.NoSuchModel", f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
+            raise errors.NoSuchModel(f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
         return self.models[name]
 
     def discover(self) -> None:
-        for name in hostd_config.list_models(self.root):
-            if name not in self.models and schema.model_name_problem(name) is None:
-                iface = ModelInterface(self, name)
-                self.models[name] = iface
-                self.bus.export(iface.path, iface)
+        """Export a Model for every model YAML; remove those whose YAML is gone
+        (once no operation of theirs runs)."""
+        names = {n for n in hostd_config.list_models(self.root) if schema.model_name_problem(n) is None}
+        for name in names - set(self.models):
+            iface = self.models[name] = ModelInterface(self, name)
+            self._by_unit.update(dict.fromkeys(iface.units, iface))
+            self.bus.export(iface.path, iface)
+            self.keep(asyncio.create_task(self.track(iface)))
+        for name in set(self.models) - names:
+            iface = self.models[name]
+            if iface.busy() is None:
+                del self.models[name]
+                for unit in iface.units:
+                    self._by_unit.pop(unit, None)
+                self.bus.unexport(iface.path, iface)
+                log.info("model %s removed: its YAML is gone", name, extra={"hostd_model": name})
 
-    def new_operation(self, model: str, kind: str, patch: dict) -> OperationInterface:
-        """An operation, not yet visible on the bus (see publish)."""
-        op = reload_mod.Operation(id=self.new_id(), model=model, patch=patch)
-        iface = OperationInterface(op, kind)
-        iface.manager = self
+    async def track(self, model: ModelInterface) -> None:
+        """Start following MODEL's units (one GetAll each); signals do the rest."""
+        for unit in model.units:
+            try:
+                await self.systemd.properties(unit)
+            except Exception as exc:  # one model's trouble must not stop the others'
+                log.warning("cannot look at %s: %s", unit, exc, extra={"hostd_model": model.model_name})
+        model.refresh()
+
+    def _unit_changed(self, unit: str, _props: dict) -> None:
+        model = self._by_unit.get(unit)
+        if model is not None:
+            model.refresh()
+
+    def new_operation(self, model: ModelInterface, kind: str, patch: dict) -> OperationInterface:
+        """An operation, not yet visible on the bus (see publish); MODEL is busy from here on."""
+        iface = OperationInterface(self, reload_mod.Operation(
+            id=self.records.next_operation_id(), model=model.model_name, patch=patch), kind)
+        model.active = iface
         return iface
 
     def publish(self, iface: OperationInterface) -> None:
         iface.op.on_change = lambda _op: self._changed(iface)
         self.operations[iface.op.id] = iface
         self.bus.export(iface.path, iface)
+        self._changed(iface)
 
     def _changed(self, iface: OperationInterface) -> None:
         iface.changed()
-        if iface.op.state != reload_mod.State.RUNNING:
+        model = self.models.get(iface.op.model)
+        if model is not None and not iface.running:
+            model.forget()  # the reload may have rewritten its drop-ins
+            model.gateway = None  # the operation resumed it (or says why not)
+        if model is not None:
+            model.refresh()
+        if not iface.running:
             self.OperationFinished(iface.op.id, iface.path, iface.op.model, iface.op.state.value)
+            self.prune()
+
+    def prune(self) -> None:
+        """Keep the last api.KEEP_OPERATIONS finished operations on the bus."""
+        finished = sorted(i for i, iface in self.operations.items() if not iface.running)
+        for op_id in finished[: max(0, len(finished) - api.KEEP_OPERATIONS)]:
+            iface = self.operations.pop(op_id)
+            self.bus.unexport(iface.path, iface)
+            self.OperationRemoved(op_id, iface.path, iface.op.model)
 
     # ------------------------------------------------------------ verbs
 
     async def reload(self, name: str, patch: dict) -> str:
-        await self.require_admin()
         model = self.model(name)
-        if model.active and model.active.op.state == reload_mod.State.RUNNING:
-            raise DBusError(f"{ERROR}.Busy", f"model {name} is busy with operation {model.active.op.id}; wait for it or cancel it")
-        iface = self.new_operation(name, "reload", patch)
-        model.active = iface  # Busy for others from here on
-        run = reload_mod.Reload(reload_mod.Model(name, self.root, self.systemd, Probe(name)), iface.op)
+        if model.busy():
+            raise errors.Busy(f"model {name} is busy with operation {model.active.op.id}; wait for it or cancel it")
+        previous = model.active
+        iface = self.new_operation(model, "reload", patch)
+        run = reload_mod.Reload(
+            reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load), iface.op)
         try:
             await run.check()
-        except reload_mod.Refused as exc:
-            model.active = None
-            log.warning("reload of %s refused (%s): %s", name, exc.kind, exc, extra={"hostd_model": name})
-            raise DBusError(f"{ERROR}.{exc.kind}", str(exc)) from None
-        except BaseException:
-            model.active = None
+        except BaseException as exc:
+            model.active = previous
+            if isinstance(exc, errors.Refused):
+                log.warning("reload of %s refused (%s): %s", name, exc.kind, exc, extra={"hostd_model": name})
             raise
         self.publish(iface)
         self.keep(run.start())
         return iface.path
 
     async def unit_verb(self, name: str, kind: str) -> str:
-        await self.require_admin()
         model = self.model(name)
-        running = model.active if model.active and model.active.op.state == reload_mod.State.RUNNING else None
+        running = model.busy()
         if running and kind == "stop" and running.kind == "reload":
-            running.op.interrupt_requested = True  # the reload gives way to the stop
+            running.op.interrupt()  # the reload gives way to the stop
             log.info("stop of %s interrupts reload %d", name, running.op.id, extra={"hostd_model": name})
         elif running:
-            raise DBusError(f"{ERROR}.Busy", f"model {name} is busy with operation {running.op.id}")
-        iface = self.new_operation(name, kind, {})
-        model.active = iface
+            raise errors.Busy(f"model {name} is busy with operation {running.op.id}")
+        iface = self.new_operation(model, kind, {})
         self.publish(iface)
 
         async def go():
             op = iface.op
             try:
-                await getattr(self.systemd, kind)(f"model@{name}.service")
+                await getattr(self.systemd, kind)(model.units[0])
             except Exception as exc:  # a failed job, a bus error: the operation says so
                 op.finish(reload_mod.State.FAILED, str(exc))
             else:
@@ -344,47 +441,56 @@ class Manager(ServiceInterface):
         return iface.path
 
     @method()
+    @replies
     def ListModels(self) -> "a(sso)":
         self.discover()
         return [[n, m.state, m.path] for n, m in sorted(self.models.items())]
 
     @method()
+    @replies
     def GetModel(self, name: "s") -> "o":
         return self.model(name).path
 
     @method()
+    @admin
     async def Reload(self, name: "s", patch: "a{sv}") -> "o":
         return await self.reload(name, reload_mod.patch_from_variants(patch))
 
     @method()
+    @admin
     async def ReloadJSON(self, name: "s", patch: "s") -> "o":
         try:
             data = (json.loads(patch) if patch.strip() else None) or {}
         except ValueError as exc:
-            raise DBusError(f"{ERROR}.InvalidValue", f"patch is not JSON: {exc}") from None
+            raise errors.InvalidValue(f"patch is not JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise DBusError(f"{ERROR}.InvalidValue", "patch must be a JSON object of field: value")
+            raise errors.InvalidValue("patch must be a JSON object of field: value")
         return await self.reload(name, data)
 
     @method()
+    @admin
     async def Start(self, name: "s") -> "o":
         return await self.unit_verb(name, "start")
 
     @method()
+    @admin
     async def Stop(self, name: "s") -> "o":
         return await self.unit_verb(name, "stop")
 
     @method()
+    @admin
     async def Restart(self, name: "s") -> "o":
         return await self.unit_verb(name, "restart")
 
     @method()
+    @replies
     def GetOperation(self, op_id: "u") -> "o":
         if op_id not in self.operations:
-            raise DBusError(f"{ERROR}.NoSuchOperation", f"no operation {op_id}")
+            raise errors.NoSuchOperation(f"no operation {op_id}")
         return self.operations[op_id].path
 
     @method()
+    @replies
     def ListOperations(self) -> "a(usssso)":
         return [
             [i.op.id, i.op.model, i.kind, i.op.state.value, i.op.stage.value, i.path]
@@ -395,101 +501,40 @@ class Manager(ServiceInterface):
     def OperationFinished(self, op_id: "u", path: "o", model: "s", result: "s") -> "uoss":
         return [op_id, path, model, result]
 
+    @signal()
+    def OperationRemoved(self, op_id: "u", path: "o", model: "s") -> "uos":
+        return [op_id, path, model]
+
     # ------------------------------------------------------------ background
 
-    async def refresh(self) -> None:
-        """Keep each model's State and InFlight current."""
+    async def watch_in_flight(self) -> None:
+        """The gateways' in-flight counts (their control sockets; not systemd),
+        and models whose YAML appeared or went away."""
         while True:
             self.discover()
             for name, model in list(self.models.items()):
-                try:
-                    state, in_flight = await self.observe(name, model)
-                except Exception as exc:  # one model's trouble must not stop the others' updates
-                    log.warning("cannot observe %s: %s", name, exc, extra={"hostd_model": name})
+                if model.state not in GATEWAY_UP:
                     continue
-                changed = {}
-                if state != model.state:
-                    model.state = state
-                    changed["State"] = state
-                if in_flight != model.in_flight:
-                    model.in_flight = in_flight
-                    changed["InFlight"] = in_flight
-                if changed:
-                    model.emit_properties_changed(changed)
-            await asyncio.sleep(REFRESH_INTERVAL)
-
-    async def observe(self, name: str, model: ModelInterface) -> tuple[str, int]:
-        try:
-            active = await self.systemd.active_state(f"model@{name}.service")
-        except DBusError:
-            active = "unknown"
-        if model.active and model.active.op.state == reload_mod.State.RUNNING and model.active.kind == "reload":
-            return "reloading", model.in_flight
-        last = model.active.op if model.active else None
-        if last and last.degraded:
-            return "degraded", model.in_flight
-        if active != "active":
-            return {"activating": "starting", "deactivating": "stopping"}.get(active, "stopped"), 0
-        status = await Probe(name).gateway_status()
-        if status is None:
-            return "starting", 0
-        return {"serving": "serving", "engine-down": "engine-down", "starting": "starting"}.get(
-            status["state"], status["state"]), status["in_flight"]
+                status = await Probe(name).gateway_status()
+                if status:
+                    model.refresh(status["in_flight"], status["state"])
+            await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     async def recover(self) -> None:
-        """Finish reloads a previous manager left half done (intent records)."""
-        for name in hostd_config.list_models(self.root):
-            if schema.model_name_problem(name):
+        """End reloads a previous manager left half done (reload.recover)."""
+        for name, model in list(self.models.items()):
+            intent = self.records.intent(name)
+            if intent is None:
                 continue
-            intent_path = reload_mod.state_dir(name) / reload_mod.INTENT
-            text = reload_mod.read_text(intent_path)
-            if not text:
-                continue
+            where = reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load)
             try:
-                await recover_model(self, name, json.loads(text))
+                outcome = await reload_mod.recover(where, intent)
+                log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
             except Exception:
-                log.exception("recovery of %s failed; its intent record stays in %s", name, intent_path,
-                              extra={"hostd_model": name})
-
-
-async def recover_model(manager: Manager, name: str, intent: dict) -> None:
-    probe = Probe(name)
-    model = reload_mod.Model(name, manager.root, manager.systemd, probe)
-    # An engine restarted just before the crash may still be starting: let it
-    # finish (or fail) before deciding what it runs.
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            state = await manager.systemd.active_state(f"model-engine@{name}.service")
-        except DBusError:
-            break
-        if state not in ("activating", "reloading", "deactivating"):
-            break
-        await asyncio.sleep(0.5)
-    health = await probe.engine_health()
-    runs_target = health is not None and Probe.runs(health, intent.get("target_engine") or {})
-    if runs_target:
-        log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"),
-                 extra={"hostd_model": name, "hostd_operation": str(intent.get("operation"))})
-        cfg = hostd_config.load_model(name, manager.root).config
-        reload_mod.Reload(model, reload_mod.Operation(0, name, {})).write_committed(cfg)
-    else:
-        log.warning("recovery: %s does not run the target of reload %s; rolling back", name, intent.get("operation"),
-                    extra={"hostd_model": name, "hostd_operation": str(intent.get("operation"))})
-        directory = hostd_config.dropin_dir(name, manager.root)
-        reload_mod.restore_file(directory / reload_mod.RELOAD_DROPIN, intent.get("previous_reload"))
-        reload_mod.restore_file(directory / reload_mod.ROLLBACK_DROPIN, intent.get("previous_rollback"))
-        # Restart the engine only for a model that runs: never start a stopped one.
-        if await manager.systemd.active_state(f"model@{name}.service") in ("active", "reloading"):
-            try:
-                await manager.systemd.restart(f"model-engine@{name}.service", timeout=1800)
-            except (UnitJobFailed, DBusError) as exc:
-                log.error("recovery: restarting the engine of %s failed: %s", name, exc)
-    try:
-        await probe.resume()
-    except Exception as exc:  # the gateway may be down; it starts serving on its own then
-        log.warning("recovery: resuming %s: %s", name, exc)
-    reload_mod.remove_durably(reload_mod.state_dir(name) / reload_mod.INTENT)
+                log.exception("recovery of %s failed; its intent record stays in %s", name,
+                              self.records.intent_path(name), extra={"hostd_model": name})
+            model.forget()
+            model.refresh()
 
 
 async def serve(root: Path) -> None:
@@ -500,17 +545,17 @@ async def serve(root: Path) -> None:
         manager.admin_group = hostd_config.load_daemon(root).admin_group
     except hostd_config.ConfigError as exc:
         log.error("hostd.yaml: %s; using defaults", exc)
-    bus.export(ROOT_PATH, manager)
+    bus.export(api.ROOT_PATH, manager)
     manager.discover()
-    await bus.request_name(BUS_NAME)
-    log.info("manager on the system bus as %s; %d model(s)", BUS_NAME, len(manager.models))
+    await bus.request_name(api.BUS_NAME)
+    log.info("manager on the system bus as %s; %d model(s)", api.BUS_NAME, len(manager.models))
     # Recovery may wait for engines; the bus name is already ours meanwhile.
     manager.keep(asyncio.create_task(manager.recover()))
-    refresher = asyncio.create_task(manager.refresh())
+    watcher = asyncio.create_task(manager.watch_in_flight())
     try:
         await bus.wait_for_disconnect()
     finally:
-        refresher.cancel()
+        watcher.cancel()
 
 
 def run(args) -> int:

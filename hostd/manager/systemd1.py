@@ -1,21 +1,47 @@
 """The manager's client of org.freedesktop.systemd1.
 
-One job: start, stop and restart units the way systemctl does, and wait for
-the job to end: Subscribe first, then call the verb, then match JobRemoved on
-the job path the call returned (JobRemoved can arrive before the call's reply,
-so every finished job is remembered until it is claimed). Unit object paths
-come from LoadUnit, never computed.
+One job: start, stop and restart units the way systemctl does, and know each
+unit's state the way machined does, from signals rather than polling.
+
+- Jobs: Subscribe first, then call the verb, then match JobRemoved on the job
+  path the call returned (JobRemoved can arrive before the call's reply, so
+  every finished job is remembered until it is claimed).
+- Unit state: the first look at a unit is one LoadUnit and one GetAll (every
+  interface: ActiveState, SubState, MainPID, ...); from then on the unit's
+  PropertiesChanged signals keep that copy current, and reading it costs no
+  round trip. systemd flushes a unit's pending PropertiesChanged before the
+  JobRemoved of its job, so the copy is current when a job ends. UnitRemoved
+  (systemd unloaded an inactive unit) marks the copy inactive.
+
+Unit object paths come from LoadUnit, never computed. Calls are plain
+messages: no introspection.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+import logging
+from typing import Callable, Optional
 
-from dbus_fast.aio import MessageBus
+from dbus_fast import Message, MessageType
+from dbus_fast.errors import DBusError
+
+log = logging.getLogger("hostd.manager.systemd1")
 
 SYSTEMD = "org.freedesktop.systemd1"
 PATH = "/org/freedesktop/systemd1"
+MANAGER = f"{SYSTEMD}.Manager"
+UNIT_PATHS = f"{PATH}/unit"
+PROPERTIES = "org.freedesktop.DBus.Properties"
+SETTLING = ("activating", "deactivating", "reloading")
+
+# The signals the manager needs, and no others (a busy host has many units).
+MATCHES = (
+    f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',member='JobRemoved'",
+    f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',member='UnitRemoved'",
+    f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES}',member='PropertiesChanged',"
+    f"path_namespace='{UNIT_PATHS}'",
+)
 
 
 class UnitJobFailed(Exception):
@@ -25,19 +51,47 @@ class UnitJobFailed(Exception):
 
 
 class Systemd:
-    def __init__(self, bus: MessageBus):
+    def __init__(self, bus):
         self.bus = bus
-        self.manager = None
         self._finished: dict[str, str] = {}
         self._waiters: dict[str, asyncio.Future] = {}
+        self._paths: dict[str, str] = {}  # unit name -> object path
+        self._names: dict[str, str] = {}  # object path -> unit name
+        self._units: dict[str, dict] = {}  # unit name -> its properties, kept current
+        self._changed: dict[str, asyncio.Event] = {}
+        self.on_unit_change: Optional[Callable[[str, dict], None]] = None
+
+    async def _call(self, member: str, signature: str = "", body: Optional[list] = None,
+                    path: str = PATH, interface: str = MANAGER, destination: str = SYSTEMD) -> list:
+        reply = await self.bus.call(Message(
+            destination=destination, path=path, interface=interface, member=member,
+            signature=signature, body=body or []))
+        if reply.message_type == MessageType.ERROR:
+            raise DBusError(reply.error_name, (reply.body or [""])[0])
+        return reply.body
 
     async def connect(self) -> "Systemd":
-        introspection = await self.bus.introspect(SYSTEMD, PATH)
-        proxy = self.bus.get_proxy_object(SYSTEMD, PATH, introspection)
-        self.manager = proxy.get_interface(f"{SYSTEMD}.Manager")
-        self.manager.on_job_removed(self._job_removed)
-        await self.manager.call_subscribe()
+        self.bus.add_message_handler(self._signal)
+        for rule in MATCHES:
+            await self._call("AddMatch", "s", [rule], path="/org/freedesktop/DBus",
+                             interface="org.freedesktop.DBus", destination="org.freedesktop.DBus")
+        await self._call("Subscribe")
         return self
+
+    # ------------------------------------------------------------ signals
+
+    def _signal(self, msg: Message) -> None:
+        if msg.message_type != MessageType.SIGNAL:
+            return
+        if msg.interface == MANAGER and msg.member == "JobRemoved":
+            self._job_removed(*msg.body)
+        elif msg.interface == MANAGER and msg.member == "UnitRemoved":
+            self._unloaded(msg.body[0])
+        elif msg.interface == PROPERTIES and msg.member == "PropertiesChanged":
+            name = self._names.get(msg.path)
+            if name is not None and name in self._units:
+                _iface, changed, _invalidated = msg.body
+                self._update(name, {k: v.value for k, v in changed.items()})
 
     def _job_removed(self, _id: int, job: str, _unit: str, result: str) -> None:
         waiter = self._waiters.pop(job, None)
@@ -48,9 +102,62 @@ class Systemd:
             if len(self._finished) > 1024:  # jobs nobody waits for
                 self._finished.pop(next(iter(self._finished)))
 
+    def _unloaded(self, name: str) -> None:
+        """systemd unloads only inactive units; its path stays the unit's, and
+        PropertiesChanged resume when the unit is loaded again."""
+        if name in self._units:
+            self._update(name, {"ActiveState": "inactive", "SubState": "dead", "MainPID": 0})
+
+    def _update(self, name: str, changed: dict) -> None:
+        props = self._units[name]
+        before = props.get("ActiveState")
+        props.update(changed)
+        event = self._changed.pop(name, None)
+        if event is not None:
+            event.set()
+        if self.on_unit_change and ("ActiveState" in changed and changed["ActiveState"] != before):
+            self.on_unit_change(name, dict(props))
+
+    # ------------------------------------------------------------ state
+
+    async def properties(self, unit: str) -> dict:
+        """UNIT's properties (ActiveState, SubState, MainPID, StatusText, ...).
+        The first call costs LoadUnit + GetAll; later ones read the copy that
+        PropertiesChanged keeps current."""
+        if unit not in self._units:
+            path = self._paths.get(unit) or (await self._call("LoadUnit", "s", [unit]))[0]
+            self._paths[unit], self._names[path] = path, unit
+            values = (await self._call("GetAll", "s", [""], path=path, interface=PROPERTIES))[0]
+            self._units[unit] = {k: v.value for k, v in values.items()}
+        return dict(self._units[unit])
+
+    def cached(self, unit: str) -> Optional[dict]:
+        """UNIT's properties if they are tracked already (no round trip), else None."""
+        props = self._units.get(unit)
+        return dict(props) if props is not None else None
+
+    async def active_state(self, unit: str) -> str:
+        return (await self.properties(unit))["ActiveState"]
+
+    async def settle(self, unit: str, timeout: float) -> str:
+        """Wait (on signals) until UNIT is not activating, deactivating or
+        reloading, at most TIMEOUT seconds; its ActiveState then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        state = await self.active_state(unit)
+        while state in SETTLING and loop.time() < deadline:
+            event = self._changed.setdefault(unit, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+            state = await self.active_state(unit)
+        return state
+
+    # ------------------------------------------------------------ jobs
+
     async def _job(self, verb: str, unit: str, timeout: Optional[float]) -> str:
-        call = getattr(self.manager, f"call_{verb}_unit")
-        job = await call(unit, "replace")
+        [job] = await self._call(f"{verb.capitalize()}Unit", "ss", [unit, "replace"])
         if job in self._finished:
             result = self._finished.pop(job)
         else:
@@ -72,23 +179,3 @@ class Systemd:
 
     async def restart(self, unit: str, timeout: Optional[float] = None) -> None:
         await self._job("restart", unit, timeout)
-
-    async def unit_properties(self, unit: str) -> dict:
-        """ActiveState, SubState, MainPID (services) and InvocationID of UNIT."""
-        path = await self.manager.call_load_unit(unit)
-        introspection = await self.bus.introspect(SYSTEMD, path)
-        proxy = self.bus.get_proxy_object(SYSTEMD, path, introspection)
-        unit_iface = proxy.get_interface(f"{SYSTEMD}.Unit")
-        props = {
-            "ActiveState": await unit_iface.get_active_state(),
-            "SubState": await unit_iface.get_sub_state(),
-        }
-        if unit.endswith(".service"):
-            service = proxy.get_interface(f"{SYSTEMD}.Service")
-            props["MainPID"] = await service.get_main_pid()
-            props["StatusText"] = await service.get_status_text()
-            props["Result"] = await service.get_result()
-        return props
-
-    async def active_state(self, unit: str) -> str:
-        return (await self.unit_properties(unit))["ActiveState"]

@@ -1,7 +1,7 @@
 """hostd weights NAME: the weight cache daemon of one model (builtin backend).
 
-vllm and sglang models are handed to upstream.py, which supervises upstream's
-own daemon instead.
+run() hands the model to its backend; the vllm and sglang backends run
+upstream.py, which supervises upstream's own daemon instead.
 
 One job: load the checkpoint once, hold it, and hand it to engines zero-copy
 for as long as it runs. See shared.py for the memory and protocol.py for the
@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from hostd import config as hostd_config
-from hostd import paths, sockets, systemd
+from hostd import backends, paths, sockets, systemd
 from hostd.weights import checkpoint, fingerprint, load, protocol, shared
 from hostd.weights import listener as listener_mod
 
@@ -137,12 +137,12 @@ class WeightDaemon:
         systemd.status(self.summary())
 
 
-def acquire_socket(path: Path) -> tuple[socket.socket, bool]:
-    """(listener, bound by us): systemd's socket if passed, else bind PATH."""
+def acquire_socket(path: Path) -> socket.socket:
+    """systemd's socket if passed, else PATH bound by us (sockets.release ends either)."""
     passed = systemd.listen_sockets()
     if passed:
-        return passed[0], False
-    return sockets.bind_private(path), True
+        return passed[0]
+    return sockets.bind_private(path)
 
 
 def _raise_shutdown(signum, _frame):
@@ -150,16 +150,16 @@ def _raise_shutdown(signum, _frame):
 
 
 def run(args: argparse.Namespace) -> int:
+    """`hostd weights NAME`: what the model's backend runs as its weights."""
     from hostd import logs
 
     logs.setup(args.name, "weights")
-    root = hostd_config.config_root(args.config_dir)
-    loaded = hostd_config.load_model(args.name, root)
-    cfg = loaded.config
-    if cfg.backend != "builtin":
-        from hostd.weights import upstream
+    loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
+    return backends.for_config(loaded.config).run_weights(args, loaded.config)
 
-        return upstream.run(args, cfg)
+
+def serve(args: argparse.Namespace, cfg) -> int:
+    """The builtin weight cache daemon (BuiltinBackend.run_weights)."""
     socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
     state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
     try:
@@ -171,11 +171,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, _raise_shutdown)
     daemon = WeightDaemon(args.name, Path(cfg.model), cfg.dtype, cfg.device, state_dir)
-    listener, bound = None, False
+    listener = None
     try:
         with systemd.ExtendTimeout():
             daemon.load()
-        listener, bound = acquire_socket(socket_path)
+        listener = acquire_socket(socket_path)
         address = listener.getsockname()
         daemon.socket_inode = os.stat(address).st_ino
         log.info("serving %s on %s", args.name, address)
@@ -186,12 +186,7 @@ def run(args: argparse.Namespace) -> int:
         systemd.notify("STOPPING=1")
     finally:
         if listener is not None:
-            if bound:
-                try:
-                    os.unlink(socket_path)
-                except FileNotFoundError:
-                    pass
-            listener.close()
+            sockets.release(listener)
     return 0
 
 

@@ -98,7 +98,7 @@ class Supervisor:
     def __init__(self, name: str, cfg, state_dir: Optional[Path]):
         self.name, self.cfg, self.state_dir = name, cfg, state_dir
         self.backend = backends.for_config(cfg)
-        self.directory = upstream.upstream_dir(name, cfg.backend)
+        self.directory = self.backend.socket_dir(name)
         self.child: Optional[subprocess.Popen] = None
         self.fingerprint: Optional[protocol.Fingerprint] = None
         self.socket_inode = 0
@@ -118,7 +118,7 @@ class Supervisor:
         want = self.backend.expected_sockets(self.cfg)
         if len(upstream_sockets(self.directory)) < want:
             return False
-        if self.cfg.backend == "sglang":
+        if self.backend.writes_ready_files:
             return len(list(self.directory.glob("*.ready"))) >= want
         return True
 
@@ -223,7 +223,7 @@ def run(args, cfg) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     passed = systemd.listen_sockets()
-    listener, bound = None, False
+    listener = None
     try:
         supervisor.start_child()
         systemd.status(f"{cfg.backend} is loading {cfg.model}")
@@ -237,10 +237,7 @@ def run(args, cfg) -> int:
             return 1
         supervisor.fingerprint = supervisor.compute_fingerprint()
         supervisor.loaded_at = time.time()
-        if passed:
-            listener = passed[0]
-        else:
-            listener, bound = sockets.bind_private(socket_path), True
+        listener = passed[0] if passed else sockets.bind_private(socket_path)
         supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
         threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
         log.info("upstream weight cache ready: %s", supervisor.status().upstream_socket_inodes)
@@ -259,9 +256,4 @@ def run(args, cfg) -> int:
         if supervisor.child is not None and supervisor.child.poll() is None:
             supervisor.stop_child()
         if listener is not None:
-            listener.close()
-            if bound:
-                try:
-                    os.unlink(socket_path)
-                except FileNotFoundError:
-                    pass
+            sockets.release(listener)

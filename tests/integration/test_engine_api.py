@@ -44,7 +44,7 @@ _ENGINE_MAIN = textwrap.dedent("""
     import json, logging, sys, time
     from pathlib import Path
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from hostd.engine.server import run_server
+    from hostd.engine.server import Limits, run_server
 
     args = json.loads(sys.argv[1])
     logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
@@ -56,9 +56,10 @@ _ENGINE_MAIN = textwrap.dedent("""
             time.sleep(args["step_delay"])
             return forward(*a, **kw)
         model.forward = slow_forward
+    limits = Limits(max_num_seqs=args["max_num_seqs"], max_model_len=args["max_model_len"],
+                    shutdown_timeout=args["shutdown_timeout"])
     sys.exit(run_server(
-        model, tokenizer, served_name=args["name"], max_num_seqs=args["max_num_seqs"],
-        max_model_len=args["max_model_len"], shutdown_timeout=args["shutdown_timeout"],
+        model, tokenizer, limits, served_name=args["name"],
         unix_path=args["socket"], on_ready=lambda: Path(args["ready"]).touch(),
         on_status=lambda line: print("STATUS:", line, file=sys.stderr, flush=True),
         health_info={"loader": "from_pretrained"},

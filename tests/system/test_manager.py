@@ -105,6 +105,27 @@ def read_file(host: SystemdContainer, path: str) -> str:
     return result.stdout if result.returncode == 0 else "<absent>"
 
 
+def long_streams(host: SystemdContainer, pool: ThreadPoolExecutor, count: int, admitted: int = 0) -> list:
+    """COUNT streams of 480 tokens each (long enough to hold a drain open),
+    submitted to POOL; returns their futures (the token count, or -1 for a
+    stream the server cut) once the engine runs one of them and the gateway
+    has admitted ADMITTED."""
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def one(_):
+        try:
+            return sum(1 for _ in client.completions.create(
+                model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+        except openai.APIError:
+            return -1
+
+    futures = [pool.submit(one, i) for i in range(count)]
+    wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 1, timeout=60, what="streams")
+    wait_for(lambda: _gateway_status(host)["in_flight"] >= admitted, timeout=60, what=f"{admitted} admitted")
+    return futures
+
+
 # ---------------------------------------------------------------- doors
 
 
@@ -134,6 +155,7 @@ def test_the_same_reload_succeeds_through_every_door(served):
     # 3. hostctl, which waits and shows the stages.
     result = hostctl(host, "reload", "tiny", "max_num_seqs=4")
     assert result.returncode == 0, result.stderr
+    assert model_state(host) == "serving"  # at once: the manager follows its units' signals
     assert "reload of tiny: done (weights reused)" in result.stdout
     assert "running, stage" in result.stderr and "done, stage finished" in result.stderr  # live progress
     after(4, last_operation(host))
@@ -244,9 +266,13 @@ def test_bad_patches_are_refused_and_change_nothing(served, patch_args, error):
 
 
 def _gateway_drains(host: SystemdContainer) -> int:
-    script = ("from hostd.gateway import control; from pathlib import Path; "
-              "print(control.call(Path('/run/hostd/tiny/control.sock'), 'status')['drains'])")
-    return int(host.run([host.python, "-c", script]).stdout)
+    return _gateway_status(host)["drains"]
+
+
+def _gateway_status(host: SystemdContainer) -> dict:
+    script = ("import json; from hostd.gateway import control; from pathlib import Path; "
+              "print(json.dumps(control.call(Path('/run/hostd/tiny/control.sock'), 'status')))")
+    return json.loads(host.run([host.python, "-c", script]).stdout)
 
 
 def _error_name(host: SystemdContainer, patch_args) -> str:
@@ -307,20 +333,40 @@ def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
     assert "recovery:" in host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
 
 
+def test_manager_killed_during_a_drain_leaves_the_engine_alone_and_loses_no_stream(served):
+    host = served
+    engine_pid = main_pid(host, "model-engine@tiny.service")
+    dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+
+    with ThreadPoolExecutor(4) as pool:
+        streaming = long_streams(host, pool, 4, admitted=4)
+        path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+        wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
+        host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
+
+        # systemd restarts the manager; recovery finds the old engine still
+        # running the config from before the reload: it restores the drop-in,
+        # resumes the gateway and leaves the engine (and its streams) alone.
+        wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
+                                  check=False).returncode == 1, timeout=120, what="intent record resolved")
+        wait_for(lambda: status_code(host) == 200, timeout=60, what="serving again")
+        tokens = [s.result(300) for s in streaming]
+        assert -1 not in tokens and len(set(tokens)) == 1 and tokens[0] > 0, tokens  # every stream, in full
+
+    assert main_pid(host, "model-engine@tiny.service") == engine_pid  # never restarted
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
+    journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
+    assert "engine left alone" in journal
+
+
 def test_cancel_during_drain_restores_and_resumes_without_restart(served):
     host = served
     engine_pid = main_pid(host, "model-engine@tiny.service")
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
-    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-    def long_stream(_):
-        return sum(1 for _ in client.completions.create(
-            model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True, extra_body={"ignore_eos": True}))
 
     # Four long streams keep the drain waiting long enough to cancel it.
     with ThreadPoolExecutor(4) as pool:
-        streaming = [pool.submit(long_stream, i) for i in range(4)]
-        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 1, timeout=60, what="streams")
+        streaming = long_streams(host, pool, 4)
         path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
         op_id = str(op_property(host, path, "Id"))
@@ -337,20 +383,9 @@ def test_cancel_during_drain_restores_and_resumes_without_restart(served):
 def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served):
     host = served
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
-    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-    def long_stream(_):
-        try:
-            return sum(1 for _ in client.completions.create(
-                model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True,
-                extra_body={"ignore_eos": True}))
-        except openai.APIError:
-            return -1  # cut off by the stop: expected here
 
     with ThreadPoolExecutor(4) as pool:
-        for i in range(4):
-            pool.submit(long_stream, i)
-        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 1, timeout=60, what="streams")
+        long_streams(host, pool, 4)  # cut off by the stop: expected here
         path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
         stop = hostctl(host, "stop", "tiny")

@@ -16,7 +16,8 @@ def model(root: Path, name: str, text: str) -> None:
     (root / "models" / f"{name}.yaml").write_text(text)
 
 
-def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path: Path, capsys):
+def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
     etc, out = tmp_path / "etc", tmp_path / "out"
     model(etc, "good", "backend: builtin\nmodel: /m\nlisten: '[::1]:8001'\ntimeouts: {start: 60, stop: 30}\n")
     model(etc, "gpu", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [2, 3]\nautostart: true\n")

@@ -1,0 +1,240 @@
+"""The OpenAI wire format of the builtin engine: request, response and error shapes.
+
+One job: say what a valid OpenAI completions or chat completions request is
+for this engine, and how its answers and errors look, so that the application
+(app.py) only decides what to do with a request. Nothing here touches the
+model, the tokenizer or a socket.
+
+Trust: request bodies come from the engine's peers (the gateway, the manager,
+root) and are still validated field by field: a malformed one costs a 400 in
+OpenAI's error format, never the process. Fields this engine does not
+implement are refused (REFUSED_FIELDS) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from hostd.engine.generate import SamplingParams
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+GENERATION_PATHS = (COMPLETIONS, CHAT_COMPLETIONS)
+
+RETRY_AFTER_S = 5  # what a 503 during shutdown tells clients; a restarted engine is usually up by then
+
+
+# --- OpenAI wire format: errors ----------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=encode(self.body()), content_type="application/json", headers=self.headers
+        )
+
+
+def shutting_down_error(what: str) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"{what}: the engine is shutting down. Retry in a few seconds; a restarted engine will take it.",
+        type="server_error",
+        code="engine_shutting_down",
+        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+    )
+
+
+def encode(value: Any) -> bytes:
+    return msgspec.json.encode(value)
+
+
+# --- OpenAI wire format: requests --------------------------------------------
+
+
+def _is_absent(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value == "" or value == [] or value == {}
+
+
+# Request fields the builtin engine does not implement, with why. A request that
+# sets one to anything but its "off" value is refused with 400: answering it as
+# if the field had been honoured would hand the client something it did not
+# ask for (no log-probabilities where it expects them, unpenalised text, no
+# tool call). Each entry: (accepts this value?, why it is refused).
+REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "only one choice per request is generated; send n requests instead"),
+    "best_of": (lambda v: v in (None, 1), "only one candidate per request is generated"),
+    "logprobs": (_is_absent, "log-probabilities are not computed"),
+    "top_logprobs": (_is_absent, "log-probabilities are not computed"),
+    "echo": (_is_absent, "the prompt is not echoed back"),
+    "suffix": (_is_absent, "text insertion (suffix) needs a fill-in-the-middle model and is not implemented"),
+    "logit_bias": (_is_absent, "logit bias is not applied"),
+    "presence_penalty": (_is_absent, "presence penalty is not applied"),
+    "frequency_penalty": (_is_absent, "frequency penalty is not applied"),
+    "tools": (_is_absent, "tool calling is not implemented"),
+    "functions": (_is_absent, "function calling is not implemented"),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        "structured output (json_object, json_schema) is not enforced",
+    ),
+}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class CommonFields(msgspec.Struct, kw_only=True):
+    model: str | None = None  # optional for by-hand use: the one served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # vLLM's extension, for benchmarks and tests
+
+
+class CompletionRequest(CommonFields, kw_only=True):
+    prompt: str | list  # a string, [string], [token ids] or [[token ids]]: checked in _prompt_ids
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(CommonFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+_PATH_PARAM = re.compile(r"at `\$\.(\w+)|missing required field `(\w+)`")
+
+
+async def read_request(request: web.Request, kind: type) -> Any:
+    body = await request.read()
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as error:
+        raise OpenAIError(400, f"the request body is not valid JSON ({error}); send one JSON object") from None
+    if not isinstance(raw, dict):
+        raise OpenAIError(400, f"the request body is a JSON {type(raw).__name__}; send one JSON object")
+    for name, (accepted, why) in REFUSED_FIELDS.items():
+        if name in raw and not accepted(raw[name]):
+            raise OpenAIError(
+                400,
+                f"'{name}' = {raw[name]!r} is not supported by the builtin engine: {why}. "
+                f"Remove the field, or serve this model with the vllm or sglang backend.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as error:
+        match = _PATH_PARAM.search(str(error))
+        param = (match.group(1) or match.group(2)) if match else None
+        raise OpenAIError(400, f"invalid request: {error}", param=param) from None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated generation request."""
+
+    id: str
+    endpoint: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# --- OpenAI wire format: responses -------------------------------------------
+
+
+class CompletionFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    chunk_choice = choice
+
+    @staticmethod
+    def opening() -> dict | None:
+        return None
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    @staticmethod
+    def choice(text: str, finish: str | None) -> dict:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+
+    @staticmethod
+    def chunk_choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+
+    @staticmethod
+    def opening() -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(job: Job, obj: str, choices: list[dict], served_name: str) -> dict:
+    return {"id": job.id, "object": obj, "created": job.created, "model": served_name, "choices": choices}
+

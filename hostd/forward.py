@@ -1,0 +1,147 @@
+"""Streaming HTTP forwarding from an aiohttp server request to an engine.
+
+One job: pass one request on and its response back, chunk by chunk, for the
+gateway (public socket -> engine.sock) and for the upstream engine proxy
+(engine.sock -> vLLM's Unix socket or SGLang's loopback port). Both hops
+behave the same way:
+
+- Headers: the hop-by-hop fields of RFC 9110 section 7.6.1 (and any field the
+  Connection header names) are dropped in both directions, as are the fields
+  the next hop's client library sets for its own connection (Host,
+  Content-Length). Repeated fields (Set-Cookie) pass as they are.
+- Bodies: the request body is read once by the caller (it decides limits) and
+  sent as bytes; the response is never decoded or parsed (auto_decompress is
+  off), and passes through as it arrives, so SSE events reach the client when
+  the engine writes them. A non-streaming response keeps its Content-Length.
+- A client that goes away (its handler is cancelled, or a write finds its
+  connection closed) closes the engine connection, so the engine sees the
+  disconnect and cancels the request.
+- An engine that cannot be reached raises Unreachable before anything was
+  sent, so the caller chooses the answer (503, 502). An engine that fails
+  after the response started ends it: an SSE response gets one OpenAI error
+  event, the client connection is closed (a client library then reports an
+  error instead of a truncated success), and Broken is raised.
+
+Trusts: neither side; it only copies bytes and drops connection fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Callable, Optional
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+# RFC 9110 7.6.1: fields that describe one connection and must not be
+# forwarded: Connection, Proxy-Connection, Keep-Alive, TE, Transfer-Encoding,
+# Upgrade. Proxy-Authenticate and Proxy-Authorization (RFC 9110 11.7) are
+# addressed to the proxy itself. Trailer announces trailer fields, which
+# aiohttp does not forward, so passing it on would promise fields that never
+# come. Host and Content-Length are end-to-end but are set by the client
+# library for the next hop's connection and body.
+HOP_BY_HOP = frozenset({
+    "connection", "proxy-connection", "keep-alive", "te", "transfer-encoding", "upgrade",
+    "proxy-authenticate", "proxy-authorization", "trailer",
+})
+SET_PER_HOP = frozenset({"host", "content-length"})
+
+# Failures of the engine side while a response streams.
+ENGINE_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+
+
+class Unreachable(Exception):
+    """The engine did not take the request; nothing was sent to the client."""
+
+
+class Broken(Exception):
+    """The engine failed after the response started; the client connection is closed."""
+
+    def __init__(self, response: web.StreamResponse, cause: BaseException):
+        super().__init__(str(cause))
+        self.response = response
+
+
+def forwarded_headers(headers, drop: frozenset[str] = frozenset()) -> CIMultiDict:
+    """HEADERS without hop-by-hop fields, those Connection names, and DROP."""
+    named = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
+    skip = HOP_BY_HOP | SET_PER_HOP | named | drop
+    return CIMultiDict((key, value) for key, value in headers.items() if key.lower() not in skip)
+
+
+def is_event_stream(headers) -> bool:
+    return "text/event-stream" in headers.get("Content-Type", "")
+
+
+def session(connector: aiohttp.BaseConnector, connect_timeout: float) -> aiohttp.ClientSession:
+    """A pooled keep-alive session to an engine: no total timeout (streams run
+    as long as they run), no decompression (bytes pass unchanged)."""
+    return aiohttp.ClientSession(
+        connector=connector, auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout),
+    )
+
+
+async def forward(
+    session: aiohttp.ClientSession,
+    url: str,
+    request: web.Request,
+    body: bytes,
+    *,
+    on_chunk: Optional[Callable[[int], None]] = None,
+    stream_error: Optional[dict] = None,
+) -> web.StreamResponse:
+    """Send REQUEST (with BODY, already read) to URL and stream the answer back.
+
+    ON_CHUNK(bytes) is called for every chunk written to the client;
+    STREAM_ERROR is the OpenAI error object sent as a last SSE event when the
+    engine fails mid-stream. Raises Unreachable or Broken (see the module)."""
+    try:
+        upstream = await session.request(
+            request.method, url, headers=forwarded_headers(request.headers), data=body or None,
+        )
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise Unreachable(str(exc)) from exc
+    try:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(forwarded_headers(upstream.headers))
+        sse = is_event_stream(upstream.headers)
+        if upstream.content_length is not None and not sse:
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except ENGINE_ERRORS as exc:
+                await _end_broken(request, response, sse, stream_error)
+                raise Broken(response, exc) from exc
+            if not chunk:
+                break
+            try:
+                await response.write(chunk)
+            except ConnectionResetError:  # the client went away
+                return response
+            if on_chunk is not None:
+                on_chunk(len(chunk))
+        await response.write_eof()
+        return response
+    finally:
+        # Closing (not releasing) an unfinished response drops its connection,
+        # which is how the engine learns that the client left.
+        if not upstream.content.at_eof():
+            upstream.close()
+        else:
+            upstream.release()
+
+
+async def _end_broken(request: web.Request, response: web.StreamResponse, sse: bool,
+                      stream_error: Optional[dict]) -> None:
+    if sse and stream_error is not None:
+        try:
+            await response.write(f"data: {json.dumps({'error': stream_error})}\n\n".encode())
+        except ConnectionResetError:
+            pass
+    if request.transport is not None:
+        request.transport.close()

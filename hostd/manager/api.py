@@ -1,0 +1,46 @@
+"""hostd's D-Bus contract: the names the manager (service.py) exports and
+hostd.client / hostctl call. One place, so the two sides cannot drift.
+
+Only constants and pure helpers: the client imports this module without
+pulling in the manager.
+"""
+
+from __future__ import annotations
+
+BUS_NAME = "org.hostd1"
+ROOT_PATH = "/org/hostd1"
+MANAGER = "org.hostd1.Manager"
+MODEL = "org.hostd1.Model"
+OPERATION = "org.hostd1.Operation"
+ERROR = "org.hostd1.Error"
+PROPERTIES = "org.freedesktop.DBus.Properties"
+ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
+
+MODEL_PATH = f"{ROOT_PATH}/model"
+OPERATION_PATH = f"{ROOT_PATH}/operation"
+
+# An Operation's State while it runs, and the states it ends in.
+RUNNING = "running"
+FINAL_STATES = ("done", "rolled-back", "failed", "cancelled")
+
+# Finished operations the manager keeps on the bus (systemd's importd keeps 64
+# transfers); older ones are removed with OperationRemoved.
+KEEP_OPERATIONS = 64
+
+
+def escape(name: str) -> str:
+    """A model name as one D-Bus object path element (like systemd's escaping)."""
+    return "".join(c if c.isalnum() and c.isascii() else f"_{ord(c):02x}" for c in name)
+
+
+def model_path(name: str) -> str:
+    return f"{MODEL_PATH}/{escape(name)}"
+
+
+def operation_path(op_id: int) -> str:
+    return f"{OPERATION_PATH}/{op_id}"
+
+
+def error_name(kind: str) -> str:
+    """org.hostd1.Error.KIND (NoSuchModel, NotEditable, InvalidValue, Busy, ...)."""
+    return f"{ERROR}.{kind}"

@@ -1,0 +1,215 @@
+"""A fake systemd on a fake bus and a fake probe, for driving the reload state
+machine (hostd/manager/reload.py) and its recovery in milliseconds.
+
+FakeBus answers the D-Bus messages hostd's real systemd client
+(hostd/manager/systemd1.py) sends, the way systemd 252 does: LoadUnit,
+GetAll, {Start,Stop,Restart}Unit with a JobRemoved after the unit's
+PropertiesChanged. It counts every message sent, so a test can say how many
+round trips a reload costs. FakeProbe stands for the gateway, engine and
+weight daemon: the engine "runs" whatever the config on disk says when it is
+restarted, unless the test makes its start fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+from dbus_fast import Message, Variant
+
+from hostd import config, units
+from hostd.manager import reload as R
+from hostd.manager.probe import Probe, VerifyFailed
+from hostd.manager.records import Records
+from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
+
+
+def unit_path(name: str) -> str:
+    return f"{PATH}/unit/" + "".join(c if c.isalnum() else f"_{ord(c):02x}" for c in name)
+
+
+class FakeBus:
+    """The system bus with systemd behind it."""
+
+    unique_name = ":1.1"
+
+    def __init__(self, world: "World"):
+        self.world = world
+        self.exported = {}
+        self.handlers = []
+        self.sent: list[str] = []  # "Interface.Member" of every call, in order
+        self.units: dict[str, dict] = {}
+        self.job_results: dict[str, list[str]] = {}  # unit -> results of its next jobs
+        self.jobs = 0
+
+    exported: dict[str, object]
+
+    def export(self, path: str, interface) -> None:
+        self.exported[path] = interface
+
+    def unexport(self, path: str, interface=None) -> None:
+        del self.exported[path]
+
+    def add_message_handler(self, handler) -> None:
+        self.handlers.append(handler)
+
+    def unit(self, name: str) -> dict:
+        return self.units.setdefault(name, {"ActiveState": "active", "SubState": "running", "MainPID": 100})
+
+    def emit(self, path: str, interface: str, member: str, signature: str, body: list) -> None:
+        msg = Message.new_signal(path, interface, member, signature, body)
+        for handler in list(self.handlers):
+            handler(msg)
+
+    def set_state(self, name: str, state: str) -> None:
+        self.unit(name)["ActiveState"] = state
+        self.emit(unit_path(name), PROPERTIES, "PropertiesChanged", "sa{sv}as",
+                  ["org.freedesktop.systemd1.Unit", {"ActiveState": Variant("s", state)}, []])
+
+    async def call(self, msg: Message) -> Message:
+        self.sent.append(f"{msg.interface}.{msg.member}")
+        msg.serial = len(self.sent)  # the real bus numbers the messages it sends
+        await asyncio.sleep(0)
+        if msg.member in ("AddMatch", "Subscribe"):
+            return Message.new_method_return(msg)
+        if msg.member == "LoadUnit":
+            self.unit(msg.body[0])
+            return Message.new_method_return(msg, "o", [unit_path(msg.body[0])])
+        if msg.member == "GetAll":
+            [name] = [n for n in self.units if unit_path(n) == msg.path]
+            props = self.unit(name)
+            values = {"ActiveState": Variant("s", props["ActiveState"]), "SubState": Variant("s", props["SubState"]),
+                      "MainPID": Variant("u", props["MainPID"]), "Id": Variant("s", name)}
+            return Message.new_method_return(msg, "a{sv}", [values])
+        if msg.member in ("StartUnit", "StopUnit", "RestartUnit"):
+            self.jobs += 1
+            job = f"{PATH}/job/{self.jobs}"
+            asyncio.get_running_loop().create_task(self.run_job(msg.member[:-4].lower(), msg.body[0], job))
+            return Message.new_method_return(msg, "o", [job])
+        return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownMethod", msg.member)
+
+    async def run_job(self, verb: str, name: str, job: str) -> None:
+        await asyncio.sleep(0.001)
+        results = self.job_results.get(name) or []
+        result = results.pop(0) if results else "done"
+        if verb == "stop":
+            self.set_state(name, "inactive")
+        elif result == "done":
+            self.set_state(name, "activating")
+            if name == units.engine(self.world.name):
+                self.world.probe.engine_started()
+            self.set_state(name, "active")
+        else:
+            self.set_state(name, "failed")
+            if name == units.engine(self.world.name):
+                self.world.probe.engine = None
+        self.emit(PATH, MANAGER, "JobRemoved", "uoss", [self.jobs, job, name, result])
+
+
+class FakeProbe:
+    """The gateway, the engine and the weight daemon of one model."""
+
+    runs = staticmethod(Probe.runs)
+
+    def __init__(self, world: "World"):
+        self.world = world
+        self.engine: Optional[dict] = None  # the engine section the engine runs; None: it does not answer
+        self.calls: list[str] = []
+        self.drain_result = {"drained": True, "remaining": 0}
+        self.drain_hangs = False
+        self.resume_fails = False
+        self.fail_next_start = False  # the engine exits with an error once started
+
+    def engine_started(self) -> None:
+        if self.fail_next_start:
+            self.fail_next_start = False
+            self.engine = None
+            return
+        self.engine = msgspec.to_builtins(config.load_model(self.world.name, self.world.root).config.engine)
+
+    async def engine_health(self) -> Optional[dict]:
+        self.calls.append("health")
+        return None if self.engine is None else {"engine_config": self.engine}
+
+    async def memory_problem(self, cfg, pid: int) -> Optional[str]:
+        return None
+
+    async def weights_identity(self):
+        return (7, 8)
+
+    async def drain(self, timeout: float) -> dict:
+        self.calls.append("drain")
+        if self.drain_hangs:
+            await asyncio.Event().wait()
+        return self.drain_result
+
+    async def resume(self) -> dict:
+        self.calls.append("resume")
+        if self.resume_fails:
+            raise OSError("control socket: connection refused")
+        return {}
+
+    async def verify_engine(self, cfg, weights_before) -> None:
+        self.calls.append("verify")
+        if self.engine is None:
+            raise VerifyFailed("the engine does not answer /health")
+        if not self.runs({"engine_config": self.engine}, msgspec.to_builtins(cfg.engine)):
+            raise VerifyFailed(f"the engine runs {self.engine}, not the target config")
+
+    async def engine_error(self, default: str) -> str:
+        return default
+
+
+class World:
+    """One model, tiny, configured under ROOT, running, with its manager's
+    records under STATE."""
+
+    def __init__(self, tmp: Path):
+        self.name = "tiny"
+        self.root = tmp / "etc"
+        checkpoint = tmp / "checkpoint"
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text("{}")
+        (checkpoint / "model.safetensors").write_text("")
+        (self.root / "models").mkdir(parents=True)
+        (self.root / "models/tiny.yaml").write_text(
+            f"backend: builtin\nmodel: {checkpoint}\ndevice: cpu\nreload: {{drain_timeout: 5}}\n")
+        self.records = Records(tmp / "state/.manager")
+        self.bus = FakeBus(self)
+        self.probe = FakeProbe(self)
+        self.probe.engine_started()  # serving the config on disk
+        self.systemd = Systemd(self.bus)
+
+    @property
+    def dropin(self) -> Path:
+        return self.root / "models/tiny.d" / R.RELOAD_DROPIN
+
+    def model(self) -> R.Model:
+        return R.Model(self.name, self.root, self.systemd, self.probe, self.records)
+
+    async def connect(self) -> None:
+        if not self.bus.handlers:
+            await self.systemd.connect()
+
+    async def recover(self, intent: dict) -> str:
+        await self.connect()
+        return await R.recover(self.model(), intent)
+
+    async def reload(self, patch: dict, during=None) -> R.Operation:
+        """Check and run one reload; DURING(op) runs once the drain has begun."""
+        await self.connect()
+        op = R.Operation(id=1, model=self.name, patch=patch)
+        run = R.Reload(self.model(), op)
+        await run.check()
+        task = run.start()
+        if during is not None:
+            while op.stage != R.Stage.DRAIN and not task.done():
+                await asyncio.sleep(0.001)
+            await during(op)
+        await task
+        return op
+
+    def restarts(self) -> int:
+        return self.bus.sent.count(f"{MANAGER}.RestartUnit")

@@ -1,0 +1,111 @@
+"""hostd.client waits on signals: against a fake org.hostd1 manager on a
+private dbus-daemon, a reload returns as soon as the operation's final signal
+is sent (no 1 s poll), sees every stage, and never introspects."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from dbus_fast import MessageType
+from dbus_fast.aio import MessageBus
+from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
+
+from hostd.client import AsyncClient
+from hostd.manager import api
+
+STAGES = ["record", "drain", "restart", "verify", "resume", "commit", "finished"]
+
+
+class FakeOperation(ServiceInterface):
+    def __init__(self, op_id: int):
+        super().__init__(api.OPERATION)
+        self.op_id, self.state, self.stage = op_id, api.RUNNING, "validate"
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Id(self) -> "u":
+        return self.op_id
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return self.state
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Stage(self) -> "s":
+        return self.stage
+
+
+class FakeManager(ServiceInterface):
+    """Runs each reload through the stages STEP seconds apart; FINISHED holds
+    the time each final signal was sent."""
+
+    def __init__(self, bus: MessageBus, step: float):
+        super().__init__(api.MANAGER)
+        self.bus, self.step, self.count, self.finished = bus, step, 0, []
+
+    @method()
+    def ReloadJSON(self, name: "s", patch: "s") -> "o":
+        self.count += 1
+        op, path = FakeOperation(self.count), api.operation_path(self.count)
+        self.bus.export(path, op)
+        asyncio.get_running_loop().create_task(self.run(op, path))
+        return path
+
+    async def run(self, op: FakeOperation, path: str) -> None:
+        for stage in STAGES:
+            await asyncio.sleep(self.step)
+            op.stage = stage
+            if stage == "finished":
+                op.state = "done"
+                self.finished.append(time.monotonic())
+            op.emit_properties_changed({"Stage": op.stage, "State": op.state})
+        self.OperationFinished(op.op_id, path, "tiny", "done")
+
+    @signal()
+    def OperationFinished(self, op_id, path, model, result) -> "uoss":
+        return [op_id, path, model, result]
+
+
+@pytest.fixture
+def bus_address():
+    if not shutil.which("dbus-daemon"):
+        pytest.skip("no dbus-daemon here for a private bus")
+    daemon = subprocess.Popen(["dbus-daemon", "--session", "--nofork", "--print-address"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield daemon.stdout.readline().strip()
+    finally:
+        daemon.terminate()
+        daemon.wait()
+
+
+def test_reload_returns_on_the_final_signal_and_sees_every_stage(bus_address):
+    async def go():
+        service = await MessageBus(bus_address=bus_address).connect()
+        manager = FakeManager(service, step=0.003)
+        service.export(api.ROOT_PATH, manager)
+        await service.request_name(api.BUS_NAME)
+        calls = []
+        service.add_message_handler(
+            lambda m: calls.append(m.member) if m.message_type == MessageType.METHOD_CALL else None)
+        lags, stages = [], []
+        async with AsyncClient(bus_address) as client:
+            for _ in range(30):
+                seen = []
+                result = await client.reload("tiny", {"max_num_seqs": 4}, on_change=lambda p: seen.append(p["Stage"]))
+                lags.append(time.monotonic() - manager.finished[-1])
+                assert result["State"] == "done"
+                stages.append(seen)
+        service.disconnect()
+        return lags, stages, calls
+
+    lags, stages, calls = asyncio.run(go())
+    print(f"client wait after the final signal: max {max(lags) * 1000:.1f} ms, "
+          f"mean {sum(lags) / len(lags) * 1000:.1f} ms over {len(lags)} reloads", file=sys.stderr)
+    assert max(lags) < 0.25  # the old client could sit out its 1 s poll here
+    assert all(s[-1] == "finished" and len(s) >= 2 for s in stages)  # progress, then the end
+    assert "Introspect" not in calls and set(calls) == {"ReloadJSON", "GetAll"}

@@ -1,0 +1,155 @@
+"""The manager's D-Bus surface without a bus: a model's State follows its
+units' signals and its operations (right as a reload ends), finished
+operations are kept to the last 64, a model whose YAML goes away leaves the
+bus, properties parse the YAML only when a file changed, and every refusal
+reaches a caller as one of hostd's D-Bus errors."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+from dbus_fast.errors import DBusError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reload_fakes import World  # noqa: E402
+
+from hostd import backends, units  # noqa: E402
+from hostd.config import ConfigError, Problem  # noqa: E402
+from hostd.manager import api, errors, service  # noqa: E402
+from hostd.manager import reload as R  # noqa: E402
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def call(dbus_method, *args):
+    """Call a D-Bus method of an interface as the bus would (dbus-fast's
+    decorator drops the result of a direct call)."""
+    return dbus_method.__wrapped__(dbus_method.__self__, *args)
+
+
+async def manager_of(world: World) -> service.Manager:
+    await world.connect()
+    manager = service.Manager(world.bus, world.systemd, world.root, world.records)
+    manager.discover()
+    await asyncio.gather(*manager._tasks)  # tracking: one GetAll per unit
+    return manager
+
+
+def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeypatch):
+    monkeypatch.setattr(service, "Probe", lambda name: world.probe)
+
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        assert model.state == "serving"
+        seen = []
+        path = await manager.reload("tiny", {"max_num_seqs": 4})
+        op = manager.operations[1].op
+        op.on_change = (lambda inner: lambda o: (inner(o), seen.append((o.stage.value, model.state))))(op.on_change)
+        model.refresh(0, "draining")  # what the in-flight watch saw from the gateway mid-reload
+        await op.done_event.wait()
+        assert path == api.operation_path(1)
+        assert seen[-1] == ("finished", "serving")  # not "reloading" a moment longer
+        assert ("restart", "reloading") in seen
+        model.refresh(0, "paused")  # the gateway's own word, e.g. after a resume that failed
+        assert model.state == "paused"
+        model.refresh(0, "serving")
+        assert model.state == "serving"
+        world.bus.set_state(units.engine("tiny"), "failed")
+        assert model.state == "engine-down"
+        world.bus.set_state(units.umbrella("tiny"), "deactivating")
+        assert model.state == "stopping"
+
+    asyncio.run(go())
+
+
+def test_only_the_last_64_finished_operations_stay_on_the_bus(world):
+    async def go():
+        manager = await manager_of(world)
+        removed = []
+        manager.OperationRemoved = lambda *args: removed.append(args)
+        model = manager.models["tiny"]
+        for _ in range(70):
+            iface = manager.new_operation(model, "start", {})
+            manager.publish(iface)
+            iface.op.finish(R.State.DONE)
+        return manager, removed
+
+    manager, removed = asyncio.run(go())
+    assert sorted(manager.operations) == list(range(7, 71))
+    assert [r[0] for r in removed] == list(range(1, 7))
+    assert api.operation_path(6) not in manager.bus.exported
+    assert api.operation_path(70) in manager.bus.exported
+
+
+def test_a_model_whose_yaml_is_deleted_leaves_the_bus(world):
+    async def go():
+        manager = await manager_of(world)
+        assert api.model_path("tiny") in manager.bus.exported
+        (world.root / "models/tiny.yaml").unlink()
+        assert await call(manager.ListModels) == []
+        assert api.model_path("tiny") not in manager.bus.exported
+        with pytest.raises(DBusError) as refused:
+            await call(manager.GetModel, "tiny")
+        assert refused.value.type == "org.hostd1.Error.NoSuchModel"
+
+    asyncio.run(go())
+
+
+def test_properties_parse_the_yaml_only_when_a_file_changed(world, monkeypatch):
+    parsed = []
+    real = service.hostd_config.load_model
+    monkeypatch.setattr(service.hostd_config, "load_model", lambda *a: parsed.append(a) or real(*a))
+
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        for _ in range(5):
+            model.Backend, model.Config, model.EditableFields  # noqa: B018 - property reads
+        assert len(parsed) == 1
+        (world.root / "models/tiny.d").mkdir()
+        (world.root / "models/tiny.d/50-x.yaml").write_text("engine: {max_num_seqs: 3}\n")
+        assert '"max_num_seqs": 3' in model.Config
+        assert len(parsed) == 2
+
+    asyncio.run(go())
+
+
+def test_reading_running_config_creates_nothing(world):
+    async def go():
+        manager = await manager_of(world)
+        assert manager.models["tiny"].RunningConfig == "{}"
+
+    asyncio.run(go())
+    assert not world.records.root.exists()
+
+
+def test_one_mapping_from_hostds_exceptions_to_dbus_errors():
+    cases = [
+        (errors.NotEditable("x"), "org.hostd1.Error.NotEditable"),
+        (errors.Busy("x"), "org.hostd1.Error.Busy"),
+        (errors.AccessDenied("x"), "org.freedesktop.DBus.Error.AccessDenied"),
+        (backends.Refused("no such backend"), "org.hostd1.Error.InvalidValue"),
+        (ConfigError([Problem("f", "k", "bad")]), "org.hostd1.Error.InvalidValue"),
+        (RuntimeError("bug"), "org.hostd1.Error.Failed"),
+    ]
+    for exc, name in cases:
+        assert errors.to_dbus(exc).type == name
+
+
+def test_mutating_methods_check_the_caller(world):
+    async def go():
+        manager = await manager_of(world)
+        with pytest.raises(DBusError) as denied:
+            await call(manager.Reload, "tiny", {})  # no caller: not through the bus
+        assert denied.value.type == api.ACCESS_DENIED
+        assert not world.dropin.exists()
+
+    asyncio.run(go())

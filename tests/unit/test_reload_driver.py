@@ -1,0 +1,261 @@
+"""Every way a reload ends, and every way its recovery ends, driven with a fake
+systemd (on a fake bus, behind hostd's real systemd client) and a fake probe:
+what the Operation says, which files are left, whether the engine was
+restarted and the gateway resumed, and how many D-Bus round trips it took."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reload_fakes import World  # noqa: E402
+
+from hostd import units  # noqa: E402
+from hostd.manager import errors  # noqa: E402
+from hostd.manager import reload as R  # noqa: E402
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def dropin(world: World) -> dict:
+    return yaml.safe_load(world.dropin.read_text()) if world.dropin.exists() else None
+
+
+# ---------------------------------------------------------------- the exits of a reload
+
+
+def test_done_writes_the_dropin_restarts_once_verifies_resumes_and_commits(world):
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.stage, op.error) == (R.State.DONE, R.Stage.FINISHED, "")
+    assert op.weights_reused and not op.restored
+    assert dropin(world) == {"engine": {"max_num_seqs": 4}}
+    assert world.probe.engine["max_num_seqs"] == 4
+    calls = world.probe.calls
+    assert calls.index("drain") < calls.index("verify") < calls.index("resume") == len(calls) - 1
+    assert world.restarts() == 1
+    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.intent("tiny") is None
+
+
+def test_a_patch_merges_into_what_90_reload_holds(world):
+    world.dropin.parent.mkdir(parents=True)
+    world.dropin.write_text("engine: {max_model_len: 64}\n")
+    run(world.reload({"max_num_seqs": 4}))
+    assert dropin(world) == {"engine": {"max_model_len": 64, "max_num_seqs": 4}}
+
+
+def test_a_malformed_90_reload_refuses_the_patch_and_changes_nothing(world):
+    world.dropin.parent.mkdir(parents=True)
+    world.dropin.write_text("engine: [\n")
+    with pytest.raises(errors.InvalidValue, match="90-reload.yaml"):
+        run(world.reload({"max_num_seqs": 4}))
+    assert world.dropin.read_text() == "engine: [\n" and world.restarts() == 0
+
+
+def test_refusals_touch_nothing(world):
+    with pytest.raises(errors.NotEditable, match="'dtype' is fixed"):
+        run(world.reload({"dtype": "float32"}))
+    with pytest.raises(errors.InvalidValue):
+        run(world.reload({"max_num_seqs": 0}))
+    world.bus.unit(units.umbrella("tiny"))["ActiveState"] = "inactive"
+    world.systemd._units.clear()
+    with pytest.raises(errors.NotRunning):
+        run(world.reload({"max_num_seqs": 4}))
+    assert not world.dropin.exists() and world.restarts() == 0 and "drain" not in world.probe.calls
+    assert not world.records.root.exists()  # no record, not even its directory
+
+
+def test_an_engine_that_cannot_start_rolls_back_to_the_previous_config(world):
+    world.probe.fail_next_start = True
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.ROLLED_BACK and op.restored
+    assert not world.dropin.exists()  # as before the reload
+    assert world.restarts() == 2 and world.probe.engine["max_num_seqs"] == 8
+    assert world.probe.calls[-1] == "resume"
+    assert world.records.intent("tiny") is None and world.records.committed("tiny") is None
+
+
+def test_a_failed_reload_of_the_config_on_disk_pins_the_previous_values(world):
+    (world.root / "models/tiny.d").mkdir()
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine: {max_num_seqs: 2}\n")
+    world.probe.fail_next_start = True
+    op = run(world.reload({}))
+    assert op.state == R.State.ROLLED_BACK
+    pinned = yaml.safe_load((world.root / "models/tiny.d" / R.ROLLBACK_DROPIN).read_text())
+    assert pinned["engine"]["max_num_seqs"] == 8 and "pinned" in op.notes[0]
+
+
+def test_a_rollback_that_fails_too_leaves_the_model_degraded_and_paused(world):
+    world.bus.job_results[units.engine("tiny")] = ["failed", "failed"]
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.FAILED and op.degraded
+    assert "rollback failed" in op.error
+    assert "resume" not in world.probe.calls  # nothing safe to serve
+    assert world.restarts() == 2
+
+
+def test_a_verified_engine_whose_gateway_does_not_resume_is_committed_and_failed(world):
+    world.probe.resume_fails = True
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.FAILED and "did not resume" in op.error
+    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.intent("tiny") is None
+
+
+def test_a_drain_timeout_restores_the_dropin_resumes_and_restarts_nothing(world):
+    world.probe.drain_result = {"drained": False, "remaining": 3}
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.FAILED and "3 request(s) still running" in op.error
+    assert op.restored and not world.dropin.exists()
+    assert world.probe.calls[-1] == "resume" and world.restarts() == 0
+    assert world.records.intent("tiny") is None
+
+
+def test_a_restore_that_fails_still_ends_the_operation(world):
+    world.probe.drain_result = {"drained": False, "remaining": 1}
+    world.probe.resume_fails = True
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.FAILED and op.stage == R.Stage.FINISHED
+    assert op.done_event.is_set() and world.restarts() == 0
+
+
+def test_cancel_during_the_drain_restores_and_resumes(world):
+    world.probe.drain_hangs = True
+
+    async def cancel(op):
+        op.cancel()
+
+    op = run(world.reload({"max_num_seqs": 4}, during=cancel))
+    assert op.state == R.State.CANCELLED and op.restored
+    assert not world.dropin.exists() and world.restarts() == 0
+    assert world.probe.calls[-1] == "resume"
+
+
+def test_a_stop_during_the_drain_interrupts_restores_and_does_not_resume(world):
+    world.probe.drain_hangs = True
+
+    async def stop(op):
+        op.interrupt()
+
+    op = run(world.reload({"max_num_seqs": 4}, during=stop))
+    assert op.state == R.State.FAILED and op.error.startswith("interrupted")
+    assert op.restored and not world.dropin.exists()
+    assert "resume" not in world.probe.calls and world.restarts() == 0
+
+
+def test_a_stop_that_replaces_the_engine_restart_starts_nothing_again(world):
+    world.bus.job_results[units.engine("tiny")] = ["canceled"]
+
+    async def stop_during_restart():
+        await world.connect()
+        op = R.Operation(id=1, model="tiny", patch={"max_num_seqs": 4})
+        run_ = R.Reload(world.model(), op)
+        await run_.check()
+        task = run_.start()
+        while op.stage != R.Stage.RESTART:
+            await asyncio.sleep(0)
+        world.bus.set_state(units.umbrella("tiny"), "deactivating")
+        await task
+        return op
+
+    op = run(stop_during_restart())
+    assert op.state == R.State.FAILED and "interrupted" in op.error
+    assert op.restored and not world.dropin.exists() and world.restarts() == 1
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_one_reload_costs_one_round_trip_to_systemd_once_its_units_are_tracked(world):
+    async def go():
+        await world.connect()
+        for unit in (units.umbrella("tiny"), units.engine("tiny")):  # what the manager does on discovery
+            await world.systemd.properties(unit)
+        world.bus.sent.clear()
+        op = await world.reload({"max_num_seqs": 4})
+        return op
+
+    op = run(go())
+    assert op.state == R.State.DONE
+    assert world.bus.sent == ["org.freedesktop.systemd1.Manager.RestartUnit"]
+
+
+def test_a_cold_reload_costs_one_loadunit_and_one_getall_per_unit(world):
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.DONE
+    sent = world.bus.sent[world.bus.sent.index("org.freedesktop.systemd1.Manager.Subscribe") + 1:]
+    assert sorted(sent) == sorted([
+        "org.freedesktop.systemd1.Manager.LoadUnit", "org.freedesktop.DBus.Properties.GetAll",  # umbrella
+        "org.freedesktop.systemd1.Manager.LoadUnit", "org.freedesktop.DBus.Properties.GetAll",  # engine
+        "org.freedesktop.systemd1.Manager.RestartUnit",
+    ])
+
+
+# ---------------------------------------------------------------- recovery
+
+
+def intent_of(world: World, target: dict, previous_reload=None) -> dict:
+    running = dict(world.probe.engine)
+    world.records.write_intent("tiny", {
+        "operation": 5, "patch": target, "previous_reload": previous_reload, "previous_rollback": None,
+        "previous_engine": running, "target_engine": {**running, **target}, "weights": [7, 8],
+    })
+    world.dropin.parent.mkdir(parents=True, exist_ok=True)
+    world.dropin.write_text(yaml.safe_dump({"engine": target}))
+    return world.records.intent("tiny")
+
+
+def test_recovery_commits_when_the_engine_runs_the_target(world):
+    intent = intent_of(world, {"max_num_seqs": 4})
+    world.probe.engine_started()  # the crash came after the restart
+    assert run(world.recover(intent)) == "committed"
+    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert dropin(world) == {"engine": {"max_num_seqs": 4}}
+    assert world.restarts() == 0 and world.probe.calls[-1] == "resume"
+    assert world.records.intent("tiny") is None
+
+
+def test_recovery_leaves_an_engine_that_runs_the_previous_config_alone(world):
+    intent = intent_of(world, {"max_num_seqs": 4}, previous_reload="engine: {max_num_seqs: 6}\n")
+    assert run(world.recover(intent)) == "left"
+    assert world.dropin.read_text() == "engine: {max_num_seqs: 6}\n"  # restored
+    assert world.restarts() == 0 and "drain" not in world.probe.calls
+    assert world.probe.calls[-1] == "resume" and world.records.intent("tiny") is None
+
+
+def test_recovery_drains_then_restarts_an_engine_that_runs_neither(world):
+    intent = intent_of(world, {"max_num_seqs": 4})
+    world.probe.engine = None  # the new engine failed to start before the crash
+    assert run(world.recover(intent)) == "restarted"
+    assert not world.dropin.exists() and world.restarts() == 1
+    assert world.probe.calls.index("drain") < len(world.probe.calls) - 1
+    assert world.probe.engine["max_num_seqs"] == 8 and world.probe.calls[-1] == "resume"
+
+
+def test_recovery_does_not_restart_an_engine_that_will_not_drain(world):
+    intent = intent_of(world, {"max_num_seqs": 4})
+    world.probe.engine = {"max_num_seqs": 99}  # something else entirely
+    world.probe.drain_result = {"drained": False, "remaining": 2}
+    assert run(world.recover(intent)) == "left"
+    assert world.restarts() == 0 and not world.dropin.exists()
+
+
+def test_recovery_of_a_stopped_model_restores_files_and_starts_nothing(world):
+    intent = intent_of(world, {"max_num_seqs": 4})
+    world.probe.engine = None
+    world.bus.unit(units.umbrella("tiny"))["ActiveState"] = "inactive"
+    assert run(world.recover(intent)) == "restored"
+    assert not world.dropin.exists() and world.restarts() == 0 and "resume" not in world.probe.calls
