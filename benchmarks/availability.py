@@ -8,11 +8,12 @@ seconds while R reloads run, each strategy doing what the manager does:
 
 - restart: drain the gateway, stop the engine, start a new one on the same
   weights and socket, wait until it answers, resume (503 while it starts);
-- overlap: start a second engine beside the serving one on the same weights
-  (another socket), wait until it answers, tell the gateway to send new
-  requests to it (control verb `switch`), then stop the old engine, which
-  finishes what it admitted. Needs a gateway with `switch` (issue 14);
-  without one the row says so.
+- overlap: start a second engine (slot next, engine-next.sock) beside the
+  serving one on the same weights, wait until it answers, switch the
+  gateway's new requests to it (control verb `switch`), restart the main
+  engine (the old one finishes what it admitted), switch back to it and stop
+  the second one (which finishes its own). No 503 by design. Needs a gateway
+  with `switch`; without one the row says so.
 
 Prints, per strategy: requests sent, admitted, completed, answered 503, lost
 (admitted but not completed: must be 0), other errors, seconds of 503 per
@@ -42,11 +43,9 @@ from typing import Optional
 import httpx
 import openai
 
+from hostd import paths
 from hostd.checkpoints.random_model import write_checkpoint
 from hostd.local import Daemon, ModelTree, wait_for
-
-SLOTS = ("engine.sock", "engine-b.sock")
-
 
 @dataclass
 class Outcome:
@@ -70,52 +69,47 @@ class Run:
 
 
 class Stack:
-    """Weights daemon, one or two engines, gateway: the model, by hand."""
+    """Weights daemon, engine(s), gateway: the model, by hand."""
 
     def __init__(self, tree: ModelTree, port: int):
         self.tree = tree
         self.port = port
         self.engine: Optional[Daemon] = None
-        self.slot = 0
 
-    def socket(self, slot: int) -> Path:
-        return self.tree.runtime_dir / SLOTS[slot]
+    def socket(self, slot: str) -> Path:
+        return self.tree.runtime_dir / paths.ENGINE_SOCKETS[slot]
 
-    def start_engine(self, slot: int) -> Daemon:
-        engine = self.tree.start_engine("--socket", str(self.socket(slot)), wait=False)
-        wait_for(lambda: healthy(self.socket(slot)), 1800, f"engine on {SLOTS[slot]}", engine.proc)
+    def start_engine(self, slot: str) -> Daemon:
+        engine = self.tree.start_engine("--slot", slot, wait=False)
+        wait_for(lambda: healthy(self.socket(slot)), 1800, f"engine in slot {slot}", engine.proc)
         return engine
 
     def start(self) -> None:
         self.tree.start_weights(timeout=3600)
-        self.engine = self.start_engine(0)
+        self.engine = self.start_engine("main")
         self.tree.start_gateway()
         wait_for(lambda: self.tree.control("status")["state"] == "serving", 60, "gateway serving")
 
     def restart(self, drain_timeout: float) -> None:
         """The restart strategy: 503 from the drain until the new engine answers."""
-        assert self.engine and self.slot == 0
+        assert self.engine
         self.tree.control("drain", timeout=drain_timeout)
         self.engine.stop(timeout=120)
-        self.engine = self.start_engine(0)
+        self.engine = self.start_engine("main")
         self.tree.control("resume")
 
     def overlap(self) -> None:
-        """The overlap strategy: the old engine serves until the new one does."""
+        """The overlap strategy, as the manager runs it: a second engine in
+        slot next takes new requests while main restarts, then main again."""
         assert self.engine
-        new_slot = 1 - self.slot
-        new = self.start_engine(new_slot)
+        following = self.start_engine("next")
         try:
-            self.tree.control("switch", engine=str(self.socket(new_slot)))
-        except Exception:
-            new.stop()
-            raise
-        old, self.engine, self.slot = self.engine, new, new_slot
-        old.stop(timeout=120)  # SIGTERM: finishes what it admitted, then exits
-
-    def back_to_slot_0(self) -> None:
-        if self.slot:
-            self.overlap()
+            self.tree.control("switch", slot="next")
+            self.engine.stop(timeout=120)  # SIGTERM: finishes what it admitted, then exits
+            self.engine = self.start_engine("main")
+            self.tree.control("switch", slot="main")
+        finally:
+            following.stop(timeout=120)
 
 
 def healthy(path: Path) -> bool:
@@ -128,10 +122,10 @@ def healthy(path: Path) -> bool:
 
 
 def gateway_has_switch(tree: ModelTree) -> bool:
-    """Whether the gateway knows the `switch` verb (a gateway without it
-    refuses the verb itself, naming $.verb; one with it refuses the path)."""
+    """Whether the gateway knows the `switch` verb (one without it refuses
+    the verb itself, naming $.verb)."""
     try:
-        tree.control("switch", engine="/nonexistent")
+        tree.control("switch", slot="main")
     except Exception as exc:
         return "$.verb" not in str(exc)
     return True
@@ -239,8 +233,6 @@ def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
     sampler.stopping.set()
     sampler.join()
     run.memory = sampler.summary(run.reloads, first_reload)
-    if strategy == "overlap":
-        stack.back_to_slot_0()
     return run
 
 

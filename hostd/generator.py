@@ -110,7 +110,7 @@ def dropins(name: str, cfg) -> dict[str, str]:
         f"{units.socket(name)}.d/{DROPIN}": header + "[Socket]\n" + f"ListenStream={unit_value(cfg.listen)}\n",
         f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts) + "\n",
     }
-    for unit in (units.engine(name), units.weights(name)):
+    for unit in (units.engine(name), units.engine(name, "next"), units.weights(name)):
         body = "\n".join(timeouts + gpu_lines(name, cfg))
         files[f"{unit}.d/{DROPIN}"] = header + "[Service]\n" + body + "\n"
     return files

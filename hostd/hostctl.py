@@ -24,6 +24,7 @@ from dbus_fast.errors import DBusError
 
 from hostd import config, units
 from hostd.config import show
+from hostd.manager import api
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -91,14 +92,18 @@ def cmd_reload(args: argparse.Namespace) -> int:
         return 0
     state = result["State"]
     line = f"reload of {args.name}: {state}"
+    facts = [f"strategy {result['Strategy']}"] if result.get("Strategy") else []
     if result.get("WeightsReused"):
-        line += " (weights reused)"
+        facts.append("weights reused")
+    if facts:
+        line += f" ({', '.join(facts)})"
     if result.get("Error"):
         line += f": {result['Error']}"
     for note in result.get("Notes", []):
         line += f"; {note}"
-    print(line, file=sys.stdout if state == "done" else sys.stderr)
-    return 0 if state == "done" else 1
+    ok = state in api.SUCCESS_STATES
+    print(line, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def cmd_list(args: argparse.Namespace) -> int:

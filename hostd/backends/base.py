@@ -70,6 +70,14 @@ class Backend(abc.ABC):
         """Do the model's units need the NVIDIA devices (DeviceAllow=, the
         manager's GPU memory preflight)?"""
 
+    def overlap_refusal(self, cfg) -> Optional[str]:
+        """Why two engines of this model cannot run at once on the same weights
+        (an overlap reload then falls back to restart), or None when they can."""
+        return (
+            f"the {self.name} backend's engine listens where upstream puts it, one socket per "
+            "model, so a second engine cannot start beside the first"
+        )
+
     def memory_fraction(self, cfg) -> Optional[float]:
         """The fraction of each GPU the engine sizes its memory pool by, which
         includes the daemon-held weights; None when it sizes by need."""

@@ -40,6 +40,10 @@ class Probe:
     async def resume(self) -> dict:
         return await control.call_async(paths.control_socket(self.name), "resume")
 
+    async def switch(self, slot: str) -> dict:
+        """New requests to the engine in SLOT (an overlap reload)."""
+        return await control.call_async(paths.control_socket(self.name), "switch", slot=slot)
+
     async def gateway_status(self) -> Optional[dict]:
         try:
             return await control.call_async(paths.control_socket(self.name), "status")
@@ -58,8 +62,8 @@ class Probe:
 
     # ------------------------------------------------------------ engine
 
-    async def engine_health(self) -> Optional[dict]:
-        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name)))
+    async def engine_health(self, slot: str = "main") -> Optional[dict]:
+        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name, slot)))
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as http:
                 async with http.get("http://engine/health") as response:
@@ -69,8 +73,8 @@ class Probe:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return None
 
-    async def smoke(self, served_name: str) -> None:
-        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name)))
+    async def smoke(self, served_name: str, slot: str = "main") -> None:
+        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name, slot)))
         body = {"model": served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
             async with http.post("http://engine/v1/completions", json=body) as response:
@@ -83,13 +87,13 @@ class Probe:
         backend's engine reports the section it was started with."""
         return health.get("engine_config") == engine
 
-    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]]) -> None:
-        health = await self.engine_health()
+    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]], slot: str = "main") -> None:
+        health = await self.engine_health(slot)
         if health is None:
-            raise VerifyFailed("the engine does not answer /health")
+            raise VerifyFailed(f"the engine in slot {slot} does not answer /health")
         if not self.runs(health, msgspec.to_builtins(cfg.engine)):
             raise VerifyFailed(f"the engine runs {health.get('engine_config')}, not the target config")
-        await self.smoke(cfg.served_model_name or self.name)
+        await self.smoke(cfg.served_model_name or self.name, slot)
         if weights_before is not None:
             now = await self.weights_identity()
             engine_saw = (health.get("weights_pid"), health.get("weights_socket_inode"))
@@ -99,12 +103,12 @@ class Probe:
                     f"the engine attached to {engine_saw}"
                 )
 
-    async def engine_error(self, default: str) -> str:
+    async def engine_error(self, default: str, slot: str = "main") -> str:
         """The engine's own last error lines from the journal, else DEFAULT."""
         try:
             result = await asyncio.to_thread(
                 subprocess.run,
-                ["journalctl", "-u", units.engine(self.name), "-p", "err", "-n", "3",
+                ["journalctl", "-u", units.engine(self.name, slot), "-p", "err", "-n", "3",
                  "-o", "cat", "--no-pager", "--since", "-5min"],
                 capture_output=True, text=True, timeout=10,
             )
@@ -162,3 +166,82 @@ class Probe:
         finally:
             pynvml.nvmlShutdown()
         return None
+
+    async def overlap_problem(self, cfg, engine_pid: int) -> Optional[str]:
+        """Why a second engine would not fit beside the serving one, or None.
+
+        The second engine needs what the serving one uses beyond the shared
+        weights (its footprint), and reload.overlap_reserve_mib must stay free
+        besides. CPU: the footprint is the engine's anonymous memory
+        (/proc/PID/smaps_rollup; the weights are the daemon's memfd, shared, not
+        anonymous), against MemAvailable. GPU: NVML's per-process figure for
+        the engine (device used - the daemon's share where NVML cannot see our
+        PIDs), against each GPU's free memory."""
+        backend = backends.for_config(cfg)
+        refusal = backend.overlap_refusal(cfg)
+        if refusal:
+            return refusal
+        reserve = cfg.reload.overlap_reserve_mib << 20
+        if backend.uses_gpu(cfg):
+            return await self._overlap_gpu(cfg, engine_pid, reserve)
+        try:
+            footprint = anonymous_bytes(engine_pid)
+            available = mem_available()
+        except (OSError, ValueError) as exc:
+            return f"cannot measure the serving engine's memory ({exc})"
+        if footprint + reserve > available:
+            return (
+                f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
+                f"the shared weights) and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
+                f"must stay free, but MemAvailable is {available >> 20} MiB"
+            )
+        return None
+
+    async def _overlap_gpu(self, cfg, engine_pid: int, reserve: int) -> Optional[str]:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:
+            return f"cannot read GPU memory: NVML unavailable ({exc})"
+        try:
+            status = None
+            try:
+                status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
+            except (OSError, weights_client.WeightsRefused):
+                pass
+            held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+            for index in cfg.gpus:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                footprint = next(
+                    (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                     if p.pid == engine_pid), None)
+                if footprint is None:  # PIDs from another namespace: device-level accounting
+                    footprint = max(0, info.used - held // max(1, len(cfg.gpus)))
+                if footprint + reserve > info.free:
+                    return (
+                        f"GPU {index}: a second engine needs about {footprint >> 20} MiB and "
+                        f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
+                        f"but {info.free >> 20} MiB are free"
+                    )
+        finally:
+            pynvml.nvmlShutdown()
+        return None
+
+
+def anonymous_bytes(pid: int) -> int:
+    """Anonymous memory of PID (its own heap and tensors, not shared mappings)."""
+    if pid <= 0:
+        raise ValueError("no engine process")
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) << 10
+    raise ValueError(f"/proc/{pid}/smaps_rollup has no Anonymous line")
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) << 10
+    raise ValueError("/proc/meminfo has no MemAvailable line")

@@ -1,6 +1,32 @@
 """The reload of one model: an explicit state machine, one function per stage,
 and every way a reload can end, its recovery after a manager crash included.
 
+Two strategies, chosen by the preflight (Operation.strategy says which, and why
+in the journal): `overlap` (the default) and `restart` (forced by
+reload.strategy: restart, and the fallback when the backend cannot run two
+engines or there is no room for a second one).
+
+overlap: no 503 at any point.
+
+    validate -> preflight -> record -> start-next -> switch -> restart -> verify -> resume -> retire -> commit -> finished (done)
+                                          |  (fails)   |         \\____(fails)___/
+                                       restore: stop next,     rollback (main back to the previous config)
+                                       put the drop-in back     -> resume -> retire -> finished (rolled-back)
+                                       -> finished (rolled-back; the gateway never moved)
+
+    start-next: model-engine-next@NAME starts beside model-engine@NAME on the
+      same weights with the target config and is verified on its own socket;
+    switch: the gateway sends new requests to it (requests running on the
+      old engine finish there);
+    restart: model-engine@NAME restarts with the target config (SIGTERM: the
+      old engine finishes what it admitted first), verify;
+    resume: the gateway sends new requests to model-engine@NAME again;
+    retire: model-engine-next@NAME stops, finishing what it admitted.
+    At rest only model-engine@NAME runs, so `systemctl restart model-engine@NAME`
+    and the journal mean what they always meant.
+
+restart:
+
     validate -> preflight -> record -> drain -> restart -> verify -> resume -> commit -> finished (done)
         |           |                    |          \\________/         |
      refused     refused                 |               | failure     +- resume fails: commit, failed
@@ -10,6 +36,10 @@ and every way a reload can end, its recovery after a manager crash included.
                                 (no resume when stopping)    +- the model is being stopped (interrupted):
                                          |                      restore, start nothing -> finished (failed)
                                 finished (cancelled | failed)
+
+A reload whose target engine config is what the engine runs already ends at
+validate as `unchanged`, touching nothing (`systemctl restart
+model-engine@NAME` restarts the engine regardless).
 
 Nothing is touched before validate and preflight pass: a refusal changes no
 file, drains nothing and restarts nothing. From `record` on, the intent
@@ -46,6 +76,7 @@ from hostd import units
 from hostd.config import schema
 from hostd.config.atomic import remove_durably, write_atomic
 from hostd.manager import errors
+from hostd.manager.probe import Probe
 from hostd.manager.records import Records
 
 log = logging.getLogger("hostd.manager.reload")
@@ -60,6 +91,7 @@ MESSAGE_IDS = {
     "rolled-back": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a42",
     "failed": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a43",
     "cancelled": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a44",
+    "unchanged": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a45",
 }
 
 
@@ -69,6 +101,12 @@ class State(str, enum.Enum):
     ROLLED_BACK = "rolled-back"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    UNCHANGED = "unchanged"  # nothing to apply: the engine runs the target config already
+
+
+class Strategy(str, enum.Enum):
+    OVERLAP = "overlap"
+    RESTART = "restart"
 
 
 class Stage(str, enum.Enum):
@@ -76,9 +114,12 @@ class Stage(str, enum.Enum):
     PREFLIGHT = "preflight"
     RECORD = "record"
     DRAIN = "drain"
+    START_NEXT = "start-next"  # overlap: the second engine starts and is verified
+    SWITCH = "switch"  # overlap: the gateway sends new requests to it
     RESTART = "restart"
     VERIFY = "verify"
     RESUME = "resume"
+    RETIRE = "retire"  # overlap: the second engine stops
     COMMIT = "commit"
     ROLLBACK = "rollback"
     RESTORE = "restore"  # put the drop-in back after a drain that did not finish
@@ -89,11 +130,14 @@ class Stage(str, enum.Enum):
 TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.VALIDATE: {Stage.PREFLIGHT, Stage.FINISHED},
     Stage.PREFLIGHT: {Stage.RECORD, Stage.RESTORE, Stage.FINISHED},
-    Stage.RECORD: {Stage.DRAIN, Stage.RESTORE},
+    Stage.RECORD: {Stage.DRAIN, Stage.START_NEXT, Stage.RESTORE},
     Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
+    Stage.START_NEXT: {Stage.SWITCH, Stage.RESTORE},
+    Stage.SWITCH: {Stage.RESTART, Stage.RESTORE},
     Stage.RESTART: {Stage.VERIFY, Stage.ROLLBACK},
     Stage.VERIFY: {Stage.RESUME, Stage.ROLLBACK},
-    Stage.RESUME: {Stage.COMMIT, Stage.FINISHED},
+    Stage.RESUME: {Stage.RETIRE, Stage.COMMIT, Stage.FINISHED},
+    Stage.RETIRE: {Stage.COMMIT, Stage.FINISHED},
     Stage.COMMIT: {Stage.FINISHED},
     Stage.ROLLBACK: {Stage.RESUME, Stage.FINISHED},
     Stage.RESTORE: {Stage.FINISHED},
@@ -117,6 +161,7 @@ class Operation:
     id: int
     model: str
     patch: dict
+    strategy: str = ""  # Strategy, once the preflight chose
     state: State = State.RUNNING
     stage: Stage = Stage.VALIDATE
     error: str = ""
@@ -211,6 +256,7 @@ class Model:
         self.records = records or Records()
         self._load = load
         self.engine_unit = units.engine(name)
+        self.next_unit = units.engine(name, "next")
         self.umbrella_unit = units.umbrella(name)
 
     @property
@@ -232,6 +278,8 @@ class Reload:
         self.running_engine: Optional[dict] = None
         self.weights_before: Optional[tuple[int, int]] = None
         self.recorded = False  # the previous files are known: restore() may write
+        self.unchanged = False  # validate found nothing to apply
+        self.strategy_reason = ""
 
     # ------------------------------------------------------------ stages
 
@@ -277,6 +325,8 @@ class Reload:
         problems = self.model_backend_refusals(self.target)
         if problems:
             raise errors.InvalidValue("; ".join(problems))
+        # Nothing to apply when the engine answers and runs the target already.
+        self.unchanged = health is not None and Probe.runs(health, msgspec.to_builtins(self.target.engine))
 
     def config_with(self, reload_data: dict, patch: dict):
         """The effective config if 90-reload.yaml held RELOAD_DATA, every drop-in
@@ -320,9 +370,23 @@ class Reload:
 
     async def preflight(self) -> None:
         props = await self.model.systemd.properties(self.model.engine_unit)
-        problem = await self.model.probe.memory_problem(self.target, props.get("MainPID", 0))
+        pid = props.get("MainPID", 0)
+        strategy, why = await self.choose_strategy(pid)
+        self.op.strategy, self.strategy_reason = strategy.value, why
+        if strategy == Strategy.RESTART:
+            problem = await self.model.probe.memory_problem(self.target, pid)
+            if problem:
+                raise errors.InsufficientMemory(problem)
+
+    async def choose_strategy(self, engine_pid: int) -> tuple[Strategy, str]:
+        """overlap when configured, possible for the backend and there is room
+        for a second engine beside the first; else restart. Returns the reason."""
+        if self.current.reload.strategy == Strategy.RESTART.value:
+            return Strategy.RESTART, "reload.strategy is restart"
+        problem = await self.model.probe.overlap_problem(self.target, engine_pid)
         if problem:
-            raise errors.InsufficientMemory(problem)
+            return Strategy.RESTART, f"overlap does not fit, falling back to restart: {problem}"
+        return Strategy.OVERLAP, "room for a second engine beside the serving one"
 
     async def record(self) -> None:
         directory = self.model.dropins
@@ -332,6 +396,7 @@ class Reload:
         self.weights_before = await self.model.probe.weights_identity()
         self.model.records.write_intent(self.model.name, {
             "operation": self.op.id,
+            "strategy": self.op.strategy,
             "patch": self.op.patch,
             "previous_reload": self.previous_reload,
             "previous_rollback": self.previous_rollback,
@@ -354,8 +419,17 @@ class Reload:
     async def restart(self) -> None:
         await self.model.systemd.restart(self.model.engine_unit, timeout=self.target.timeouts.start + 30)
 
-    async def verify(self, cfg) -> None:
-        await self.model.probe.verify_engine(cfg, self.weights_before)
+    async def verify(self, cfg, slot: str = "main") -> None:
+        await self.model.probe.verify_engine(cfg, self.weights_before, slot)
+
+    async def start_next(self) -> None:
+        """Start the second engine with the target config and verify it."""
+        await self.model.systemd.start(self.model.next_unit, timeout=self.target.timeouts.start + 30)
+        await self.verify(self.target, "next")
+
+    async def retire_next(self) -> None:
+        """Stop the second engine; it finishes what it admitted first."""
+        await self.model.systemd.stop(self.model.next_unit, timeout=self.target.timeouts.stop + 30)
 
     async def commit(self) -> None:
         self.model.records.write_committed(self.model.name, self.target)
@@ -403,6 +477,8 @@ class Reload:
     async def check(self) -> None:
         """Validate and preflight: raises errors.Refused, having touched nothing."""
         await self.validate()
+        if self.unchanged:
+            return
         self.op.enter(Stage.PREFLIGHT)
         await self.preflight()
 
@@ -461,10 +537,18 @@ class Reload:
 
     async def _apply(self) -> None:
         op = self.op
+        if self.unchanged:
+            log.info("reload %d of %s: the engine runs this config already; nothing to do", op.id, op.model,
+                     extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+            return self._end(State.UNCHANGED)
         log.info(
-            "reload %d of %s started: %s", op.id, op.model, json.dumps(op.patch) if op.patch else "config on disk",
-            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"]},
+            "reload %d of %s started (strategy %s: %s): %s", op.id, op.model, op.strategy, self.strategy_reason,
+            json.dumps(op.patch) if op.patch else "config on disk",
+            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"],
+                   "hostd_strategy": op.strategy},
         )
+        if op.strategy == Strategy.OVERLAP.value:
+            return await self._apply_overlap()
         try:
             await self._drain_stage()
         except Exception as exc:
@@ -505,6 +589,74 @@ class Reload:
         self._end(State.DONE)
 
 
+    async def _apply_overlap(self) -> None:
+        """The overlap strategy (module docstring): the gateway always has an
+        engine that answers, so no request is ever refused."""
+        op = self.op
+        try:
+            if op.cancel_requested:
+                raise Cancelled("cancelled by request")
+            op.enter(Stage.RECORD)
+            await self.record()
+            op.enter(Stage.START_NEXT)
+            await self.start_next()
+            op.enter(Stage.SWITCH)
+            await self.model.probe.switch("next")
+        except Exception as exc:  # the new engine failed: the old one never stopped
+            interrupted = await self.stopping()
+            cause = str(exc) if isinstance(exc, Cancelled) or interrupted else \
+                await self.model.probe.engine_error(str(exc), "next")
+            op.enter(Stage.RESTORE)
+            try:
+                await self.retire_next()
+                self.restore()
+            except Exception as again:  # logged for operators
+                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+            if isinstance(exc, Cancelled):
+                return self._end(State.CANCELLED, cause)
+            if interrupted:
+                return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+            return self._end(State.ROLLED_BACK if self.recorded else State.FAILED, cause)
+        # The new engine serves new requests; restart the main one with the
+        # target config (it finishes what it admitted first).
+        try:
+            op.enter(Stage.RESTART)
+            await self.restart()
+            op.enter(Stage.VERIFY)
+            await self.verify(self.target)
+        except Exception as exc:
+            if await self.stopping():
+                op.enter(Stage.ROLLBACK)
+                self.restore()
+                return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+            cause = await self.model.probe.engine_error(str(exc))
+            op.enter(Stage.ROLLBACK)
+            try:
+                await self.rollback(cause)
+                op.enter(Stage.RESUME)
+                await self.model.probe.switch("main")
+                op.enter(Stage.RETIRE)
+                await self.retire_next()
+            except Exception as again:
+                log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
+                op.degraded = True
+                return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
+            return self._end(State.ROLLED_BACK, cause)
+        op.weights_reused = self.weights_before is not None
+        op.enter(Stage.RESUME)
+        try:
+            await self.model.probe.switch("main")
+            op.enter(Stage.RETIRE)
+            await self.retire_next()
+        except Exception as exc:  # main runs the target: commit, but say so
+            op.enter(Stage.COMMIT)
+            await self.commit()
+            return self._end(State.FAILED, f"the new config runs, but handing back to the main engine failed: {exc}")
+        op.enter(Stage.COMMIT)
+        await self.commit()
+        self._end(State.DONE)
+
+
 # ---------------------------------------------------------------- recovery
 
 
@@ -514,6 +666,8 @@ async def recover(model: Model, intent: dict) -> str:
     restarted, or restored (the model is stopped: files only)."""
     name, probe, systemd = model.name, model.probe, model.systemd
     where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
+    if intent.get("strategy") == Strategy.OVERLAP.value:
+        return await _recover_overlap(model, intent, where)
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
     await systemd.settle(model.engine_unit, timeout=300)
@@ -543,6 +697,55 @@ async def recover(model: Model, intent: dict) -> str:
             await probe.resume()
         except Exception as exc:  # the gateway may be down; it starts serving on its own then
             log.warning("recovery: resuming %s: %s", name, exc, extra=where)
+    model.records.drop_intent(name)
+    return outcome
+
+
+async def _recover_overlap(model: Model, intent: dict, where: dict) -> str:
+    """End an overlap reload a previous manager left: decide by what the main
+    engine runs (as recover() does), then hand the gateway back to it and stop
+    the second engine, so exactly one engine is left. The gateway was never
+    drained: no request waits on this."""
+    name, probe, systemd = model.name, model.probe, model.systemd
+    await systemd.settle(model.engine_unit, timeout=300)
+    await systemd.settle(model.next_unit, timeout=300)
+    health = await probe.engine_health()
+    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
+        log.info("recovery: %s runs the target of overlap reload %s; committing", name,
+                 intent.get("operation"), extra=where)
+        model.records.write_committed(name, model.load().config)
+        outcome = "committed"
+    else:
+        directory = model.dropins
+        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
+        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
+        previous = intent.get("previous_engine")
+        if health is not None and previous is not None and probe.runs(health, previous):
+            log.info("recovery: %s still runs the config before overlap reload %s; files restored",
+                     name, intent.get("operation"), extra=where)
+            outcome = "left"
+        elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
+            # The main engine was mid-restart: the gateway may be serving from
+            # the second one meanwhile, so restarting main refuses no request.
+            log.warning("recovery: %s's main engine does not run the target of overlap reload %s; "
+                        "restarting it with the previous config", name, intent.get("operation"), extra=where)
+            try:
+                await systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
+            except Exception as exc:
+                log.error("recovery: restarting the engine of %s failed: %s", name, exc, extra=where)
+            outcome = "restarted"
+        else:
+            outcome = "restored"
+    if outcome != "restored" and await probe.engine_health() is not None:
+        try:
+            await probe.switch("main")
+        except Exception as exc:  # a gateway that is down starts on main by itself
+            log.warning("recovery: switching %s's gateway to the main engine: %s", name, exc, extra=where)
+    if outcome == "restored" or await probe.engine_health() is not None:
+        await systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
+    else:
+        log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
+                  name, model.next_unit, extra=where)
     model.records.drop_intent(name)
     return outcome
 

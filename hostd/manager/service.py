@@ -107,6 +107,12 @@ class OperationInterface(ServiceInterface):
         return json.dumps(self.op.patch, sort_keys=True)
 
     @dbus_property(access=PropertyAccess.READ)
+    def Strategy(self) -> "s":
+        """overlap or restart, once the preflight chose ("" before, and for
+        start/stop/restart operations)."""
+        return self.op.strategy
+
+    @dbus_property(access=PropertyAccess.READ)
     def WeightsReused(self) -> "b":
         return self.op.weights_reused
 
@@ -139,6 +145,7 @@ class OperationInterface(ServiceInterface):
     def changed(self) -> None:
         self.emit_properties_changed({
             "State": self.op.state.value, "Stage": self.op.stage.value, "Error": self.op.error,
+            "Strategy": self.op.strategy,
             "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
             "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
         })
