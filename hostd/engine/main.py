@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from hostd import backends, paths, systemd
+from hostd import backends, memory, paths, systemd
 from hostd import config as hostd_config
 from hostd.weights import checkpoint, client, fingerprint, shared
 
@@ -173,7 +173,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
         sock=sock,
         on_ready=ready,
         on_status=status,
-        health_info=health,
+        health_info=lambda: {**health, "memory": memory.snapshot()},  # for the overlap preflight
         log=log,
     )
 

@@ -172,9 +172,9 @@ class Probe:
 
         The second engine needs what the serving one uses beyond the shared
         weights (its footprint), and reload.overlap_reserve_mib must stay free
-        besides. CPU: the footprint is the engine's anonymous memory
-        (/proc/PID/smaps_rollup; the weights are the daemon's memfd, shared, not
-        anonymous), against MemAvailable. GPU: NVML's per-process figure for
+        besides. CPU: the footprint is the engine's anonymous memory against
+        the host's MemAvailable, both as the engine reports them on /health
+        (hostd/memory.py: this sandbox cannot read them). GPU: NVML's per-process figure for
         the engine (device used - the daemon's share where NVML cannot see our
         PIDs), against each GPU's free memory."""
         backend = backends.for_config(cfg)
@@ -184,11 +184,10 @@ class Probe:
         reserve = cfg.reload.overlap_reserve_mib << 20
         if backend.uses_gpu(cfg):
             return await self._overlap_gpu(cfg, engine_pid, reserve)
-        try:
-            footprint = anonymous_bytes(engine_pid)
-            available = mem_available()
-        except (OSError, ValueError) as exc:
-            return f"cannot measure the serving engine's memory ({exc})"
+        reported = ((await self.engine_health()) or {}).get("memory") or {}
+        if "anonymous" not in reported or "host_available" not in reported:
+            return "the engine does not report its memory on /health (hostd/memory.py)"
+        footprint, available = reported["anonymous"], reported["host_available"]
         if footprint + reserve > available:
             return (
                 f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
@@ -228,20 +227,3 @@ class Probe:
         finally:
             pynvml.nvmlShutdown()
         return None
-
-
-def anonymous_bytes(pid: int) -> int:
-    """Anonymous memory of PID (its own heap and tensors, not shared mappings)."""
-    if pid <= 0:
-        raise ValueError("no engine process")
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Anonymous:"):
-            return int(line.split()[1]) << 10
-    raise ValueError(f"/proc/{pid}/smaps_rollup has no Anonymous line")
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) << 10
-    raise ValueError("/proc/meminfo has no MemAvailable line")

@@ -356,6 +356,9 @@ class Reload:
             return
         now = msgspec.to_builtins(self.target)
         now.pop("engine", None)
+        # reload.* steers the manager at each reload, never the units: not fixed.
+        now.pop("reload", None)
+        running_fixed = {k: v for k, v in running_fixed.items() if k != "reload"}
         changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
         if changed:
             raise errors.NotEditable(

@@ -56,6 +56,8 @@ def test_switch_moves_new_requests_while_the_old_engine_finishes_its_streams(tmp
             tree.control("switch", slot="next")  # nothing runs there yet: refused, nothing moves
         assert tree.control("status")["slot"] == "main"
 
+        reported = tree.health()["memory"]  # what an overlap reload's preflight reads
+        assert reported["anonymous"] > 0 and reported["host_available"] > 0
         new = tree.start_engine("--slot", "next", wait=False)
         wait_for(lambda: healthy(tree.runtime_dir / paths.ENGINE_SOCKETS["next"]), 600, "the next engine", new.proc)
         with ThreadPoolExecutor(4) as pool:

@@ -25,5 +25,5 @@ def test_readme_main_job_serves_a_model_under_systemd():
     assert "completion (16 tokens):" in out
     assert "Active: active (running)" in out
     assert "engine.max_num_seqs 4 -> 8" in out and "unchanged: weights reused" in out
-    assert "reload of tiny: done (weights reused)" in out
+    assert "reload of tiny: done (strategy overlap, weights reused)" in out
     assert "hostd-engine[" in out and "hostd-weights[" in out and "hostd-gateway[" in out

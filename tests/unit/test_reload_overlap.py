@@ -120,3 +120,23 @@ def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
     assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
     assert world.probe.slot == "main" and world.probe.next_engine is None
     assert world.bus.sent.count(f"{MANAGER}.RestartUnit") == 0
+
+
+def test_the_preflight_compares_what_the_engine_reports_with_the_reserve(world, monkeypatch):
+    from hostd import config
+    from hostd.manager.probe import Probe
+
+    cfg = config.load_model("tiny", world.root).config  # builtin on CPU, reserve 256 MiB
+    probe = Probe("tiny")
+    reported: dict = {}
+
+    async def health(slot="main"):
+        return {"memory": reported}
+
+    monkeypatch.setattr(probe, "engine_health", health)
+    assert "does not report its memory" in run(probe.overlap_problem(cfg, 1))
+    reported.update(anonymous=900 << 20, host_available=1000 << 20)
+    problem = run(probe.overlap_problem(cfg, 1))
+    assert "about 900 MiB" in problem and "overlap_reserve_mib=256" in problem and "1000 MiB" in problem
+    reported.update(host_available=2000 << 20)
+    assert run(probe.overlap_problem(cfg, 1)) is None
