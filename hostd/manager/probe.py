@@ -12,7 +12,7 @@ import asyncio
 import logging
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import aiohttp
 import msgspec
@@ -133,12 +133,33 @@ class Probe:
             return None
         fraction = backend.memory_fraction(cfg)
         try:
+            gpus = await self.gpu_memory(cfg, engine_pid)
+        except RuntimeError as exc:  # no driver library here: verify and rollback still guard
+            log.warning("GPU preflight skipped for %s: %s", self.name, exc)
+            return None
+        for gpu in gpus:
+            available = gpu.free + gpu.engine
+            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20)
+            if need > available:
+                return (
+                    f"GPU {gpu.index}: the new engine needs about {need / 2**30:.1f} GiB "
+                    f"({'fraction ' + str(fraction) + ' of ' + format(gpu.total / 2**30, '.1f') + ' GiB, less the daemon-held weights' if fraction else 'for its context'}), "
+                    f"but only {available / 2**30:.1f} GiB would be free; lower the memory fraction"
+                )
+        return None
+
+    async def gpu_memory(self, cfg, engine_pid: int) -> list["GpuMemory"]:
+        """NVML's view of each of the model's GPUs: free, total, the serving
+        engine's share and the weight daemon's. The engine's share is NVML's
+        per-process figure where NVML sees our PIDs; inside a container they
+        are another namespace's, so then it is the device's used memory less
+        the daemon's share. RuntimeError when NVML cannot be read."""
+        try:
             import pynvml
 
             pynvml.nvmlInit()
-        except Exception as exc:  # no driver library here: verify and rollback still guard
-            log.warning("GPU preflight skipped for %s: NVML unavailable (%s)", self.name, exc)
-            return None
+        except Exception as exc:
+            raise RuntimeError(f"NVML unavailable ({exc})") from None
         try:
             status = None
             try:
@@ -146,26 +167,20 @@ class Probe:
             except (OSError, weights_client.WeightsRefused):
                 pass
             held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+            out = []
             for index in cfg.gpus:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                daemon_share = held // max(1, len(cfg.gpus))
-                engine_now = next(
+                daemon = held // max(1, len(cfg.gpus))
+                engine = next(
                     (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
                      if p.pid == engine_pid), None)
-                if engine_now is None:  # PIDs from another namespace: device-level accounting
-                    engine_now = max(0, info.used - daemon_share)
-                available = info.free + engine_now
-                need = (fraction * info.total - daemon_share) if fraction else (512 << 20)
-                if need > available:
-                    return (
-                        f"GPU {index}: the new engine needs about {need / 2**30:.1f} GiB "
-                        f"({'fraction ' + str(fraction) + ' of ' + format(info.total / 2**30, '.1f') + ' GiB, less the daemon-held weights' if fraction else 'for its context'}), "
-                        f"but only {available / 2**30:.1f} GiB would be free; lower the memory fraction"
-                    )
+                if engine is None:
+                    engine = max(0, info.used - daemon)
+                out.append(GpuMemory(index, info.total, info.free, engine, daemon))
+            return out
         finally:
             pynvml.nvmlShutdown()
-        return None
 
     async def overlap_problem(self, cfg, engine_pid: int) -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
@@ -198,32 +213,24 @@ class Probe:
 
     async def _overlap_gpu(self, cfg, engine_pid: int, reserve: int) -> Optional[str]:
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as exc:
-            return f"cannot read GPU memory: NVML unavailable ({exc})"
-        try:
-            status = None
-            try:
-                status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
-            except (OSError, weights_client.WeightsRefused):
-                pass
-            held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
-            for index in cfg.gpus:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                footprint = next(
-                    (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                     if p.pid == engine_pid), None)
-                if footprint is None:  # PIDs from another namespace: device-level accounting
-                    footprint = max(0, info.used - held // max(1, len(cfg.gpus)))
-                if footprint + reserve > info.free:
-                    return (
-                        f"GPU {index}: a second engine needs about {footprint >> 20} MiB and "
-                        f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
-                        f"but {info.free >> 20} MiB are free"
-                    )
-        finally:
-            pynvml.nvmlShutdown()
+            gpus = await self.gpu_memory(cfg, engine_pid)
+        except RuntimeError as exc:
+            return f"cannot read GPU memory: {exc}"
+        for gpu in gpus:
+            if gpu.engine + reserve > gpu.free:
+                return (
+                    f"GPU {gpu.index}: a second engine needs about {gpu.engine >> 20} MiB and "
+                    f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
+                    f"but {gpu.free >> 20} MiB are free"
+                )
         return None
+
+
+class GpuMemory(NamedTuple):
+    """Bytes on one GPU, as NVML reports them (Probe.gpu_memory)."""
+
+    index: int
+    total: int
+    free: int
+    engine: int  # the serving engine's share
+    daemon: int  # the weight daemon's share

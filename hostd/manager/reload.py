@@ -502,15 +502,19 @@ class Reload:
             self.op.enter(Stage.FINISHED)
         self.op.finish(state, error)
 
+    async def _record_stage(self) -> None:
+        """A cancel asked for before anything was written ends here; else record."""
+        if self.op.cancel_requested:
+            raise Cancelled("cancelled by request")
+        self.op.enter(Stage.RECORD)
+        await self.record()
+
     async def _drain_stage(self) -> None:
         """Record and drain; Cancelled, Interrupted or the drain's own failure
         leave with the file restored (and the gateway resumed unless stopping)."""
         op = self.op
         try:
-            if op.cancel_requested:
-                raise Cancelled("cancelled by request")
-            op.enter(Stage.RECORD)
-            await self.record()
+            await self._record_stage()
             op.enter(Stage.DRAIN)
             drain = asyncio.create_task(self.drain())
             asked = asyncio.create_task(op.asked.wait())
@@ -556,6 +560,25 @@ class Reload:
             await self._drain_stage()
         except Exception as exc:
             return self._end(State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED, str(exc))
+        await self._replace_main(self._resume, "the gateway did not resume")
+
+    async def _resume(self) -> None:
+        """restart: the drained gateway serves again."""
+        self.op.enter(Stage.RESUME)
+        await self.model.probe.resume()
+
+    async def _hand_back(self) -> None:
+        """overlap: new requests go to the main engine again; the next one stops."""
+        self.op.enter(Stage.RESUME)
+        await self.model.probe.switch("main")
+        self.op.enter(Stage.RETIRE)
+        await self.retire_next()
+
+    async def _replace_main(self, hand_back, hand_back_failed: str) -> None:
+        """Restart the main engine with the target config and verify it, then
+        HAND_BACK the gateway to it and commit; on failure roll back (the main
+        engine back on the previous config), then HAND_BACK."""
+        op = self.op
         try:
             op.enter(Stage.RESTART)
             await self.restart()
@@ -571,36 +594,32 @@ class Reload:
             op.enter(Stage.ROLLBACK)
             try:
                 await self.rollback(cause)
-                op.enter(Stage.RESUME)
-                await self.model.probe.resume()
+                await hand_back()
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
-                op.degraded = True  # the gateway stays paused: nothing safe to serve
+                # restart: the gateway stays paused, nothing safe to serve;
+                # overlap: the next engine may still serve the target config.
+                op.degraded = True
                 return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
             return self._end(State.ROLLED_BACK, cause)
         # Verified: the engine attached the same weight daemon (PID, inode).
         op.weights_reused = self.weights_before is not None
-        op.enter(Stage.RESUME)
         try:
-            await self.model.probe.resume()
+            await hand_back()
         except Exception as exc:  # the engine runs the target: commit, but say so
             op.enter(Stage.COMMIT)
             await self.commit()
-            return self._end(State.FAILED, f"the new config runs, but the gateway did not resume: {exc}")
+            return self._end(State.FAILED, f"the new config runs, but {hand_back_failed}: {exc}")
         op.enter(Stage.COMMIT)
         await self.commit()
         self._end(State.DONE)
-
 
     async def _apply_overlap(self) -> None:
         """The overlap strategy (module docstring): the gateway always has an
         engine that answers, so no request is ever refused."""
         op = self.op
         try:
-            if op.cancel_requested:
-                raise Cancelled("cancelled by request")
-            op.enter(Stage.RECORD)
-            await self.record()
+            await self._record_stage()
             op.enter(Stage.START_NEXT)
             await self.start_next()
             op.enter(Stage.SWITCH)
@@ -620,44 +639,9 @@ class Reload:
             if interrupted:
                 return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
             return self._end(State.ROLLED_BACK if self.recorded else State.FAILED, cause)
-        # The new engine serves new requests; restart the main one with the
-        # target config (it finishes what it admitted first).
-        try:
-            op.enter(Stage.RESTART)
-            await self.restart()
-            op.enter(Stage.VERIFY)
-            await self.verify(self.target)
-        except Exception as exc:
-            if await self.stopping():
-                op.enter(Stage.ROLLBACK)
-                self.restore()
-                return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
-            cause = await self.model.probe.engine_error(str(exc))
-            op.enter(Stage.ROLLBACK)
-            try:
-                await self.rollback(cause)
-                op.enter(Stage.RESUME)
-                await self.model.probe.switch("main")
-                op.enter(Stage.RETIRE)
-                await self.retire_next()
-            except Exception as again:
-                log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
-                op.degraded = True
-                return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
-            return self._end(State.ROLLED_BACK, cause)
-        op.weights_reused = self.weights_before is not None
-        op.enter(Stage.RESUME)
-        try:
-            await self.model.probe.switch("main")
-            op.enter(Stage.RETIRE)
-            await self.retire_next()
-        except Exception as exc:  # main runs the target: commit, but say so
-            op.enter(Stage.COMMIT)
-            await self.commit()
-            return self._end(State.FAILED, f"the new config runs, but handing back to the main engine failed: {exc}")
-        op.enter(Stage.COMMIT)
-        await self.commit()
-        self._end(State.DONE)
+        # The next engine serves new requests: the main one restarts with the
+        # target config (it finishes what it admitted first), then takes over.
+        await self._replace_main(self._hand_back, "handing the gateway back to the main engine failed")
 
 
 # ---------------------------------------------------------------- recovery
@@ -666,14 +650,21 @@ class Reload:
 async def recover(model: Model, intent: dict) -> str:
     """End the reload a previous manager left half done (INTENT is its record).
     Returns what it did: committed, left (the engine runs the previous config),
-    restarted, or restored (the model is stopped: files only)."""
+    restarted, or restored (the model is stopped: files only).
+
+    The decision is made on the main engine, whatever the strategy. After an
+    overlap reload nothing was drained (the gateway may be serving from the
+    second engine meanwhile), so the main engine restarts without a drain, and
+    at the end the gateway goes back to it and the second engine stops: exactly
+    one engine is left."""
     name, probe, systemd = model.name, model.probe, model.systemd
     where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
-    if intent.get("strategy") == Strategy.OVERLAP.value:
-        return await _recover_overlap(model, intent, where)
+    overlap = intent.get("strategy") == Strategy.OVERLAP.value
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
     await systemd.settle(model.engine_unit, timeout=300)
+    if overlap:
+        await systemd.settle(model.next_unit, timeout=300)
     health = await probe.engine_health()
     if health is not None and probe.runs(health, intent.get("target_engine") or {}):
         log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"), extra=where)
@@ -689,13 +680,15 @@ async def recover(model: Model, intent: dict) -> str:
                      name, intent.get("operation"), extra=where)
             outcome = "left"
         elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
-            log.warning("recovery: %s does not run the target of reload %s; draining and restarting its engine",
-                        name, intent.get("operation"), extra=where)
-            outcome = await _restart_drained(model)
+            log.warning("recovery: %s does not run the target of reload %s; restarting its engine%s",
+                        name, intent.get("operation"), "" if overlap else " after a drain", extra=where)
+            outcome = await (_restart_main(model, where) if overlap else _restart_drained(model))
         else:  # never start a stopped model
             log.info("recovery: %s is stopped; files restored", name, extra=where)
             outcome = "restored"
-    if outcome != "restored":
+    if overlap:
+        await _leave_one_engine(model, outcome, where)
+    elif outcome != "restored":
         try:
             await probe.resume()
         except Exception as exc:  # the gateway may be down; it starts serving on its own then
@@ -704,53 +697,28 @@ async def recover(model: Model, intent: dict) -> str:
     return outcome
 
 
-async def _recover_overlap(model: Model, intent: dict, where: dict) -> str:
-    """End an overlap reload a previous manager left: decide by what the main
-    engine runs (as recover() does), then hand the gateway back to it and stop
-    the second engine, so exactly one engine is left. The gateway was never
-    drained: no request waits on this."""
-    name, probe, systemd = model.name, model.probe, model.systemd
-    await systemd.settle(model.engine_unit, timeout=300)
-    await systemd.settle(model.next_unit, timeout=300)
-    health = await probe.engine_health()
-    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
-        log.info("recovery: %s runs the target of overlap reload %s; committing", name,
-                 intent.get("operation"), extra=where)
-        model.records.write_committed(name, model.load().config)
-        outcome = "committed"
-    else:
-        directory = model.dropins
-        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
-        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
-        previous = intent.get("previous_engine")
-        if health is not None and previous is not None and probe.runs(health, previous):
-            log.info("recovery: %s still runs the config before overlap reload %s; files restored",
-                     name, intent.get("operation"), extra=where)
-            outcome = "left"
-        elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
-            # The main engine was mid-restart: the gateway may be serving from
-            # the second one meanwhile, so restarting main refuses no request.
-            log.warning("recovery: %s's main engine does not run the target of overlap reload %s; "
-                        "restarting it with the previous config", name, intent.get("operation"), extra=where)
-            try:
-                await systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
-            except Exception as exc:
-                log.error("recovery: restarting the engine of %s failed: %s", name, exc, extra=where)
-            outcome = "restarted"
-        else:
-            outcome = "restored"
-    if outcome != "restored" and await probe.engine_health() is not None:
+async def _restart_main(model: Model, where: dict) -> str:
+    """Restart the main engine with the config on disk (overlap: no drain)."""
+    try:
+        await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
+    except Exception as exc:
+        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
+    return "restarted"
+
+
+async def _leave_one_engine(model: Model, outcome: str, where: dict) -> None:
+    """After an overlap: the gateway back on the main engine, the next one stopped."""
+    main_answers = await model.probe.engine_health() is not None
+    if outcome != "restored" and main_answers:
         try:
-            await probe.switch("main")
+            await model.probe.switch("main")
         except Exception as exc:  # a gateway that is down starts on main by itself
-            log.warning("recovery: switching %s's gateway to the main engine: %s", name, exc, extra=where)
-    if outcome == "restored" or await probe.engine_health() is not None:
-        await systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
+            log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc, extra=where)
+    if outcome == "restored" or main_answers:
+        await model.systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
     else:
         log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
-                  name, model.next_unit, extra=where)
-    model.records.drop_intent(name)
-    return outcome
+                  model.name, model.next_unit, extra=where)
 
 
 async def _restart_drained(model: Model) -> str:
