@@ -217,11 +217,11 @@ class Gateway:
             result = await self.admission.resume(await self.engine_ok())
             log.info("resumed: %s", result["state"])
         elif isinstance(request, control.Switch):
-            result = await self.switch(request.slot)
+            result = {**await self.switch(request.slot), "slot": self.slot}
         else:
-            result = self.admission.snapshot()
+            result = {**self.admission.snapshot(), "slot": self.slot}
         self._report()
-        return {**result, "slot": self.slot}
+        return result
 
     async def switch(self, slot: str) -> dict:
         """New requests go to SLOT's engine from now on (an overlap reload);

@@ -62,11 +62,11 @@ def test_switch_moves_new_requests_while_the_old_engine_finishes_its_streams(tmp
         wait_for(lambda: healthy(tree.runtime_dir / paths.ENGINE_SOCKETS["next"]), 600, "the next engine", new.proc)
         with ThreadPoolExecutor(4) as pool:
             running = [pool.submit(completion, base_url, 300) for _ in range(3)]  # on the old engine
-            wait_for(lambda: tree.control("status")["in_flight"] >= 3, 60, "3 streams in flight")
+            wait_for(lambda: tree.control("status")["in_flight"] >= 3, 120, "3 streams in flight")
             assert tree.control("switch", slot="next")["slot"] == "next"
             # The old engine gets SIGTERM and finishes the 3 streams it admitted;
             # new requests meanwhile go to the next engine and are never refused.
-            stopping = pool.submit(old.stop)
+            stopping = pool.submit(old.stop, timeout=300)
             assert completion(base_url, 4) == "length"
             assert stopping.result() == 0
             assert [f.result() for f in running] == ["length"] * 3
