@@ -2,29 +2,70 @@
 
 Commands that only read configuration (`config`, `edit`) work with no daemon
 running; the others talk to the manager (org.hostd1) over the system bus
-through hostd.client, with the verbs people already type for systemctl.
-Exit codes: 0 success, 1 the operation failed or was rolled back or refused,
-2 usage.
+through hostd.client, with the verbs people already type for systemctl, and
+systemctl's conventions: `--json=short|pretty` on every command that prints
+data, `--no-legend`, `--no-pager`, `--version`, and its exit codes:
+
+    0  success
+    1  the operation failed, was rolled back or refused; any other error
+    2  usage
+    3  the model is not running (status)
+    4  no such model
+
+Errors are one line on stderr (no bus, no manager, a refusal, a closed pipe,
+^C), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 import yaml
 from dbus_fast.errors import DBusError
 
+import hostd
 from hostd import config, units
 from hostd.config import show
 from hostd.manager import api
+
+EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NO_SUCH_MODEL = 1, 2, 3, 4
+# D-Bus error name -> exit code (systemctl's: 4 "no such unit", 3 "not active").
+EXIT_CODES = {
+    "org.hostd1.Error.NoSuchModel": EXIT_NO_SUCH_MODEL,
+    "org.hostd1.Error.NotRunning": EXIT_NOT_RUNNING,
+}
+# Model states in which `hostctl status NAME` exits 3 (systemctl: "not active").
+NOT_RUNNING = ("stopped", "unknown")
+
+
+def emit_json(args: argparse.Namespace, data) -> None:
+    """--json=short: one line; --json=pretty: indented (systemd's two modes)."""
+    if getattr(args, "json", None) == "short":
+        print(json.dumps(data, sort_keys=True, separators=(",", ":")))
+    else:
+        print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def table(args: argparse.Namespace, header: list[str], rows: list[list]) -> None:
+    """Columns as systemctl prints them; the header and the count are the
+    legend (--no-legend drops both)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    lines = [] if args.no_legend else [header]
+    for row in (lines + cells):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if not args.no_legend:
+        print(f"\n{len(rows)} model(s) listed." if header[0] == "MODEL" else f"\n{len(rows)} listed.")
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -43,13 +84,20 @@ def cmd_config(args: argparse.Namespace) -> int:
     if not args.name:
         print("hostctl config: give a model NAME, or --check", file=sys.stderr)
         return 2
+    # The name rule first: "../models/x" must not name a file that happens to exist.
+    problem = config.schema.model_name_problem(args.name)
+    if problem is None and not config.model_file(args.name, root).exists():
+        problem = f"no such model {args.name!r}: {config.model_file(args.name, root)} does not exist"
+    if problem is not None:
+        print(f"hostctl: {problem}", file=sys.stderr)
+        return EXIT_NO_SUCH_MODEL
     try:
         loaded = config.load_model(args.name, root)
     except config.ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(show.with_origins(loaded), indent=2))
+        emit_json(args, show.with_origins(loaded))
     else:
         sys.stdout.write(show.render(loaded))
     return 0
@@ -62,9 +110,20 @@ def _client():
 
 
 def _dbus_error(exc: Exception) -> int:
+    """One line for a D-Bus error; its exit code."""
     name = getattr(exc, "type", type(exc).__name__)
-    print(f"hostctl: {name}: {getattr(exc, 'text', exc)}", file=sys.stderr)
-    return 1
+    text = getattr(exc, "text", str(exc))
+    if name in ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner"):
+        text = (f"the manager ({units.MANAGER}, org.hostd1) is not running and could not be started: "
+                f"is hostd installed (hostd install)? See journalctl -u {units.MANAGER}")
+    elif name == "org.freedesktop.DBus.Error.AccessDenied":
+        text = f"permission denied: {text} (changing models takes root or the hostd-admin group)"
+    elif name.startswith("org.hostd1.Error."):
+        text = f"{name.rsplit('.', 1)[1]}: {text}"
+    else:
+        text = f"{name}: {text}"
+    print(f"hostctl: {text}", file=sys.stderr)
+    return EXIT_CODES.get(name, EXIT_FAILED)
 
 
 def parse_assignments(pairs: list[str]) -> dict:
@@ -78,25 +137,88 @@ def parse_assignments(pairs: list[str]) -> dict:
     return patch
 
 
-def _progress(props: dict) -> None:
-    print(f"  operation {props['Id']}: {props['State']}, stage {props['Stage']}", file=sys.stderr, flush=True)
+class Progress:
+    """A reload's stages as they happen. On a terminal: one line redrawn four
+    times a second with the stage's elapsed time and the engine's STATUS=;
+    otherwise a plain line per change."""
+
+    def __init__(self, name: str, stream=sys.stderr):
+        import threading
+
+        self.name, self.stream = name, stream
+        self.tty = stream.isatty()
+        self.props: dict = {}
+        self.started = time.monotonic()
+        self._last_line = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True) if self.tty else None
+
+    def __enter__(self) -> "Progress":
+        if self._ticker:
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._ticker:
+            self._ticker.join()
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def line(self) -> str:
+        props = self.props
+        stage_s = max(0.0, time.time() - props.get("StageUSec", 0) / 1e6) if props.get("StageUSec") else 0.0
+        strategy = f" (strategy {props['Strategy']})" if props.get("Strategy") else ""
+        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({stage_s:.1f} s)"
+        if props.get("Stage") == "restart" and props.get("EngineStatus"):
+            text += f", engine: {props['EngineStatus']}"
+        return text + f"  [{time.monotonic() - self.started:.1f} s]"
+
+    def __call__(self, props: dict) -> None:
+        with self._lock:
+            self.props = dict(props)
+            if self.tty:
+                self._draw()
+                return
+            key = (props.get("Stage"), props.get("EngineStatus") if props.get("Stage") == "restart" else "")
+            if key != self._last_line:
+                self._last_line = key
+                self.stream.write(self.line() + "\n")
+                self.stream.flush()
+
+    def _draw(self) -> None:
+        self.stream.write("\r\033[K" + self.line())
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.25):
+            with self._lock:
+                if self.props:
+                    self._draw()
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
     patch = parse_assignments(args.assignments)
-    with _client() as hostd:
-        result = hostd.reload(args.name, patch, wait=not args.no_wait,
-                              on_change=None if args.quiet else _progress)
+    progress = Progress(args.name) if not (args.quiet or args.json) else None
+    with _client() as hostd, (progress or contextlib.nullcontext()):
+        result = hostd.reload(args.name, patch, wait=not args.no_wait, on_change=progress)
     if args.no_wait:
         print(result["path"])
         return 0
     state = result["State"]
+    if args.json:
+        emit_json(args, result)
+        return 0 if state in api.SUCCESS_STATES else 1
+    took = (result.get("FinishedUSec", 0) - result.get("CreatedUSec", 0)) / 1e6
     line = f"reload of {args.name}: {state}"
     facts = [f"strategy {result['Strategy']}"] if result.get("Strategy") else []
     if result.get("WeightsReused"):
         facts.append("weights reused")
     if facts:
         line += f" ({', '.join(facts)})"
+    if took > 0:
+        line += f" in {took:.1f} s"
     if result.get("Error"):
         line += f": {result['Error']}"
     for note in result.get("Notes", []):
@@ -106,33 +228,126 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def config_problem(args: argparse.Namespace, name: str) -> str:
+    """Why model NAME's config does not load ("" when it does): read here, from
+    the files, as the generator and the manager read them."""
+    try:
+        config.load_model(name, config.config_root(args.config_dir))
+    except config.ConfigError as exc:
+        return " ".join(str(exc).split("\n")[0].split())
+    except OSError as exc:
+        return f"cannot read: {exc}"
+    return ""
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with _client() as hostd:
         models = hostd.list_models()
-    print(f"{'MODEL':<28} STATE")
-    for m in models:
-        print(f"{m['name']:<28} {m['state']}")
+    problems = {m["name"]: config_problem(args, m["name"]) for m in models}
+    if args.json:
+        emit_json(args, [{"name": m["name"], "state": m["state"], "config_problem": problems[m["name"]]}
+                         for m in models])
+        return 0
+    table(args, ["MODEL", "STATE", "CONFIG"],
+          [[m["name"], m["state"], f"invalid: {problems[m['name']]}" if problems[m["name"]] else "ok"]
+           for m in models])
     return 0
+
+
+def _ago(usec: int) -> str:
+    seconds = max(0.0, time.time() - usec / 1e6)
+    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+
+
+def last_operation(hostd, props: dict) -> Optional[dict]:
+    path = props.get("LastOperation", "/")
+    return hostd.operation(path) if path and path != "/" else None
+
+
+def describe_operation(op: Optional[dict]) -> str:
+    if not op:
+        return "-"
+    text = f"{op['Kind']} {op['Id']} {op['State']}"
+    if op.get("Strategy"):
+        text += f" (strategy {op['Strategy']})"
+    if op.get("FinishedUSec"):
+        text += f" in {(op['FinishedUSec'] - op['CreatedUSec']) / 1e6:.1f} s, {_ago(op['FinishedUSec'])}"
+    else:
+        text += f" (stage {op['Stage']})"
+    return text
+
+
+def model_summary(hostd, name: str) -> dict:
+    """A model's facts as hostctl status shows them (and --json prints them)."""
+    props = hostd.model(name)
+    op = last_operation(hostd, props)
+    return {
+        "name": props["Name"], "state": props["State"], "backend": props["Backend"],
+        "listen": props.get("Listen", ""), "units": props.get("Units", []),
+        "gateway_pid": props.get("GatewayPID", 0), "engine_pid": props.get("EnginePID", 0),
+        "weights_pid": props.get("WeightsPID", 0), "weights_retained": props.get("WeightsRetained", False),
+        "weights_not_retained_reason": props.get("WeightsNotRetainedReason", ""),
+        "engine_status": props.get("EngineStatus", ""), "in_flight": props["InFlight"],
+        "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
+        "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
+                                                          "WeightsReused", "CreatedUSec", "FinishedUSec")},
+        "_last_operation_text": describe_operation(op),
+    }
+
+
+def _pid(pid: int) -> str:
+    return str(pid) if pid else "-"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _client() as hostd:
-        props = hostd.model(args.name)
-    engine = props["Config"].get("engine", {})
-    print(f"model {props['Name']} ({props['Backend']}): {props['State']}, {props['InFlight']} in flight")
-    print(f"  engine limits: {json.dumps(engine, sort_keys=True)}")
-    print(f"  editable: {', '.join(props['EditableFields'])}")
-    if props["ActiveOperation"] != "/":
-        print(f"  active operation: {props['ActiveOperation']}")
+        names = [args.name] if args.name else [m["name"] for m in hostd.list_models()]
+        models = [model_summary(hostd, name) for name in names]
+    if args.json:
+        data = [{k: v for k, v in m.items() if not k.startswith("_")} for m in models]
+        emit_json(args, data[0] if args.name else data)
+    elif args.name:
+        print_detail(models[0])
+    else:
+        table(args, ["MODEL", "STATE", "BACKEND", "LISTEN", "ENGINE", "WEIGHTS", "RETAINED", "LAST OPERATION"],
+              [[m["name"], m["state"], m["backend"], m["listen"], _pid(m["engine_pid"]), _pid(m["weights_pid"]),
+                "yes" if m["weights_retained"] else "no", m["_last_operation_text"]] for m in models])
+    if args.name and models[0]["state"] in NOT_RUNNING:
+        return EXIT_NOT_RUNNING
     return 0
+
+
+def print_detail(m: dict) -> None:
+    """`hostctl status NAME`, laid out as systemctl status is."""
+    dot = "●" if m["state"] not in NOT_RUNNING else "○"
+    print(f"{dot} {m['name']} - {m['backend']} model, {m['state']}, {m['in_flight']} in flight")
+    units_ = m["units"] or []
+    pids = {0: m["gateway_pid"], 2: m["engine_pid"], 3: m["weights_pid"]}
+    rows = [
+        ("Listen", m["listen"] or "-"),
+        ("Units", "\n".join(f"{u}" + (f" (PID {pids[i]})" if pids.get(i) else "") for i, u in enumerate(units_))),
+        ("Weights", f"retained by PID {m['weights_pid']}" if m["weights_retained"] else
+         f"not retained ({m['weights_not_retained_reason']})" if m["weights_not_retained_reason"] else "not retained"),
+        ("Engine", m["engine_status"] or "-"),
+        ("Limits", json.dumps(m["engine"], sort_keys=True)),
+        ("Editable", ", ".join(m["editable"]) or "-"),
+        ("Last op", m["_last_operation_text"]),
+    ]
+    for label, value in rows:
+        first, *more = value.split("\n")
+        print(f"{label:>10}: {first}")
+        for extra in more:
+            print(f"{'':>12}{extra}")
 
 
 def cmd_operations(args: argparse.Namespace) -> int:
     with _client() as hostd:
         ops = hostd.operations()
-    print(f"{'ID':>5} {'MODEL':<20} {'KIND':<8} {'STATE':<12} STAGE")
-    for op in ops:
-        print(f"{op['id']:>5} {op['model']:<20} {op['kind']:<8} {op['state']:<12} {op['stage']}")
+    if args.json:
+        emit_json(args, [{k: v for k, v in op.items()} for op in ops])
+        return 0
+    cells = [[op["id"], op["model"], op["kind"], op["state"], op["stage"]] for op in ops]
+    table(args, ["ID", "MODEL", "KIND", "STATE", "STAGE"], cells)
     return 0
 
 
@@ -145,6 +360,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_unit_verb(args: argparse.Namespace) -> int:
     with _client() as hostd:
         result = getattr(hostd, args.command)(args.name)
+    if args.json:
+        emit_json(args, result)
+        return 0 if result["State"] == "done" else 1
     print(f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}")
     return 0 if result["State"] == "done" else 1
 
@@ -190,8 +408,24 @@ def cmd_edit(args: argparse.Namespace) -> int:
     return 0
 
 
+def common_options() -> argparse.ArgumentParser:
+    """Options accepted before or after the command, as systemctl's are.
+    SUPPRESS: a subcommand's unset option never overwrites one given before it."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", nargs="?", const="pretty", choices=["short", "pretty"], default=argparse.SUPPRESS,
+                        metavar="MODE", help="print JSON: short (one line) or pretty (the default)")
+    common.add_argument("--no-legend", action="store_true", default=argparse.SUPPRESS,
+                        help="no column headers and no footer")
+    common.add_argument("--no-pager", action="store_true", default=argparse.SUPPRESS,
+                        help="accepted for systemctl's sake: hostctl never pages")
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hostctl", description=__doc__.splitlines()[0])
+    common = common_options()
+    parser = argparse.ArgumentParser(prog="hostctl", description=__doc__.splitlines()[0], parents=[common],
+                                     epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 not running, 4 no such model.")
+    parser.add_argument("--version", action="version", version=f"hostctl (hostd) {hostd.__version__}")
     parser.add_argument(
         "--config-dir",
         metavar="DIR",
@@ -199,15 +433,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser(
-        "config", help="show a model's effective config with origins, or --check all"
-    )
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=[common], **kwargs)
+
+    p = command("config", help="show a model's effective config with origins, or --check all")
     p.add_argument("name", nargs="?", metavar="NAME")
     p.add_argument("--check", action="store_true", help="validate; list every problem")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_config)
 
-    p = commands.add_parser("reload", help="apply KEY=VALUE limits (or the config on disk) without reloading weights")
+    p = command("reload", help="apply KEY=VALUE limits (or the config on disk) without reloading weights")
     p.add_argument("name", metavar="NAME")
     p.add_argument("assignments", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--no-wait", action="store_true", help="print the operation path and return")
@@ -215,21 +449,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-unit", dest="quiet", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_reload)
 
-    p = commands.add_parser("list", help="models and their states")
+    p = command("list", help="models and their states")
     p.set_defaults(func=cmd_list)
-    p = commands.add_parser("status", help="one model's state, limits and operation")
-    p.add_argument("name", metavar="NAME")
+    p = command("status", help="every model's overview, or one model's detail")
+    p.add_argument("name", nargs="?", metavar="NAME")
     p.set_defaults(func=cmd_status)
-    p = commands.add_parser("operations", help="operations since the manager started")
+    p = command("operations", help="operations since the manager started")
     p.set_defaults(func=cmd_operations)
-    p = commands.add_parser("cancel", help="cancel an operation (during its drain)")
+    p = command("cancel", help="cancel an operation (during its drain)")
     p.add_argument("id", type=int, metavar="ID")
     p.set_defaults(func=cmd_cancel)
     for verb in ("start", "stop", "restart"):
-        p = commands.add_parser(verb, help=f"{verb} a model (all its units) and wait")
+        p = command(verb, help=f"{verb} a model (all its units) and wait")
         p.add_argument("name", metavar="NAME")
         p.set_defaults(func=cmd_unit_verb)
-    p = commands.add_parser("edit", help="edit a drop-in in $EDITOR; saved only when valid")
+    p = command("edit", help="edit a drop-in in $EDITOR; saved only when valid")
     p.add_argument("name", metavar="NAME")
     p.set_defaults(func=cmd_edit)
     return parser
@@ -237,10 +471,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    for option, default in (("json", None), ("no_legend", False), ("no_pager", False)):
+        if not hasattr(args, option):
+            setattr(args, option, default)
     try:
         return args.func(args)
     except DBusError as exc:  # the manager's refusals and the bus's own errors
         return _dbus_error(exc)
+    except BrokenPipeError:  # `hostctl ... | head`: the reader has gone; so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("hostctl: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # no system bus socket, a refused connection
+        print(f"hostctl: cannot reach the system bus (is dbus running?): {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # a bug: still one line, with what to report
+        print(f"hostctl: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

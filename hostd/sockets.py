@@ -24,17 +24,28 @@ address when run by hand) and every path an upstream child will bind for us
   path is still the one we bound (a successor may have replaced it).
 
 Trusts: nobody at the socket path. Peers are identified with SO_PEERCRED
-(peer_credentials); connecting clients check a path with check_socket_path.
+(peer_credentials). Every client connects through connect(), which refuses a
+symlink or non-socket at the path, a directory others may write, a socket file
+not owned by the expected user and a peer (SO_PEERCRED) that is neither that
+user nor root (systemd listens on activated sockets). Root (the manager)
+expects the owner of the model's private runtime directory, which root made
+for the model's user inside its own /run/hostd. The path is opened once
+(O_PATH, no symlinks) and connected through that descriptor, so nobody can
+swap the file between the check and the connect.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import stat
 import struct
 from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("hostd.sockets")
 
 
 class UnsafePath(Exception):
@@ -43,6 +54,11 @@ class UnsafePath(Exception):
 
 class InUse(UnsafePath):
     """Another process accepts connections on the socket path."""
+
+
+class UnsafeSocket(UnsafePath, ConnectionRefusedError):
+    """connect() refused a socket: callers that treat an unreachable peer as
+    down (OSError) do so here too, and the journal says why."""
 
 
 PRIVATE_MODE = 0o600
@@ -167,16 +183,54 @@ def release(listener: socket.socket) -> None:
         listener.close()
 
 
-def check_socket_path(path: Path) -> os.stat_result:
-    """lstat of a socket we are about to connect to, refusing unsafe ones."""
-    st = os.lstat(path)
-    if not stat.S_ISSOCK(st.st_mode):
-        raise UnsafePath(f"{path} is not a socket (a symlink?); refusing to connect")
-    # A socket another user planted must not fool us; root (the manager) may
-    # talk to the service user's sockets in their private directory.
-    if st.st_uid not in (os.getuid(), 0) and os.getuid() != 0:
-        raise UnsafePath(f"{path} is owned by uid {st.st_uid}; refusing to connect")
-    return st
+class ClientSocket(socket.socket):
+    """A connected client socket, with the stat of the socket file it reached."""
+
+    file_stat: os.stat_result
+
+
+def connect(path: Path, timeout: Optional[float] = None, owner: Optional[int] = None) -> ClientSocket:
+    """Connect to the Unix socket at PATH, refusing (UnsafeSocket) unless:
+    PATH's directory is a real directory no other user may write; PATH is a
+    socket (not a symlink) owned by OWNER; its peer (SO_PEERCRED) is OWNER or
+    root. OWNER defaults to our uid, for root to the directory's owner."""
+    path = Path(path)
+
+    def refuse(why: str) -> UnsafeSocket:
+        log.warning("refusing to connect to %s: %s", path, why)
+        return UnsafeSocket(f"{path}: {why}; refusing to connect")
+
+    directory = os.lstat(path.parent)
+    if not stat.S_ISDIR(directory.st_mode):
+        raise refuse("its directory is not a directory (a symlink?)")
+    if owner is None:
+        owner = os.getuid() or directory.st_uid
+    if directory.st_uid not in (owner, 0) or directory.st_mode & 0o022:
+        raise refuse(f"its directory is owned by uid {directory.st_uid} with mode "
+                     f"{stat.S_IMODE(directory.st_mode):04o}; another user could replace the socket")
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise refuse("it is a symbolic link")
+        if not stat.S_ISSOCK(st.st_mode):
+            raise refuse("it is not a socket")
+        if st.st_uid != owner:
+            raise refuse(f"the socket is owned by uid {st.st_uid}, not {owner}")
+        sock = ClientSocket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(f"/proc/self/fd/{fd}")
+            pid, uid, _ = peer_credentials(sock)
+            if uid not in (owner, 0):
+                raise refuse(f"the peer is pid {pid} of uid {uid}, not {owner}")
+        except BaseException:
+            sock.close()
+            raise
+    finally:
+        os.close(fd)
+    sock.file_stat = st
+    return sock
 
 
 UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid

@@ -8,6 +8,9 @@ what to type takes the name from here.
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 UMBRELLA = "model@.service"  # the gateway, and the unit an administrator starts
 SOCKET = "model@.socket"
 ENGINE = "model-engine@.service"
@@ -26,6 +29,25 @@ def instance(template: str, name: str) -> str:
     return f"{prefix}@{name}{suffix}"
 
 
+USER_PREFIX = "hostd-"
+USER_MAX = 31  # systemd's limit on user names (and utmp's)
+_USER_SAFE = re.compile(r"[a-z0-9_-]+")
+
+
+def user(name: str) -> str:
+    """The system user model NAME's units run as: one per model, so that one
+    model's processes cannot reach another's sockets, weights, processes or
+    state. hostd-NAME when that is a valid user name of at most 31
+    characters; else a readable prefix and a hash of the exact NAME (model
+    names may hold '.' and capitals, which user names may not)."""
+    plain = USER_PREFIX + name
+    if _USER_SAFE.fullmatch(name) and len(plain) <= USER_MAX:
+        return plain
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    readable = re.sub(r"[^a-z0-9_-]", "_", name.lower())
+    return f"{USER_PREFIX}{readable[:USER_MAX - len(USER_PREFIX) - 9]}-{digest}"
+
+
 def umbrella(name: str) -> str:
     return instance(UMBRELLA, name)
 
@@ -40,3 +62,7 @@ def engine(name: str, slot: str = "main") -> str:
 
 def weights(name: str) -> str:
     return instance(WEIGHTS, name)
+
+
+def weights_socket(name: str) -> str:
+    return instance(WEIGHTS_SOCKET, name)

@@ -11,6 +11,7 @@ inside. Every step prints the command an administrator would type.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import socket
 import subprocess
@@ -25,7 +26,14 @@ import openai
 CHECKOUT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CHECKOUT / "tests" / "system"))
 
-CHECKPOINT = "/var/lib/hostd/checkpoints/tiny"
+MODEL = "smollm2"
+CHECKPOINTS = "/var/lib/hostd/checkpoints"
+CHECKPOINT = f"{CHECKPOINTS}/smollm2-135m-instruct"
+# In a throwaway container the converted checkpoint would be lost with it: the
+# container's checkpoint directory is this host directory, so the GGUF file is
+# converted once per machine (the integration tests share it).
+HOST_CACHE = Path(os.environ.get("HOSTD_TEST_CACHE") or "/var/cache/hostd-tests")
+QUESTION = "What is the capital of France?"
 
 
 def free_port(preferred: int) -> int:
@@ -67,46 +75,49 @@ class Host:
 
 
 def demo(host: Host, port: int) -> None:
-    hostd = [host.python, "-m", "hostd.main"]
-    host.run([*hostd, "install"])
-    host.run([*hostd, "make-checkpoint", CHECKPOINT])
+    # hostd from the checkout's virtual environment; `hostd install` puts
+    # hostd and hostctl on root's PATH, and D-Bus activation starts the manager.
+    host.run([str(Path(host.python).parent / "hostd"), "install"])
+    host.run(["hostd", "convert-gguf", CHECKPOINT], timeout=900)
     host.write(
-        "/etc/hostd/models/tiny.yaml",
+        f"/etc/hostd/models/{MODEL}.yaml",
         f"backend: builtin\nmodel: {CHECKPOINT}\nlisten: 127.0.0.1:{port}\n"
-        "engine:\n  max_num_seqs: 4\n  max_model_len: 512\n",
+        "engine:\n  max_num_seqs: 4\n  max_model_len: 2048\n",
     )
-    host.run([host.python, "-m", "hostd.hostctl", "config", "tiny"])
+    host.run(["hostctl", "config", MODEL])
     host.run(["systemctl", "daemon-reload"])
     started = time.monotonic()
-    host.run(["systemctl", "start", "model@tiny.service"])
+    host.run(["systemctl", "start", f"model@{MODEL}.service"])
     print(f"# systemctl start returned after {time.monotonic() - started:.1f} s: the model serves", flush=True)
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     print(f"\n# openai client -> http://127.0.0.1:{port}/v1", flush=True)
     models = [m.id for m in client.models.list()]
     print(f"models: {models}")
-    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=32, temperature=0)
+    print(f"chat: {QUESTION!r} -> {answer.choices[0].message.content!r}")
+    completion = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=16, temperature=0)
     print(f"completion ({completion.usage.completion_tokens} tokens): {completion.choices[0].text!r}")
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16, temperature=0, stream=True
-    )
+        model=MODEL, messages=[{"role": "user", "content": "Name a French cheese."}], max_tokens=32,
+        temperature=0, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     print(f"streamed chat: {text!r}", flush=True)
 
     reload_demo(host, port)
 
-    host.run(["systemctl", "status", "--no-pager", "--lines=0",
-              "model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"], check=False)
-    host.run(["journalctl", "HOSTD_MODEL=tiny", "--no-pager", "-n", "15", "-o", "short"])
-    host.run(["systemctl", "stop", "model@tiny.service"])
+    host.run(["systemctl", "status", "--no-pager", "--lines=0", f"model@{MODEL}.service",
+              f"model-engine@{MODEL}.service", f"model-weights@{MODEL}.service"], check=False)
+    host.run(["journalctl", f"HOSTD_MODEL={MODEL}", "--no-pager", "-n", "15", "-o", "short"])
+    host.run(["systemctl", "stop", f"model@{MODEL}.service"])
 
 
 def reload_demo(host: Host, port: int) -> None:
     """A retained-weight reload while a client keeps asking: what changed, and
     for how long the model answered 503."""
-    host.run(["systemctl", "start", "hostd.service"])
-    weights_pid = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-weights@tiny.service"]).strip()
-    engine_pid = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-engine@tiny.service"]).strip()
+    weights_pid = host.run(["systemctl", "show", "-p", "MainPID", "--value", f"model-weights@{MODEL}.service"]).strip()
+    engine_pid = host.run(["systemctl", "show", "-p", "MainPID", "--value", f"model-engine@{MODEL}.service"]).strip()
     unavailable: list[float] = []
     stop = threading.Event()
 
@@ -125,21 +136,21 @@ def reload_demo(host: Host, port: int) -> None:
     watcher = threading.Thread(target=poll)
     watcher.start()
     started = time.monotonic()
-    host.run([host.python, "-m", "hostd.hostctl", "reload", "tiny", "max_num_seqs=8"])
+    host.run(["hostctl", "reload", MODEL, "max_num_seqs=8"])
     took = time.monotonic() - started
     time.sleep(0.5)
     stop.set()
     watcher.join()
     window = (unavailable[-1] - unavailable[0] + 0.05) if unavailable else 0.0
-    weights_after = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-weights@tiny.service"]).strip()
-    engine_after = host.run(["systemctl", "show", "-p", "MainPID", "--value", "model-engine@tiny.service"]).strip()
+    weights_after = host.run(["systemctl", "show", "-p", "MainPID", "--value", f"model-weights@{MODEL}.service"]).strip()
+    engine_after = host.run(["systemctl", "show", "-p", "MainPID", "--value", f"model-engine@{MODEL}.service"]).strip()
     print(
         f"\n# reload: engine.max_num_seqs 4 -> 8 in {took:.1f} s; engine pid {engine_pid} -> {engine_after}; "
         f"weights daemon pid {weights_pid} -> {weights_after} ({'unchanged: weights reused' if weights_pid == weights_after else 'CHANGED'}); "
         f"the model answered 503 + Retry-After for about {window:.2f} s",
         flush=True,
     )
-    host.run([host.python, "-m", "hostd.hostctl", "status", "tiny"])
+    host.run(["hostctl", "status", MODEL])
 
 
 def main() -> int:
@@ -153,7 +164,10 @@ def main() -> int:
     from container import SystemdContainer
 
     print("# systemd is not PID 1 here: booting a throwaway systemd-nspawn --volatile=yes container", flush=True)
-    with SystemdContainer(checkout=CHECKOUT) as container:
+    (HOST_CACHE / "checkpoints").mkdir(parents=True, exist_ok=True)
+    container = SystemdContainer(checkout=CHECKOUT)
+    container.add_bind(HOST_CACHE / "checkpoints", CHECKPOINTS, readonly=False)
+    with container:
         # Let the hostd service user reach the bound Python installation (in the container only).
         container.sh("chmod o+x /root")
         demo(Host(container), port)

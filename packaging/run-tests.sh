@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The README's test command; .ci/run runs exactly this. Installs what the tests
-# need (packaging/setup.sh), then runs every tier: unit, integration, system
-# (a real systemd in systemd-nspawn containers) and gpu (skips without CUDA).
+# need (packaging/setup.sh, and the real vLLM and SGLang of the upstream tier:
+# packaging/setup-upstream.sh, reused once built), then runs every tier: unit,
+# integration, upstream (real vLLM/SGLang parsers), system (a real systemd in
+# systemd-nspawn containers, real vLLM included) and gpu (skips without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash packaging/setup.sh
+bash packaging/setup-upstream.sh
 exec .venv/bin/python -m pytest tests "$@"

@@ -31,6 +31,12 @@ class Command:
 
 class Backend(abc.ABC):
     name: ClassVar[str]
+    # The engine's routes the gateway passes to the public port, (method,
+    # path template with {name} for one segment); every other path is 404
+    # there (docs/gateway.md lists them). Internal ones are never listed.
+    public_routes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Families of the engine's /metrics that the gateway's /metrics passes on.
+    metrics_prefixes: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------ entry points
 
@@ -48,7 +54,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def refusals(self, cfg) -> list[str]:
-        """Every reason CFG cannot be served, each naming the setting; empty when fine."""
+        """Every reason CFG cannot be served, each naming the setting; empty
+        when fine. From the config and the checkpoint's files alone: it never
+        runs or imports upstream code, because the root manager calls it."""
+
+    def install_refusals(self, cfg) -> list[str]:
+        """What the upstream installation the model runs says about itself
+        (missing, broken, too old). This runs upstream's code, so only the
+        model's own units call it (check(), as the model's user); never root."""
+        return []
 
     def engine_refusals(self, cfg, model_config: dict) -> list[str]:
         """What the engine refuses at start, given the model's config.json."""
@@ -57,7 +71,7 @@ class Backend(abc.ABC):
     def check(self, cfg, model_config: Optional[dict] = None) -> None:
         """Raise Refused naming every problem; with MODEL_CONFIG (the model's
         config.json) also what the engine refuses at start."""
-        problems = self.refusals(cfg)
+        problems = self.refusals(cfg) + self.install_refusals(cfg)
         if model_config is not None:
             problems += self.engine_refusals(cfg, model_config)
         if problems:
@@ -77,6 +91,11 @@ class Backend(abc.ABC):
             f"the {self.name} backend's engine listens where upstream puts it, one socket per "
             "model, so a second engine cannot start beside the first"
         )
+
+    def weights_not_retained(self, cfg) -> Optional[str]:
+        """Why CFG's weights are not kept across engine restarts (the engine
+        loads them from disk each start), or None when they are."""
+        return None
 
     def memory_fraction(self, cfg) -> Optional[float]:
         """The fraction of each GPU the engine sizes its memory pool by, which

@@ -10,6 +10,16 @@ from hostd.backends.base import Backend
 
 class BuiltinBackend(Backend):
     name = "builtin"
+    # hostd/engine/server.py's user-facing API; its /health (PIDs, weights
+    # socket inode, engine config) and /metrics are the manager's and the
+    # gateway's, never public.
+    public_routes = (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/{model}"),
+    )
+    metrics_prefixes = ("hostd_engine_",)
 
     def run_weights(self, args, cfg) -> int:
         from hostd.weights import daemon  # imports torch: only in the process that runs it

@@ -12,6 +12,7 @@ Flags checked against SGLang's sources and docs (docs/sglang.md says which).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,8 @@ JIT_CACHE_DEFAULT = "~/.cache/sglang/jit"  # SGLang's own default
 SOCKET_TEMPLATE_VARIABLE = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
 READY_TEMPLATE_VARIABLE = "SGLANG_WEIGHT_CACHE_READY_TEMPLATE"
 
+DEVICE_UUID = re.compile(r"^((?:GPU|MIG)-[0-9a-fA-F-]{36})\.sock$")
+
 # Quantization SGLang's daemon can share: unquantized, and fp8 only block-wise
 # (per-tensor fp8 is repacked after loading, which tensor export cannot carry).
 QUANTIZATION_ALLOWLIST: dict[Optional[str], str] = {
@@ -41,12 +44,23 @@ EDITABLE_FLAGS = {
     "context_length": "--context-length",
     "chunked_prefill_size": "--chunked-prefill-size",
     "mem_fraction_static": "--mem-fraction-static",
-    "disable_cuda_graph": "--disable-cuda-graph",
+    # --disable-cuda-graph is deprecated in 0.5.23 in favour of these two.
+    "disable_decode_cuda_graph": "--disable-decode-cuda-graph",
+    "disable_prefill_cuda_graph": "--disable-prefill-cuda-graph",
     "cuda_graph_max_bs_decode": "--cuda-graph-max-bs-decode",
     "cuda_graph_max_bs_prefill": "--cuda-graph-max-bs-prefill",
     "schedule_conservativeness": "--schedule-conservativeness",
 }
 
+# Refused whether or not the weight cache holds the weights.
+REPLICA_FLAGS = {
+    "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
+    "--nnodes": "the weight cache under hostd is single-node",
+    "--disable-cuda-graph": "deprecated in SGLang 0.5.23; set engine.disable_decode_cuda_graph and "
+    "engine.disable_prefill_cuda_graph instead (a reload can change them)",
+}
+
+# Refused while the weight cache holds the weights.
 REFUSED_FLAGS = {
     "--enable-lora": "LoRA adapters change weights the engine does not own",
     "--lora-paths": "LoRA adapters change weights the engine does not own",
@@ -54,14 +68,24 @@ REFUSED_FLAGS = {
     "--speculative-draft-model-path": "SGLang refuses speculative decoding with the weight cache",
     "--enable-memory-saver": "sleep mode releases weights that live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
-    "--dp-size": "hostd runs one replica per model (data parallelism is refused by the cache)",
-    "--nnodes": "the weight cache under hostd is single-node",
+    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
+                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
+    **REPLICA_FLAGS,
+}
+
+# Other names SGLang's parser declares for a flag hostd checks (0.5.23; the
+# contract tests check this table against the real parser). Abbreviations
+# such as --tp (argparse's prefix matching) are caught by upstream.has_flag.
+ALIASES = {
+    "--tensor-parallel-size": "--tp-size",
+    "--pipeline-parallel-size": "--pp-size",
+    "--data-parallel-size": "--dp-size",
+    "--model": "--model-path",
 }
 
 OWNED_FLAGS = {
     "--model-path": "model",
     "--tp-size": "tensor_parallel_size",
-    "--tp": "tensor_parallel_size",
     "--pp-size": "pipeline_parallel_size",
     "--weight-cache-mode": "the backend (client, fixed)",
     "--weight-cache-socket": "the private runtime directory",
@@ -70,7 +94,37 @@ OWNED_FLAGS = {
 
 class SglangBackend(upstream.UpstreamBackend):
     name = "sglang"
+    QUANTIZATION_ALLOWLIST = QUANTIZATION_ALLOWLIST
+    FP8_BLOCK_ONLY = True
     writes_ready_files = True
+    # SGLang's /health runs a one-token generation and may take up to
+    # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer; /ready (0.5.21+) answers at
+    # once: 200 when started, not paused and not shutting down.
+    health_path = "/ready"
+    # SGLang's HTTP server (sglang/srt/entrypoints/http_server.py): native
+    # /generate, the OpenAI API, embeddings, rerank, score, classify,
+    # tokenizer and model info. Never public: /health, /health_generate,
+    # /metrics (served by the gateway), /get_server_info (server args),
+    # /flush_cache, every /update_weights_* and weights route,
+    # /release_memory_occupation, /resume_memory_occupation, profiling,
+    # /configure_logging, /abort_request, /pause_generation,
+    # /continue_generation, /set_internal_state.
+    public_routes = (
+        ("POST", "/generate"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/encode"),
+        ("POST", "/classify"),
+        ("POST", "/v1/rerank"),
+        ("POST", "/v1/score"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/v1/models"),
+        ("GET", "/get_model_info"),
+    )
+    metrics_prefixes = ("sglang:",)
 
     def python(self, cfg) -> str:
         """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
@@ -121,9 +175,11 @@ class SglangBackend(upstream.UpstreamBackend):
             "--served-model-name", cfg.served_model_name or model,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--weight-cache-mode", "client",
+            *(["--weight-cache-mode", "client"] if self.retains_weights(cfg) else []),
+            "--enable-metrics",  # sglang:* on /metrics, passed on by the gateway
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
+            *cfg.engine_extra_args,
         ]
         return Command(argv, self._env(model, cfg))
 
@@ -141,25 +197,26 @@ class SglangBackend(upstream.UpstreamBackend):
         problems = upstream.common_refusals(
             cfg,
             owned_flags=OWNED_FLAGS,
-            refused_flags=REFUSED_FLAGS,
+            refused_flags=REFUSED_FLAGS if self.retains_weights(cfg) else REPLICA_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
+            aliases=ALIASES,
+            retained=self.retains_weights(cfg),
         )
-        problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=True)
         for variable in (SOCKET_TEMPLATE_VARIABLE, READY_TEMPLATE_VARIABLE):
             if variable in cfg.env:
                 problems.append(
                     f"env.{variable}: hostd sets it to the private runtime directory "
                     "(/run/hostd/NAME/sglang/{device_uuid}...); remove it"
                 )
-        env = upstream.effective_env(cfg)
+        return problems
+
+    def install_refusals(self, cfg) -> list[str]:
         probe = "import importlib.metadata as m; print(m.version('sglang'))"
         problem = upstream.version_refusal(
-            "sglang", [self.python(cfg), "-c", probe], env, MINIMUM_VERSION,
+            "sglang", [self.python(cfg), "-c", probe], upstream.effective_env(cfg), MINIMUM_VERSION,
             "install SGLang >= 0.5.21 into that Python, or point env.HOSTD_SGLANG_PYTHON at one",
         )
-        if problem:
-            problems.append(problem)
-        return problems
+        return [problem] if problem else []
 
     def memory_fraction(self, cfg) -> Optional[float]:
         return cfg.engine.mem_fraction_static
@@ -170,6 +227,11 @@ class SglangBackend(upstream.UpstreamBackend):
         engine = super().limits(cfg)
         return {**engine, "max_num_seqs": engine.get("max_running_requests"),
                 "max_model_len": engine.get("context_length")}
+
+    def socket_devices(self, names: list[str], cfg) -> list[str]:
+        """The GPUs behind upstream socket NAMES: hostd's template names each
+        socket {device_uuid}.sock, SGLang's device UUID ('GPU-...' or 'MIG-...')."""
+        return sorted(m.group(1) for name in names if (m := DEVICE_UUID.match(name)))
 
     def drain_seconds(self, cfg) -> float:
         """SGLang's SIGTERM drain has no limit of its own: hostd allows the

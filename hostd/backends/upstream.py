@@ -5,7 +5,11 @@ UpstreamBackend they derive from, so that vllm.py and sglang.py only say what
 differs (flag names, allowlists, the commands themselves, how their processes
 tell they serve). Nothing here starts a process except the version check,
 which runs the configured upstream executable with --version (or asks the
-configured Python for the package's metadata) and never anything else.
+configured Python for the package's metadata) and never anything else. The
+version check is an install_refusals(): the model's own units run it as the
+model's user when they start; the root manager never does (it calls
+refusals() only, and learns a wrong install from the engine that fails to
+start, which the reload rolls back).
 """
 
 from __future__ import annotations
@@ -49,12 +53,34 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups() if part is not None)
 
 
-def has_flag(args: list[str], *flags: str) -> Optional[str]:
-    """The first of FLAGS present in ARGS (as '--flag' or '--flag=value')."""
-    for arg in args:
-        for flag in flags:
-            if arg == flag or arg.startswith(flag + "="):
-                return flag
+def canonical_flag(arg: str, aliases: dict[str, str]) -> Optional[str]:
+    """The long flag ARG spells, as upstream's parser reads it, or None when
+    ARG is a value. vLLM takes '_' for '-' in long names ('--max_num_seqs'),
+    '--flag=value', and short aliases ('-q', '-tp', also '-qfp8' and '-q=fp8')
+    that ALIASES maps to their long flag."""
+    if arg.startswith("--") and len(arg) > 2:
+        name = "--" + arg[2:].split("=", 1)[0].replace("_", "-")
+        return aliases.get(name, name)
+    if arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit() and arg[1] != ".":
+        for alias in sorted(aliases, key=len, reverse=True):
+            if arg.startswith(alias):
+                return aliases[alias]
+        return arg.split("=", 1)[0]
+    return None
+
+
+def has_flag(args: list[str], *flags: str, aliases: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The first of FLAGS (long names) present in ARGS in any spelling upstream
+    accepts (see canonical_flag), or None. Both upstream parsers also take an
+    unambiguous prefix of a long flag ('--max-num-seq' is --max-num-seqs), so
+    a prefix of FLAG counts too."""
+    present = {canonical_flag(arg, aliases or {}) for arg in args} - {None}
+    for flag in flags:
+        if flag in present:
+            return flag
+    for flag in flags:
+        if any(len(p) > 3 and p.startswith("--") and flag.startswith(p) for p in present):
+            return flag
     return None
 
 
@@ -104,8 +130,9 @@ def cache_defaults(cfg, names: dict[str, str]) -> dict[str, str]:
 
 
 def gpu_env(cfg) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for the model's gpus:, unless env: sets it."""
-    if "CUDA_VISIBLE_DEVICES" in cfg.env:
+    """CUDA_VISIBLE_DEVICES for the model's gpus:, unless env: sets it or the
+    model runs on the CPU."""
+    if "CUDA_VISIBLE_DEVICES" in cfg.env or cfg.device == "cpu":
         return {}
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in cfg.gpus)}
 
@@ -121,8 +148,10 @@ def checkpoint_quantization(model_dir: str) -> Optional[dict]:
 
 
 def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str, str],
-                    editable_flags: dict[str, str]) -> list[str]:
-    """The refusals both upstream backends make, each naming the setting."""
+                    editable_flags: dict[str, str], aliases: dict[str, str], retained: bool) -> list[str]:
+    """The refusals both upstream backends make, each naming the setting.
+    Without the weight cache (not RETAINED) what only the cache cannot do is
+    not refused: REFUSED_FLAGS are then only those hostd itself cannot run."""
     problems = []
     model = Path(cfg.model)
     if cfg.model.endswith(".gguf") or (model.is_dir() and list(model.glob("*.gguf"))):
@@ -132,37 +161,39 @@ def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str
         )
     elif not (model / "config.json").is_file():
         problems.append(f"model: {model} has no config.json (not a checkpoint directory)")
-    if cfg.pipeline_parallel_size > 1:
+    if cfg.pipeline_parallel_size > 1 and retained:
         problems.append(
             f"pipeline_parallel_size: {cfg.pipeline_parallel_size} is not supported with the "
             f"{cfg.backend} weight cache under hostd (one upstream socket per tensor-parallel GPU); "
             "set it to 1"
         )
-    if cfg.tensor_parallel_size != len(cfg.gpus):
+    if cfg.tensor_parallel_size != len(cfg.gpus) and cfg.device == "cuda":
         problems.append(
             f"tensor_parallel_size: {cfg.tensor_parallel_size} does not match the {len(cfg.gpus)} "
             f"GPU(s) in gpus: {cfg.gpus}; one replica spans exactly the listed GPUs "
             "(more than one replica is not supported)"
         )
     env = effective_env(cfg)
-    for name in ALLOC_CONF_VARIABLES:
+    for name in ALLOC_CONF_VARIABLES if retained else ():
         if "expandable_segments:true" in env.get(name, "").replace(" ", "").lower():
             problems.append(
                 f"env.{name}: expandable_segments:True makes allocations CUDA IPC cannot "
                 f"share, and the {cfg.backend} weight cache refuses it; remove that option"
             )
-    for flag, why in refused_flags.items():
-        if has_flag(cfg.extra_args, flag):
-            problems.append(f"extra_args: {flag} is refused: {why}")
-    for flag, key in {**COMMON_OWNED_FLAGS, **owned_flags}.items():
-        if has_flag(cfg.extra_args, flag):
-            problems.append(f"extra_args: {flag} is set by hostd from {key}; set that key instead")
-    for flag, key in editable_flags.items():
-        if has_flag(cfg.extra_args, flag):
-            problems.append(
-                f"extra_args: {flag} is the editable engine.{key}; set engine.{key} so that "
-                "a reload can change it"
-            )
+    for where in ("extra_args", "engine_extra_args"):
+        args = getattr(cfg, where)
+        for flag, why in refused_flags.items():
+            if has_flag(args, flag, aliases=aliases):
+                problems.append(f"{where}: {flag} is refused: {why}")
+        for flag, key in {**COMMON_OWNED_FLAGS, **owned_flags}.items():
+            if has_flag(args, flag, aliases=aliases):
+                problems.append(f"{where}: {flag} is set by hostd from {key}; set that key instead")
+        for flag, key in editable_flags.items():
+            if has_flag(args, flag, aliases=aliases):
+                problems.append(
+                    f"{where}: {flag} is the editable engine.{key}; set engine.{key} so that "
+                    "a reload can change it"
+                )
     return problems
 
 
@@ -178,13 +209,13 @@ def quantization_refusals(cfg, allowlist: dict[Optional[str], str], check_fp8_bl
         return [
             f"{key}: {method!r} is not verified for IPC sharing by the {cfg.backend} weight "
             "cache: its post-load repacking cannot be carried by tensor export and would serve "
-            f"wrong numerics; allowed: {allowed}; serve this model with another backend"
+            f"wrong numerics (allowed: {allowed})"
         ]
     if method == "fp8" and check_fp8_block and not declared.get("weight_block_size"):
         return [
             f"{key}: 'fp8' is shared only block-wise, and {cfg.model}/config.json has no "
             "quantization_config.weight_block_size (online or per-tensor fp8 is repacked after "
-            "loading); use a block-wise fp8 checkpoint"
+            "loading)"
         ]
     return []
 
@@ -201,9 +232,9 @@ def _probe_version(argv: tuple[str, ...], env_items: tuple[tuple[str, str], ...]
 
 
 def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tuple[int, ...],
-                    how_to_fix: str) -> Optional[str]:
+                    how_to_fix: str, why_minimum: str = "the first with the weight cache") -> Optional[str]:
     """Why the upstream program at ARGV[0] cannot be used (missing, broken or
-    older than MINIMUM), or None. ARGV prints the version."""
+    older than MINIMUM, which WHY_MINIMUM explains), or None. ARGV prints the version."""
     executable = argv[0]
     try:
         stamp = os.stat(executable).st_mtime
@@ -216,8 +247,28 @@ def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tu
     found = version_tuple(text)
     if not found or found < minimum:
         wanted = ".".join(map(str, minimum))
-        return f"{what}: version {text or 'unknown'!r} is older than {wanted}, the first with the weight cache; {how_to_fix}"
+        return f"{what}: version {text or 'unknown'!r} is older than {wanted}, {why_minimum}; {how_to_fix}"
     return None
+
+
+def nvml_uuids(indices: list[int]) -> dict[int, str]:
+    """{GPU index: NVML UUID ('GPU-...')} for INDICES; empty without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver library (CPU hosts, containers without GPUs)
+        return {}
+    try:
+        found = {}
+        for index in indices:
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            found[index] = uuid.decode() if isinstance(uuid, bytes) else uuid
+        return found
+    except Exception:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:
@@ -242,6 +293,11 @@ class UpstreamBackend(Backend):
     # server: vLLM ends its own drain (--shutdown-timeout) and gets time to exit.
     stop_grace_seconds: ClassVar[float] = 0.0
 
+    # What the engine supervisor asks upstream's server to tell that it serves:
+    # a GET that answers at once (never one that generates).
+    health_path: ClassVar[str] = "/health"
+    health_timeout: ClassVar[float] = 10.0
+
     def run_weights(self, args, cfg) -> int:
         from hostd.weights import upstream as supervisor
 
@@ -252,12 +308,36 @@ class UpstreamBackend(Backend):
 
         return supervisor.run(args, cfg)
 
+    # Quantization methods upstream's weight cache can share, with the reason
+    # (set by each backend); fp8 only block-wise where FP8_BLOCK_ONLY.
+    QUANTIZATION_ALLOWLIST: ClassVar[dict[Optional[str], str]] = {None: "unquantized"}
+    FP8_BLOCK_ONLY: ClassVar[bool] = False
+
     def uses_gpu(self, cfg) -> bool:
-        return True  # both weight caches share CUDA allocations only
+        return cfg.device == "cuda"
+
+    def weights_not_retained(self, cfg) -> Optional[str]:
+        """Why upstream's weight cache cannot hold CFG's weights, so that the
+        engine loads them from disk on every start, or None."""
+        if cfg.weight_cache == "off":
+            return "weight_cache: off in the model's config"
+        if cfg.device == "cpu":
+            return (f"device: cpu; the {cfg.backend} weight cache shares weights through CUDA IPC "
+                    "only (upstream raises UnsupportedPlatformForIPCError on other platforms)")
+        problems = quantization_refusals(cfg, self.QUANTIZATION_ALLOWLIST, check_fp8_block=self.FP8_BLOCK_ONLY)
+        return problems[0] if problems else None
+
+    def retains_weights(self, cfg) -> bool:
+        return self.weights_not_retained(cfg) is None
 
     def expected_sockets(self, cfg) -> int:
         """Upstream sockets that exist once every rank serves: one per GPU."""
         return cfg.tensor_parallel_size
+
+    @abc.abstractmethod
+    def socket_devices(self, names: list[str], cfg) -> list[str]:
+        """The GPUs (UUIDs, or what upstream's socket NAMES tell of them) behind
+        the upstream sockets: the fingerprint's device."""
 
     @abc.abstractmethod
     def socket_dir(self, model: str) -> Path:

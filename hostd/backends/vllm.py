@@ -8,7 +8,9 @@ Flags checked against vLLM's sources and docs (docs/vllm.md says which).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from typing import Optional
 
 from pathlib import Path
@@ -17,7 +19,13 @@ from hostd import paths
 from hostd.backends import upstream
 from hostd.backends.base import Command
 
-MINIMUM_VERSION = (0, 31)  # `vllm preload` and --load-format ipc_cache appeared in 0.31.0
+# `vllm preload` and --load-format ipc_cache appeared in 0.31.0, but 0.31 does
+# not count daemon-held weights inside --gpu-memory-utilization: it asks for
+# gmu x the free memory left beside the daemon, and with the default 0.9 an
+# engine whose weights take more than ~10 % of the GPU fails at start. 0.32
+# counts them (checked in the 0.31 and 0.32 wheels).
+MINIMUM_VERSION = (0, 32)
+MINIMUM_WHY = "the first that counts the weight cache's memory inside --gpu-memory-utilization"
 
 # Quantization methods whose post-processed weights vLLM's daemon can export
 # (docs/features/preload.md, "Supported quantization"). Anything else raises
@@ -37,19 +45,98 @@ EDITABLE_FLAGS = {
     "max_model_len": "--max-model-len",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "enforce_eager": "--enforce-eager",
-    "cuda_graph_sizes": "--cuda-graph-sizes",
+    "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
+    "max_cudagraph_capture_size": "--max-cudagraph-capture-size",
     "shutdown_timeout": "--shutdown-timeout",
 }
 
-# Flags refused in extra_args, with the reason upstream or hostd cannot serve them.
+# vLLM's short aliases of long flags (its parser's own, vLLM 0.32/0.33; the
+# contract tests check this table against the real parser). vLLM also takes
+# '_' for '-' in long names: upstream.canonical_flag reads every spelling.
+ALIASES = {
+    "-ac": "--attention-config",
+    "-asc": "--api-server-count",
+    "-cc": "--compilation-config",
+    "-dc": "--diffusion-config",
+    "-dcp": "--decode-context-parallel-size",
+    "-dp": "--data-parallel-size",
+    "-dpa": "--data-parallel-address",
+    "-dpb": "--data-parallel-backend",
+    "-dpe": "--data-parallel-external-lb",
+    "-dph": "--data-parallel-hybrid-lb",
+    "-dpl": "--data-parallel-size-local",
+    "-dpm": "--data-parallel-multi-port-external-lb",
+    "-dpn": "--data-parallel-rank",
+    "-dpp": "--data-parallel-rpc-port",
+    "-dpr": "--data-parallel-start-rank",
+    "-ep": "--enable-expert-parallel",
+    "-n": "--nnodes",
+    "-pcp": "--prefill-context-parallel-size",
+    "-pp": "--pipeline-parallel-size",
+    "-q": "--quantization",
+    "-r": "--node-rank",
+    "-sc": "--speculative-config",
+    "-tp": "--tensor-parallel-size",
+    "--device-memory-utilization": "--gpu-memory-utilization",
+    # Negations (BooleanOptionalAction) set the same field.
+    "--no-enforce-eager": "--enforce-eager",
+    "--no-enable-lora": "--enable-lora",
+    "--no-enable-sleep-mode": "--enable-sleep-mode",
+}
+
+# Flags refused in extra_args, with the reason upstream or hostd cannot serve
+# them; CACHE_ONLY ones are refused only while the weight cache holds the weights.
+REPLICA_FLAGS = {
+    "--data-parallel-size": "hostd runs one replica per model",
+}
 REFUSED_FLAGS = {
     "--enable-lora": "LoRA adapters are applied to weights the engine does not own in zero_copy mode",
     "--lora-modules": "LoRA adapters are applied to weights the engine does not own in zero_copy mode",
     "--speculative-config": "speculative decoding adds draft daemons hostd does not supervise",
     "--enable-sleep-mode": "sleep mode offloads weights, and zero_copy weights live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
-    "--data-parallel-size": "hostd runs one replica per model",
+    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
+                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
+    **REPLICA_FLAGS,
 }
+
+# Flags of `vllm serve` that `vllm preload` does not take (its API server's,
+# vLLM 0.32; the contract tests check this set against the real parsers): in
+# extra_args, which preload gets too, they would make the weights unit exit 2.
+FRONTEND_FLAGS = frozenset("""
+    --allow-credentials --allowed-headers --allowed-methods --allowed-origins
+    --anthropic-disabled-thinking-effort --api-key --api-server-count
+    --chat-template --chat-template-content-format --cohere-format
+    --cohere-is-reasoning-model --config --data-parallel-supervisor-port
+    --default-chat-template-kwargs --disable-access-log-for-endpoints
+    --disable-fastapi-docs --disable-uvicorn-access-log
+    --dp-supervisor-probe-failure-threshold --dp-supervisor-probe-interval-s
+    --dp-supervisor-probe-timeout-s --enable-auto-tool-choice
+    --enable-flash-late-interaction --enable-force-include-usage --enable-log-deltas
+    --enable-log-outputs --enable-log-requests --enable-offline-docs
+    --enable-per-request-metrics --enable-prompt-tokens-details
+    --enable-request-id-headers --enable-scale-out --enable-server-load-tracking
+    --enable-ssl-refresh --enable-tokenizer-info-endpoint
+    --exclude-tools-when-tool-choice-none --fingerprint-mode --fingerprint-value
+    --grpc --grpc-port --h11-max-header-count --h11-max-incomplete-event-size
+    --headless --host --log-error-stack --lora-modules --max-log-len --middleware
+    --no-allow-credentials --no-cohere-is-reasoning-model --no-disable-fastapi-docs
+    --no-disable-uvicorn-access-log --no-enable-auto-tool-choice
+    --no-enable-flash-late-interaction --no-enable-force-include-usage
+    --no-enable-log-deltas --no-enable-log-outputs --no-enable-log-requests
+    --no-enable-offline-docs --no-enable-per-request-metrics
+    --no-enable-prompt-tokens-details --no-enable-request-id-headers
+    --no-enable-scale-out --no-enable-server-load-tracking --no-enable-ssl-refresh
+    --no-enable-tokenizer-info-endpoint --no-exclude-tools-when-tool-choice-none
+    --no-log-error-stack --no-return-tokens-as-token-ids --no-tokens-only
+    --no-trust-request-chat-template --no-trust-request-mm-kwargs --port
+    --response-role --return-tokens-as-token-ids --root-path
+    --sse-keep-alive-interval --ssl-ca-certs --ssl-cert-reqs --ssl-certfile
+    --ssl-ciphers --ssl-keyfile --tokens-only --tool-call-parser
+    --tool-parser-plugin --tool-server --tool-strict-level
+    --trust-request-chat-template --trust-request-mm-kwargs --uds
+    --uvicorn-log-level
+""".split())
 
 # Flags hostd sets itself (see upstream.COMMON_OWNED_FLAGS for the shared ones).
 OWNED_FLAGS = {
@@ -58,14 +145,59 @@ OWNED_FLAGS = {
     "--model-loader-extra-config": "the backend (socket_dir, zero_copy, no fallback)",
     "--uds": "the engine socket /run/hostd/NAME/engine.sock",
     "--weight-cache-socket-dir": "the private runtime directory",
-    "-tp": "tensor_parallel_size",
-    "-pp": "pipeline_parallel_size",
 }
+
+
+# vLLM names a rank's socket after the md5 of its physical GPU's NVML UUID
+# (protocol.get_socket_path: "keeps the name well under the AF_UNIX limit"),
+# with "_draft" for a draft model's group; its lock file is that name + ".lock".
+SOCKET_NAME = re.compile(r"^vllm_weight_cache_([0-9a-f]{32})(_draft)?\.sock$")
+
+
+def socket_name(gpu_uuid: str, draft: bool = False) -> str:
+    """vLLM's socket file name for the GPU whose NVML UUID is GPU_UUID."""
+    digest = hashlib.md5(gpu_uuid.encode(), usedforsecurity=False).hexdigest()
+    return f"vllm_weight_cache_{digest}{'_draft' if draft else ''}.sock"
 
 
 class VllmBackend(upstream.UpstreamBackend):
     name = "vllm"
+    QUANTIZATION_ALLOWLIST = QUANTIZATION_ALLOWLIST
     stop_grace_seconds = 10.0  # vLLM honours its own --shutdown-timeout
+    # vLLM's /health answers at once (no generation); 200 while it serves,
+    # and still 200 during a --shutdown-timeout drain.
+    health_path = "/health"
+    # vLLM's OpenAI-compatible server (vllm/entrypoints/openai/api_server.py):
+    # inference, tokenizer, embeddings/pooling, rerank, score, model info and
+    # version. Never public: /health, /ping, /metrics (served by the gateway),
+    # /load, /server_info, sleep/wake (/sleep, /wake_up, /is_sleeping),
+    # cache resets (/reset_prefix_cache, /reset_mm_cache), LoRA loading
+    # (/v1/load_lora_adapter, /v1/unload_lora_adapter), /collective_rpc,
+    # profiling (/start_profile, /stop_profile), /pause, /resume,
+    # /scale_elastic_ep and every weight update route.
+    public_routes = (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/{response_id}"),
+        ("POST", "/v1/responses/{response_id}/cancel"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/audio/transcriptions"),
+        ("POST", "/v1/audio/translations"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/pooling"),
+        ("POST", "/classify"),
+        ("POST", "/score"),
+        ("POST", "/v1/score"),
+        ("POST", "/rerank"),
+        ("POST", "/v1/rerank"),
+        ("POST", "/v2/rerank"),
+        ("POST", "/v2/embed"),
+        ("GET", "/version"),
+    )
+    metrics_prefixes = ("vllm:",)
 
     def executable(self, cfg) -> str:
         """`vllm`: $HOSTD_VLLM, else vllm on PATH (both from env: and ours)."""
@@ -103,17 +235,22 @@ class VllmBackend(upstream.UpstreamBackend):
         return Command(argv, self._env(cfg))
 
     def engine_command(self, model: str, cfg, port: int = 0) -> Command:
-        """PORT is unused: `vllm serve` listens on engine_socket()."""
-        extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
+        """PORT is unused: `vllm serve` listens on engine_socket(). Without the
+        weight cache (weights_not_retained) it loads from disk as vLLM does."""
+        load: list[str] = []
+        if self.retains_weights(cfg):
+            extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
+            load = ["--load-format", "ipc_cache",
+                    "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True)]
         argv = [
             self.executable(cfg), "serve", cfg.model,
             "--served-model-name", cfg.served_model_name or model,
             *self._layout_args(cfg),
-            "--load-format", "ipc_cache",
-            "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True),
+            *load,
             "--uds", str(self.engine_socket(model)),
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
+            *cfg.engine_extra_args,
         ]
         return Command(argv, self._env(cfg))
 
@@ -136,22 +273,41 @@ class VllmBackend(upstream.UpstreamBackend):
         problems = upstream.common_refusals(
             cfg,
             owned_flags=OWNED_FLAGS,
-            refused_flags=REFUSED_FLAGS,
+            refused_flags=REFUSED_FLAGS if self.retains_weights(cfg) else REPLICA_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
+            aliases=ALIASES,
+            retained=self.retains_weights(cfg),
         )
-        problems += upstream.quantization_refusals(cfg, QUANTIZATION_ALLOWLIST, check_fp8_block=False)
-        env = upstream.effective_env(cfg)
-        exe = self.executable(cfg)
-        problem = upstream.version_refusal(
-            "vllm", [exe, "--version"], env, MINIMUM_VERSION,
-            "install vLLM >= 0.31 for the hostd user, or point env.HOSTD_VLLM at its `vllm`",
-        )
-        if problem:
-            problems.append(problem)
+        for flag in sorted(FRONTEND_FLAGS):
+            if upstream.has_flag(cfg.extra_args, flag, aliases=ALIASES):
+                problems.append(
+                    f"extra_args: {flag} is a flag of `vllm serve` only, and `vllm preload` (the "
+                    "weight cache daemon, which gets extra_args too) exits on it; move it to "
+                    "engine_extra_args"
+                )
         return problems
+
+    def install_refusals(self, cfg) -> list[str]:
+        problem = upstream.version_refusal(
+            "vllm", [self.executable(cfg), "--version"], upstream.effective_env(cfg), MINIMUM_VERSION,
+            "install vLLM >= 0.32 for the hostd user, or point env.HOSTD_VLLM at its `vllm`",
+            why_minimum=MINIMUM_WHY,
+        )
+        return [problem] if problem else []
 
     def memory_fraction(self, cfg) -> float:
         return cfg.engine.gpu_memory_utilization
+
+    def socket_devices(self, names: list[str], cfg) -> list[str]:
+        """The GPUs behind upstream socket NAMES: their NVML UUIDs where NVML
+        names the model's GPUs, else 'md5:DIGEST' (still one physical GPU)."""
+        by_digest = {socket_name(uuid): uuid for uuid in upstream.nvml_uuids(cfg.gpus).values()}
+        devices = []
+        for name in names:
+            match = SOCKET_NAME.match(name)
+            if match and not match.group(2):
+                devices.append(by_digest.get(name, f"md5:{match.group(1)}"))
+        return sorted(devices)
 
     def drain_seconds(self, cfg) -> float:
         return float(cfg.engine.shutdown_timeout)

@@ -199,6 +199,40 @@ def _check_nodes(root: yaml.Node, name: str, lines: dict[KeyPath, int]) -> None:
                 stack.append((item, path + (str(index),), inner))
 
 
+def render_yaml(data: dict, name: str, header: str = "") -> str:
+    """DATA as the text of a YAML file NAME that the loader will accept: the
+    same limits (MAX_NODES values, MAX_FILE_BYTES) checked before anyone
+    writes it. A ConfigError names the key whose value is too large."""
+    seen = 0
+    largest: dict[KeyPath, int] = {}
+    stack: list[tuple[Any, KeyPath]] = [(data, ())]
+    while stack:
+        value, key = stack.pop()
+        seen += 1
+        if key:
+            largest[key[:2]] = largest.get(key[:2], 0) + 1
+        if seen > MAX_NODES:
+            worst = max(largest, key=largest.__getitem__)
+            raise ConfigError([Problem(
+                name, dotted(worst), f"more than {MAX_NODES} values; the config loader refuses "
+                "such a file, so it is not written")])
+        if isinstance(value, dict):
+            stack.extend((v, key + (str(k),)) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, key) for v in value)
+    text = header + yaml.safe_dump(data, sort_keys=True)
+    if len(text.encode()) > MAX_FILE_BYTES:
+        sizes = {}
+        for key, value in data.items():
+            for inner, item in (value.items() if isinstance(value, dict) else [("", value)]):
+                sizes[dotted((str(key), str(inner)) if inner else (str(key),))] = len(yaml.safe_dump(item))
+        worst = max(sizes, key=sizes.__getitem__) if sizes else ""
+        raise ConfigError([Problem(
+            name, str(worst), f"the file would be larger than {MAX_FILE_BYTES} bytes; the config "
+            "loader refuses such a file, so it is not written")])
+    return text
+
+
 # ---------------------------------------------------------------- merging
 
 
@@ -227,6 +261,14 @@ class Merged:
                 continue
             self._forget(here)
             into[key] = _copy(value)
+            # Every key below a new subtree keeps its own line, so a problem
+            # at engine.max_num_seqs points there, not at `engine:`.
+            n, base = len(here), prefix + here
+            for stale in [k for k in self.lines if len(k) > n and k[:n] == here]:
+                del self.lines[stale]
+            for below, below_line in source.lines.items():
+                if len(below) > len(base) and below[: len(base)] == base:
+                    self.lines[here + below[len(base):]] = (source.path, below_line)
             if isinstance(value, dict) and value:
                 for leaf in _leaves(value, here):
                     self.origins[leaf] = source.path
@@ -424,6 +466,16 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
     return files
 
 
+def add_daemon_defaults(merged: Merged, root: Path) -> None:
+    """The `defaults:` of hostd.yaml, under every model's own files."""
+    daemon_file = root / "hostd.yaml"
+    if daemon_file.exists():
+        daemon = read_yaml(daemon_file)
+        defaults = daemon.data.get("defaults")
+        if isinstance(defaults, dict):
+            merged.add(daemon, defaults, prefix=("defaults",))
+
+
 def merge_model(
     name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict | YamlFile]] = None
 ) -> tuple[Merged, list[Problem]]:
@@ -442,12 +494,7 @@ def merge_model(
     if not main.exists() and not main.is_symlink():
         raise ConfigError([Problem(str(main), "", f"no such model: {name!r} is not configured")])
     merged = Merged()
-    daemon_file = root / "hostd.yaml"
-    if daemon_file.exists():
-        daemon = read_yaml(daemon_file)
-        defaults = daemon.data.get("defaults")
-        if isinstance(defaults, dict):
-            merged.add(daemon, defaults, prefix=("defaults",))
+    add_daemon_defaults(merged, root)
     problems: list[Problem] = []
     try:
         dropins = dropin_files(name, root)
@@ -523,4 +570,28 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
             load_model(name, root)
         except ConfigError as exc:
             problems += exc.problems
+        problems += [p for p in dropin_problems(name, root) if p not in problems]
+    return problems
+
+
+def dropin_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
+    """What is wrong in each drop-in of NAME on its own: NAME.yaml with only
+    that drop-in over it. A wrong value is reported even when a later drop-in
+    (the manager's 90-reload.yaml, say) shadows it in the merged result."""
+    root = config_root(root)
+    try:
+        files = dropin_files(name, root)
+        main = read_yaml(model_file(name, root))
+    except ConfigError:
+        return []  # the merged check reports these
+    problems: list[Problem] = []
+    for path in files:
+        merged = Merged()
+        try:
+            add_daemon_defaults(merged, root)
+            merged.add(main)
+            merged.add(read_yaml(path))
+            validate(merged, model_type(merged))
+        except ConfigError as exc:
+            problems += [p for p in exc.problems if p.file == str(path)]
     return problems

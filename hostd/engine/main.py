@@ -68,6 +68,7 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
     dtype = checkpoint.resolve_dtype(model_dir, cfg.dtype)
     model = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=True)
     phases.mark("build_skeleton")
+    systemd.status("loading weights from disk" if args.from_disk else "attaching weights")
     if args.from_disk:
         skeleton = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=False)
         tensors = checkpoint.load_tensors(model_dir, skeleton, device)
@@ -122,7 +123,9 @@ def serve(args: argparse.Namespace, cfg) -> int:
         return 1
     phases = Phases()
     phases.mark("process_and_imports")
-    systemd.status("loading weights from disk" if args.from_disk else "attaching weights")
+    # STATUS= says which start-up phase runs (systemctl status, and the
+    # manager relays it on a reload's Operation as EngineStatus).
+    systemd.status("building the model")
     try:
         with systemd.ExtendTimeout():
             model, info = load_model(cfg, args.name, args, phases)
@@ -130,6 +133,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
         log.error("cannot get the weights of %s: %s", args.name, exc)
         systemd.status(f"failed: {exc}")
         return 1
+    systemd.status("loading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     if cfg.device == "cpu":
         # One request per thread: give each its share of the cores rather than
@@ -164,6 +168,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
         if text.startswith("shutting down"):
             systemd.notify("STOPPING=1")
 
+    systemd.status("warming up")
     return server.run_server(
         model,
         tokenizer,

@@ -5,7 +5,9 @@ One job: run `vllm serve` (on a private Unix socket) or SGLang's
 serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
 unchanged (streaming included) except GET /health, which answers upstream's
 health plus hostd's contract for the manager: {"limits", "engine_config",
-"weights_pid", "weights_socket_inode"}.
+"weights", "weights_not_retained", "weights_pid", "weights_socket_inode"}.
+Without the weight cache (the backend's weights_not_retained) upstream's
+server loads from disk and "weights" is "disk".
 
 Trusts: the uid it runs as and root, through the private runtime directory
 (engine.sock is 0600 in /run/hostd/NAME, 0700). The loopback port SGLang
@@ -24,9 +26,12 @@ When the child dies on its own this process exits non-zero.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import re
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -57,7 +62,10 @@ class EngineSupervisor:
         self.name, self.cfg, self.socket_path = name, cfg, socket_path
         self.backend = backends.for_config(cfg)
         self.weights_pid, self.weights_inode = weights_identity
+        self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.stderr_copier: Optional[asyncio.Future] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
         self.upstream_socket: Optional[Path] = self.backend.engine_socket(name)
@@ -84,16 +92,46 @@ class EngineSupervisor:
         log.info("starting %s", " ".join(self.command.argv))
         self.proc = await asyncio.create_subprocess_exec(
             *self.command.argv, env=upstream.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
         )
+        self.stderr_copier = asyncio.ensure_future(self.copy_stderr())
         self.session = self._session()
 
+    async def copy_stderr(self) -> None:
+        """Pass upstream's stderr through to ours (the journal) unchanged, and
+        keep its last lines: when upstream exits before it serves, its own
+        error is logged at error priority (and so reaches a reload's Error)."""
+        assert self.proc and self.proc.stderr
+        out = sys.stderr.buffer
+        while line := await self.proc.stderr.readline():
+            out.write(line)
+            out.flush()
+            self.stderr_tail.append(line.decode(errors="replace").rstrip())
+
+    def upstream_error(self) -> str:
+        """Upstream's own error: the last of its stderr lines that names an
+        error or exception with the indented detail lines under it (as
+        pydantic's "1 validation error for ModelConfig" has), else its last line."""
+        lines = [l for l in self.stderr_tail if l.strip()]
+        found = [i for i, l in enumerate(lines) if re.search(r"Error\b|Exception\b|error:", l)]
+        if not found:
+            return lines[-1].strip() if lines else ""
+        start = found[-1]
+        end = start + 1
+        while end < len(lines) and end - start <= 3 and lines[end][:1].isspace():
+            end += 1
+        return " ".join(l.strip() for l in lines[start:end])
+
     async def upstream_health(self) -> Optional[int]:
-        """Upstream's /health status code, None when it does not answer."""
+        """Upstream's health status code (the backend's health_path), None when
+        it does not answer."""
         assert self.session
         if self.upstream_socket and not self.upstream_socket.exists():
             return None
         try:
-            async with self.session.get(self.base + "/health", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            probe = self.backend.health_path
+            timeout = aiohttp.ClientTimeout(total=self.backend.health_timeout)
+            async with self.session.get(self.base + probe, timeout=timeout) as response:
                 await response.read()
                 return response.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
@@ -143,7 +181,8 @@ class EngineSupervisor:
             "upstream_pid": self.proc.pid if self.proc else None,
             "limits": self.backend.limits(self.cfg),
             "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
-            "weights": "daemon",
+            "weights": "disk" if self.not_retained else "daemon",
+            "weights_not_retained": self.not_retained or "",
             "weights_pid": self.weights_pid,
             "weights_socket_inode": self.weights_inode,
         }
@@ -179,15 +218,22 @@ class EngineSupervisor:
         runner: Optional[web.AppRunner] = None
         listener: Optional[socket.socket] = None
         try:
+            if self.not_retained:
+                log.warning("weights of %s are not retained: %s; the %s engine loads them from disk",
+                            self.name, self.not_retained, self.cfg.backend)
             await self.start()
-            systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}")
+            systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}"
+                           + (" (loading from disk: weights not retained)" if self.not_retained else ""))
             with systemd.ExtendTimeout():
                 healthy = await self.wait_healthy()
             if not healthy:
                 if self.stopping.is_set():
                     await self.stop_child()
                     return 0
-                log.error("upstream engine exited with %s before it served", self.proc.returncode)
+                if self.stderr_copier is not None:
+                    await asyncio.wait({self.stderr_copier}, timeout=5)
+                log.error("upstream engine exited with %s before it served: %s", self.proc.returncode,
+                          self.upstream_error())
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
             listener = passed[0] if passed else sockets.bind_private(self.socket_path)

@@ -2,14 +2,16 @@
 
 Trust model: /run/hostd/NAME/control.sock is 0600 in the private 0700 runtime
 directory, and every peer is checked with SO_PEERCRED (the gateway's uid or
-root); others are logged and disconnected before a byte is read. Requests are
-single JSON lines (at most MAX_LINE bytes) decoded against fixed msgspec
+root); others are logged and disconnected before a byte is read. Clients
+connect through sockets.connect (no symlinks; the owner and the peer
+checked). Requests are single JSON lines (at most MAX_LINE bytes) decoded
+against fixed msgspec
 types; anything else (bad JSON, an unknown verb, a wrong type) gets an error
 answer naming the problem and changes nothing.
 
     -> {"verb": "drain", "timeout": 30}
     <- {"ok": true, "drained": false, "remaining": 2, "state": "draining"}
-    -> {"verb": "resume"}            -> {"verb": "status"}
+    -> {"verb": "resume"}  (optionally "outcome": "done")    -> {"verb": "status"}
     -> {"verb": "switch", "slot": "next"}   (overlap reload: new requests to engine-next.sock)
 """
 
@@ -21,7 +23,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Awaitable, Callable, Literal, Union
+from typing import Annotated, Any, Awaitable, Callable, Literal, Optional, Union
 
 import msgspec
 
@@ -37,7 +39,9 @@ class Drain(msgspec.Struct, tag_field="verb", tag="drain", forbid_unknown_fields
 
 
 class Resume(msgspec.Struct, tag_field="verb", tag="resume", forbid_unknown_fields=True):
-    pass
+    # How the reload that drained ended, for the gateway's reload histogram
+    # (label `outcome`); unset: the state the resume leads to.
+    outcome: Optional[Annotated[str, msgspec.Meta(pattern="^[a-z][a-z-]{0,31}$")]] = None
 
 
 class Status(msgspec.Struct, tag_field="verb", tag="status", forbid_unknown_fields=True):
@@ -140,19 +144,20 @@ def _answer_of(path: Path, answer: bytes) -> dict:
 def call(path: Path, verb: str, **args: Any) -> dict:
     """Send one request (ARGS are its fields) and return the answer;
     ControlError when refused or unreachable."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(args.get("timeout", 0) + 30.0)
-        try:
-            conn.connect(str(path))
+    try:
+        with sockets.connect(path, args.get("timeout", 0) + 30.0) as conn:
             conn.sendall(_request_line(verb, args))
             answer = conn.makefile("rb").readline(MAX_LINE + 1)
-        except OSError as exc:
-            raise ControlError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise ControlError(f"{path}: {exc}") from None
     return _answer_of(path, answer)
 
 
 async def call_async(path: Path, verb: str, **args: Any) -> dict:
-    reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_LINE)
+    """call() for an event loop: the checked connect runs in a thread."""
+    conn = await asyncio.to_thread(sockets.connect, path, 10.0)
+    conn.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=conn, limit=MAX_LINE)
     try:
         writer.write(_request_line(verb, args))
         await writer.drain()

@@ -1,22 +1,34 @@
 """hostd gateway NAME: the model's front door (model@NAME.service).
 
-One job: proxy the OpenAI API from the public socket to the engine's Unix
-socket without ever losing an admitted request. Admission lives in state.py,
-the control socket in control.py.
+One job: proxy the engine's public API from the public socket to the
+engine's Unix socket without ever losing an admitted request, and without
+letting a remote client reach anything else or hold more than its share.
+Admission lives in state.py, the control socket in control.py, routing in
+routes.py, resource bounds in limits.py, keys in keys.py, metrics in
+metrics.py.
 
-- Requests are admitted only while the engine serves; otherwise they get 503,
-  a Retry-After header and an OpenAI-format error (or, with
-  `gateway.admission: queue`, wait up to queue_timeout for serving).
-- Responses, SSE streams included, pass through chunk by chunk. A client that
-  disconnects has its upstream request closed, so the engine cancels it.
-- An engine that dies mid-request ends that request with a clear error (an
-  SSE error event on streams), and the gateway stops admitting until the
-  engine is healthy again; the gateway itself keeps running.
-- /health answers 200 only while serving; /metrics is Prometheus text.
+- Routing is on the decoded, normalized path (routes.py). /health and
+  /metrics are the gateway's own; every other path must be one of the
+  backend's public routes (hostd/backends/<backend>.py, public_routes) and is
+  forwarded as normalized. Anything else is 404 (405 for a known path with
+  another method) in OpenAI's error shape; the engine's internal endpoints
+  are unreachable under any spelling.
+- With gateway.api_keys set, every request but GET /health needs
+  `Authorization: Bearer KEY` (401 otherwise); the key stops here.
+- A request's body is read first, within gateway.body_timeout (408) and the
+  size and in-flight byte caps (413, 503); only then is it admitted. Admitted
+  only while the engine serves; otherwise 503 with Retry-After and an
+  OpenAI-format error (or, with `gateway.admission: queue`, a wait of up to
+  queue_timeout for serving).
+- Responses, SSE streams included, pass through chunk by chunk (forward.py).
+  A client that disconnects has its engine request closed, so the engine
+  cancels it. An engine that dies mid-request ends that request with a clear
+  error, and the gateway stops admitting until the engine is healthy again.
+- Connections are capped and timed (limits.py): slow headers and idle
+  keep-alive connections are closed, one over the cap gets 503 at once.
 
-Trusts: nobody on the public socket (bodies are capped, paths are passed
-through as they are to the engine, which is the gateway's own peer); the
-control socket is private (see control.py).
+Trusts: nobody on the public socket. The engine socket and the control
+socket are private (0600 in /run/hostd/NAME, 0700; see control.py).
 """
 
 from __future__ import annotations
@@ -31,63 +43,59 @@ from typing import Optional
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from hostd import forward, paths, sockets, systemd
+from hostd import backends, forward, paths, sockets, systemd
 from hostd import config as hostd_config
-from hostd.gateway import control
+from hostd.gateway import control, keys, limits, routes
+from hostd.gateway.metrics import Metrics, engine_families
 from hostd.gateway.state import HELD, Admission, State
 
 log = logging.getLogger("hostd.gateway")
 
-MAX_BODY = 32 << 20
 HEALTH_INTERVAL = 0.5
-
-
-class Metrics:
-    def __init__(self, admission: Admission):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        Gauge("hostd_gateway_in_flight", "Requests admitted and not finished", registry=r).set_function(
-            lambda: admission.in_flight
-        )
-        Gauge("hostd_gateway_queued", "Requests waiting for admission", registry=r).set_function(
-            lambda: admission.queued
-        )
-        self.admitted = Counter("hostd_gateway_admitted", "Requests admitted", registry=r)
-        self.rejected = Counter("hostd_gateway_rejected", "Requests answered 503", ["reason"], registry=r)
-        self.proxied_bytes = Counter("hostd_gateway_proxied_bytes", "Response bytes passed to clients", registry=r)
-        self.drains = Counter("hostd_gateway_drains", "Drains requested", registry=r)
-        self.state = Gauge("hostd_gateway_state", "1 for the current state", ["state"], registry=r)
-        self.errors = Counter("hostd_gateway_upstream_errors", "Requests the engine failed mid-way", registry=r)
-
-    def set_state(self, state: State) -> None:
-        for s in State:
-            self.state.labels(s.value).set(1 if s == state else 0)
+ENGINE_METRICS_TIMEOUT = 5.0
+CLIENT_CLOSED = "499"  # status label of a request whose client left before the end (nginx's code)
 
 
 class Gateway:
-    def __init__(self, name: str, cfg, engine_sockets: dict[str, Path], control_socket: Path):
+    def __init__(self, name: str, cfg, engine_sockets: dict[str, Path], control_socket: Path,
+                 api_keys: Optional[list[bytes]] = None):
         self.name = name
         self.cfg = cfg
+        self.limits = cfg.gateway
         self.engine_sockets = engine_sockets  # slot -> socket (paths.ENGINE_SOCKETS)
         self.slot = "main"  # where new requests go; `switch` moves it
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.control_socket = control_socket
+        self.backend = backends.for_config(cfg)
+        self.routes = routes.Table(self.backend.public_routes)
+        self.api_keys = api_keys
+        # The key was for the gateway: the engine never sees it.
+        self.drop_headers = frozenset({"authorization"}) if api_keys is not None else frozenset()
         self.admission = Admission(cfg.gateway.admission, cfg.gateway.queue_timeout, cfg.gateway.queue_max)
-        self.metrics = Metrics(self.admission)
+        self.admission.on_change = self._state_changed
+        self.budget = limits.BodyBudget(cfg.gateway.body_bytes_in_flight)
+        self.connections: Optional[limits.Connections] = None
+        a = self.admission
+        self.metrics = Metrics({
+            "hostd_gateway_in_flight": ("Requests admitted and not finished", lambda: a.in_flight),
+            "hostd_gateway_queued": ("Requests waiting for admission", lambda: a.queued),
+            "hostd_gateway_connections": ("Open public connections",
+                                          lambda: len(self.connections.open) if self.connections else 0),
+            "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: self.budget.used),
+        })
         self._last_status = ""
+        self._reload_started: Optional[float] = None  # loop time of the drain that began a reload
+        self._reload_resumed = False
         self.stream_error = {"message": f"model {name}'s engine stopped mid-stream",
                              "type": "engine_error", "code": "engine_down"}
 
     # ------------------------------------------------------------ app
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
+        app = web.Application(client_max_size=self.limits.max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self.dispatch)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -112,17 +120,77 @@ class Gateway:
         for session in self.sessions.values():
             await session.close()
 
-    # ------------------------------------------------------------ handlers
+    # ------------------------------------------------------------ routing
 
-    async def health(self, request: web.Request) -> web.Response:
-        snapshot = self.admission.snapshot()
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        if self.connections is not None:
+            self.connections.started(request.transport)
+        try:
+            return await self._route(request)
+        finally:
+            if self.connections is not None:
+                self.connections.finished(request.transport)
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            path = routes.normalize(request.raw_path)
+        except routes.BadPath as exc:
+            return self.refuse(400, "invalid_request_error", "invalid_path", str(exc))
+        if path == "/health" and request.method in ("GET", "HEAD"):
+            return self.health()
+        if self.api_keys is not None and not keys.authorized(self.api_keys, request.headers.get("Authorization")):
+            return self.refuse(401, "invalid_request_error", "invalid_api_key",
+                               "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               {"WWW-Authenticate": 'Bearer realm="hostd"'})
+        if path == "/metrics" and request.method in ("GET", "HEAD"):
+            return await self.prometheus()
+        route, allowed = self.routes.match(request.method, path)
+        if route is None:
+            if allowed:
+                return self.refuse(405, "invalid_request_error", "method_not_allowed",
+                                   f"{request.method} is not allowed on {path}; use {', '.join(allowed)}",
+                                   {"Allow": ", ".join(allowed)})
+            return self.refuse(404, "invalid_request_error", "not_found",
+                               f"no route {path} on model {self.name} (docs/gateway.md lists the public routes)")
+        return await self.proxy(request, path)
+
+    def connection_event(self, event: str) -> None:
+        if event == "refused":
+            self.metrics.connections_refused.inc()
+        else:
+            self.metrics.connections_timed_out.labels(event).inc()
+
+    def refuse(self, status: int, kind: str, code: str, message: str,
+               headers: Optional[dict] = None) -> web.Response:
+        self.metrics.refused.labels(str(status)).inc()
+        return web.json_response(limits.error_body(message, kind, code), status=status, headers=headers)
+
+    # ------------------------------------------------------------ gateway's own routes
+
+    def health(self) -> web.Response:
+        """Open to everyone: the state only (counters are on the key-protected /metrics)."""
         status = 200 if self.admission.state == State.SERVING else 503
-        return web.json_response({"model": self.name, **snapshot}, status=status)
+        return web.json_response({"model": self.name, "state": self.admission.state.value}, status=status)
 
-    async def prometheus(self, request: web.Request) -> web.Response:
-        self.metrics.set_state(self.admission.state)
-        body = generate_latest(self.metrics.registry)
+    async def prometheus(self) -> web.Response:
+        self.metrics.set_state(self.admission.state.value, (s.value for s in State))
+        body = self.metrics.exposition() + (await self.engine_metrics()).encode()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def engine_metrics(self) -> str:
+        """The engine's own families (backend.metrics_prefixes), '' when it does not answer."""
+        assert self.session
+        try:
+            async with self.session.get("http://engine/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
+                if r.status != 200:
+                    return ""
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return ""
+        return engine_families(text, self.backend.metrics_prefixes)
+
+    # ------------------------------------------------------------ proxying
 
     def unavailable(self, reason: str) -> web.Response:
         self.metrics.rejected.labels(reason).inc()
@@ -135,39 +203,54 @@ class Gateway:
             "queue-full": f"model {self.name} has too many waiting requests; retry after {retry} s",
             "queue-timeout": f"model {self.name} did not become available in time; retry after {retry} s",
         }
-        body = {
-            "error": {
-                "message": messages.get(reason, f"model {self.name} is unavailable ({reason})"),
-                "type": "service_unavailable",
-                "param": None,
-                "code": f"model_{reason.replace('-', '_')}",
-            }
-        }
+        body = limits.error_body(messages.get(reason, f"model {self.name} is unavailable ({reason})"),
+                                 "service_unavailable", f"model_{reason.replace('-', '_')}")
         return web.json_response(body, status=503, headers={"Retry-After": str(retry)})
 
-    async def proxy(self, request: web.Request) -> web.StreamResponse:
+    async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
+        g = self.limits
+        try:
+            body = await limits.read_body(request, self.budget, g.max_body_bytes, g.body_timeout)
+        except limits.BodyRefused as exc:
+            response = self.refuse(exc.status, "invalid_request_error", exc.code, str(exc),
+                                   {"Retry-After": "1"} if exc.status == 503 else None)
+            response.force_close()  # the rest of the body is not read
+            return response
+        try:
+            return await self._admitted(request, path, body.data)
+        finally:
+            body.release()
+
+    async def _admitted(self, request: web.Request, path: str, body: bytearray) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
         refusal = await self.admission.admit()
+        if self.admission.mode == "queue":
+            self.metrics.admission_wait.observe(loop.time() - arrived)
         if refusal:
             return self.unavailable(refusal)
         self.metrics.admitted.inc()
-        self._report()
-        try:
-            return await self._forward(request)
-        finally:
-            await self.admission.done()
-            self._report()
+        admitted = loop.time()
+        status = CLIENT_CLOSED
+        target = "http://engine" + routes.quoted(path)
+        if request.rel_url.raw_query_string:
+            target += "?" + request.rel_url.raw_query_string
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        assert self.session
-        body = await request.read()
+        def first_byte(code: int) -> None:
+            self.metrics.ttfb.labels(str(code)).observe(loop.time() - admitted)
+
         try:
-            return await forward.forward(
-                self.session, f"http://engine{request.rel_url}", request, body,
-                on_chunk=self._count_bytes, stream_error=self.stream_error,
+            response = await forward.forward(
+                self.session, target, request, body, drop=self.drop_headers,
+                on_start=first_byte, on_chunk=self._count_bytes, stream_error=self.stream_error,
             )
+            gone = request.transport is None or request.transport.is_closing()
+            status = CLIENT_CLOSED if gone else str(response.status)
+            return response
         except forward.Unreachable as exc:
             log.warning("engine unreachable: %s", exc)
             await self.admission.engine_lost()
+            status = "503"
             return self.unavailable("engine-down")
         except forward.Broken as exc:
             # The engine died mid-response: the client's library reports an
@@ -175,7 +258,11 @@ class Gateway:
             self.metrics.errors.inc()
             log.warning("engine failed mid-response: %s", exc)
             await self.admission.engine_lost()
+            status = str(exc.response.status)
             return exc.response
+        finally:
+            self.metrics.duration.labels(status).observe(loop.time() - admitted)
+            await self.admission.done()
 
     def _count_bytes(self, n: int) -> None:
         self.admission.counters.proxied_bytes += n
@@ -205,6 +292,26 @@ class Gateway:
             self._last_status = text
             systemd.status(text)
 
+    # ------------------------------------------------------------ reloads, as the control socket sees them
+
+    def _state_changed(self, old: State, new: State) -> None:
+        now = asyncio.get_running_loop().time()
+        if new == State.DRAINING and old == State.SERVING and self._reload_started is None:
+            self._reload_started, self._reload_resumed = now, False
+        elif new == State.SERVING and self._reload_started is not None and self._reload_resumed:
+            self.metrics.reload_unavailable.observe(now - self._reload_started)
+            self._reload_started = None
+
+    def _reload_ended(self, outcome: str) -> None:
+        if self._reload_started is None:
+            return
+        now = asyncio.get_running_loop().time()
+        self.metrics.reload_duration.labels(outcome).observe(now - self._reload_started)
+        self._reload_resumed = True
+        if self.admission.state == State.SERVING:
+            self.metrics.reload_unavailable.observe(now - self._reload_started)
+            self._reload_started = None
+
     # ------------------------------------------------------------ control
 
     async def control(self, request: control.Request) -> dict:
@@ -215,6 +322,7 @@ class Gateway:
             log.info("drain %s", "complete" if result["drained"] else f"timed out, {result['remaining']} still running")
         elif isinstance(request, control.Resume):
             result = await self.admission.resume(await self.engine_ok())
+            self._reload_ended(request.outcome or result["state"])
             log.info("resumed: %s", result["state"])
         elif isinstance(request, control.Switch):
             result = {**await self.switch(request.slot), "slot": self.slot}
@@ -249,22 +357,39 @@ def listener_from_config(listen: str) -> socket.socket:
 
 
 async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) -> None:
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=gateway.limits.idle_timeout)
     await runner.setup()
+    g = gateway.limits
+    fd_limit = limits.raise_fd_limit()
+    cap = limits.connection_cap(g.max_connections, fd_limit)
+    if cap < g.max_connections:
+        log.warning("gateway.max_connections %d lowered to %d: the file descriptor limit is %d "
+                    "(raise LimitNOFILE= in model@.service)", g.max_connections, cap, fd_limit)
+    refusal = limits.raw_response(
+        503, "Service Unavailable",
+        limits.error_body(f"model {gateway.name} has too many open connections ({cap}); retry",
+                          "service_unavailable", "too_many_connections"),
+        {"Retry-After": str(g.retry_after)})
+    gateway.connections = limits.Connections(
+        runner.server, max_connections=cap, header_timeout=g.header_timeout,
+        idle_timeout=g.idle_timeout, refusal=refusal, on_event=gateway.connection_event)
     listener.setblocking(False)
-    site = web.SockSite(runner, listener, shutdown_timeout=stop_timeout)
-    await site.start()
+    public = await asyncio.get_running_loop().create_server(gateway.connections, sock=listener, backlog=1024)
     ctl_listener = sockets.bind_private(gateway.control_socket)
     ctl = await control.serve(ctl_listener, gateway.control)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("listening on %s; engine %s; control %s", listener.getsockname(), gateway.engine_socket, gateway.control_socket)
+    log.info("listening on %s (at most %d connections); engine %s; control %s",
+             listener.getsockname(), cap, gateway.engine_socket, gateway.control_socket)
     systemd.notify("READY=1", f"STATUS={gateway.admission.state.value}")
     await stop.wait()
     systemd.notify("STOPPING=1")
     log.info("stopping: draining %d in-flight request(s) for up to %.0f s", gateway.admission.in_flight, stop_timeout)
+    public.close()  # no new connections; admitted requests finish
+    gateway.connections.close()
     result = await gateway.admission.drain(stop_timeout)
     if not result["drained"]:
         log.warning("stopping with %d request(s) still running", result["remaining"])
@@ -279,12 +404,18 @@ def run(args: argparse.Namespace) -> int:
 
     logs.setup(args.name, "gateway")
     cfg = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir)).config
+    try:
+        api_keys = keys.load(cfg.gateway.api_keys)
+    except keys.KeysError as exc:
+        log.error("%s; refusing to serve model %s without its keys", exc, args.name)
+        systemd.status(f"failed: {exc}")
+        return 1
     main = Path(args.engine) if args.engine else paths.engine_socket(args.name)
     engine_sockets = {"main": main, "next": main.with_name(paths.ENGINE_SOCKETS["next"])}
     control_socket = Path(args.control) if args.control else paths.control_socket(args.name)
     passed = systemd.listen_sockets()
     listener = passed[0] if passed else listener_from_config(args.listen or cfg.listen)
-    gateway = Gateway(args.name, cfg, engine_sockets, control_socket)
+    gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys)
     # Leave a margin inside the unit's stop timeout for the process to exit.
     stop_timeout = max(1.0, cfg.timeouts.stop - 10.0)
     asyncio.run(serve(gateway, listener, stop_timeout))

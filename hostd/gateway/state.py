@@ -21,6 +21,7 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 
 class State(str, enum.Enum):
@@ -54,12 +55,15 @@ class Admission:
         self.counters = Counters()
         self.changed_at = time.time()
         self._changed = asyncio.Condition()
+        self.on_change: Optional[Callable[[State, State], None]] = None  # (old, new), for metrics
 
     async def _set(self, state: State) -> None:
         async with self._changed:
             if state != self.state:
-                self.state = state
+                old, self.state = self.state, state
                 self.changed_at = time.time()
+                if self.on_change is not None:
+                    self.on_change(old, state)
             self._changed.notify_all()
 
     # ------------------------------------------------------------ admission

@@ -16,6 +16,14 @@ ERROR = "org.hostd1.Error"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 
+# polkit actions (packaging/org.hostd1.policy): what each allows.
+ACTIONS = {
+    "org.hostd1.reload": "reload a model (Reload, ReloadJSON, Model.Reload)",
+    "org.hostd1.manage": "start, stop or restart a model, or cancel its operation",
+    "org.hostd1.edit": "change a model's configuration",
+}
+RELOAD_ACTION, MANAGE_ACTION, EDIT_ACTION = ACTIONS
+
 MODEL_PATH = f"{ROOT_PATH}/model"
 OPERATION_PATH = f"{ROOT_PATH}/operation"
 

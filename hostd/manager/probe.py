@@ -3,7 +3,9 @@
 One job: the manager's side of the gateway's control socket (drain, resume,
 status), the engine's HTTP socket (health, a smoke request) and the weight
 daemon's socket (identity), plus the GPU memory preflight. The manager runs as
-root, so it may connect to the 0600 sockets in the private runtime directory.
+root, so it may connect to the 0600 sockets in the private runtime directory;
+it does so only through sockets.connect, which refuses symlinks, sockets not
+owned by the model's user and peers that are neither that user nor root.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import NamedTuple, Optional
 import aiohttp
 import msgspec
 
-from hostd import backends, paths, units
+from hostd import backends, paths, sockets, units
 from hostd.gateway import control
 from hostd.weights import client as weights_client
 
@@ -26,6 +28,19 @@ log = logging.getLogger("hostd.manager.probe")
 
 class VerifyFailed(Exception):
     pass
+
+
+class CheckedUnixConnector(aiohttp.UnixConnector):
+    """aiohttp's Unix connector, connecting through sockets.connect."""
+
+    async def _create_connection(self, req, traces, timeout):
+        try:
+            sock = await asyncio.to_thread(sockets.connect, Path(self.path), 10.0)
+        except OSError as exc:
+            raise aiohttp.ClientConnectorError(req.connection_key, exc) from exc
+        sock.setblocking(False)
+        _, proto = await self._loop.create_unix_connection(self._factory, sock=sock)
+        return proto
 
 
 class Probe:
@@ -63,7 +78,7 @@ class Probe:
     # ------------------------------------------------------------ engine
 
     async def engine_health(self, slot: str = "main") -> Optional[dict]:
-        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name, slot)))
+        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as http:
                 async with http.get("http://engine/health") as response:
@@ -74,7 +89,7 @@ class Probe:
             return None
 
     async def smoke(self, served_name: str, slot: str = "main") -> None:
-        connector = aiohttp.UnixConnector(path=str(paths.engine_socket(self.name, slot)))
+        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
         body = {"model": served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
             async with http.post("http://engine/v1/completions", json=body) as response:

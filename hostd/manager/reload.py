@@ -50,197 +50,36 @@ runs the previous config alone (the crash came before its restart); else
 drain, restart it with the previous config and resume. Recovery never stops an
 engine that still has admitted requests without draining it first.
 
-Drop-ins: a patch is merged into /etc/hostd/models/NAME.d/90-reload.yaml by
-one function (merge_patch, parsing with the config loader) and written
-atomically. An empty patch applies what is on disk now; if that fails, the
-previous values are pinned in 99-rollback.yaml (the administrator's own files
-are never edited) and the Operation says so.
+The states and stages are in operation.py, the drop-in files root writes in
+dropins.py, the recovery after a manager crash in recovery.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import msgspec
-import yaml
 
 from hostd import config as hostd_config
 from hostd import units
 from hostd.config import schema
-from hostd.config.atomic import remove_durably, write_atomic
+from hostd.config.atomic import write_atomic
 from hostd.manager import errors
+from hostd.manager.dropins import (  # noqa: F401  (COMMENT_LIMIT, comment_text: callers read them here too)
+    COMMENT_LIMIT, RELOAD_DROPIN, RELOAD_HEADER, ROLLBACK_DROPIN, comment_text, merge_patch,
+    previous_engine, read_text, render, restore_file, rollback_header,
+)
+from hostd.manager.operation import (  # noqa: F401  (CANCELLABLE: callers read it here too)
+    CANCELLABLE, MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy,
+)
 from hostd.manager.probe import Probe
 from hostd.manager.records import Records
 
 log = logging.getLogger("hostd.manager.reload")
-
-RELOAD_DROPIN = "90-reload.yaml"
-ROLLBACK_DROPIN = "99-rollback.yaml"
-
-# MESSAGE_IDs of the journal lines a reload writes (journalctl MESSAGE_ID=...).
-MESSAGE_IDS = {
-    "started": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a40",
-    "done": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a41",
-    "rolled-back": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a42",
-    "failed": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a43",
-    "cancelled": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a44",
-    "unchanged": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a45",
-}
-
-
-class State(str, enum.Enum):
-    RUNNING = "running"
-    DONE = "done"
-    ROLLED_BACK = "rolled-back"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    UNCHANGED = "unchanged"  # nothing to apply: the engine runs the target config already
-
-
-class Strategy(str, enum.Enum):
-    OVERLAP = "overlap"
-    RESTART = "restart"
-
-
-class Stage(str, enum.Enum):
-    VALIDATE = "validate"
-    PREFLIGHT = "preflight"
-    RECORD = "record"
-    DRAIN = "drain"
-    START_NEXT = "start-next"  # overlap: the second engine starts and is verified
-    SWITCH = "switch"  # overlap: the gateway sends new requests to it
-    RESTART = "restart"
-    VERIFY = "verify"
-    RESUME = "resume"
-    RETIRE = "retire"  # overlap: the second engine stops
-    COMMIT = "commit"
-    ROLLBACK = "rollback"
-    RESTORE = "restore"  # put the drop-in back after a drain that did not finish
-    FINISHED = "finished"
-
-
-# Which stage may follow which; anything else is a bug and raises.
-TRANSITIONS: dict[Stage, set[Stage]] = {
-    Stage.VALIDATE: {Stage.PREFLIGHT, Stage.FINISHED},
-    Stage.PREFLIGHT: {Stage.RECORD, Stage.RESTORE, Stage.FINISHED},
-    Stage.RECORD: {Stage.DRAIN, Stage.START_NEXT, Stage.RESTORE},
-    Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
-    Stage.START_NEXT: {Stage.SWITCH, Stage.RESTORE},
-    Stage.SWITCH: {Stage.RESTART, Stage.RESTORE},
-    Stage.RESTART: {Stage.VERIFY, Stage.ROLLBACK},
-    Stage.VERIFY: {Stage.RESUME, Stage.ROLLBACK},
-    Stage.RESUME: {Stage.RETIRE, Stage.COMMIT, Stage.FINISHED},
-    Stage.RETIRE: {Stage.COMMIT, Stage.FINISHED},
-    Stage.COMMIT: {Stage.FINISHED},
-    Stage.ROLLBACK: {Stage.RESUME, Stage.FINISHED},
-    Stage.RESTORE: {Stage.FINISHED},
-    Stage.FINISHED: set(),
-}
-CANCELLABLE = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN)
-
-
-class Cancelled(Exception):
-    pass
-
-
-class Interrupted(Exception):
-    """The model is being stopped: the reload gives way and touches no unit."""
-
-
-@dataclass
-class Operation:
-    """One reload, as the D-Bus Operation object shows it."""
-
-    id: int
-    model: str
-    patch: dict
-    strategy: str = ""  # Strategy, once the preflight chose
-    state: State = State.RUNNING
-    stage: Stage = Stage.VALIDATE
-    error: str = ""
-    weights_reused: bool = False
-    restored: bool = False
-    created: float = field(default_factory=time.time)
-    finished: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    on_change: Optional[Callable[["Operation"], None]] = None
-    done_event: asyncio.Event = field(default_factory=asyncio.Event)
-    cancel_requested: bool = False
-    interrupt_requested: bool = False  # the model is being stopped
-    degraded: bool = False
-    asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
-
-    def cancel(self) -> None:
-        self.cancel_requested = True
-        self.asked.set()
-
-    def interrupt(self) -> None:
-        """The model is being stopped."""
-        self.interrupt_requested = True
-        self.asked.set()
-
-    def enter(self, stage: Stage) -> None:
-        if stage not in TRANSITIONS[self.stage]:
-            raise RuntimeError(f"reload {self.id}: no transition {self.stage.value} -> {stage.value}")
-        self.stage = stage
-        log.info(
-            "reload %d of %s: stage %s", self.id, self.model, stage.value,
-            extra={"hostd_model": self.model, "hostd_operation": str(self.id), "hostd_stage": stage.value},
-        )
-        self._changed()
-
-    def finish(self, state: State, error: str = "") -> None:
-        self.state, self.error, self.finished = state, error, time.time()
-        if self.stage != Stage.FINISHED:
-            self.stage = Stage.FINISHED
-        log.log(
-            logging.INFO if state == State.DONE else logging.WARNING,
-            "reload %d of %s %s%s", self.id, self.model, state.value, f": {error}" if error else "",
-            extra={"hostd_model": self.model, "hostd_operation": str(self.id),
-                   "hostd_stage": "finished", "message_id": MESSAGE_IDS[state.value]},
-        )
-        self._changed()
-        self.done_event.set()
-
-    def _changed(self) -> None:
-        if self.on_change:
-            self.on_change(self)
-
-
-# ---------------------------------------------------------------- files
-
-
-def read_text(path: Path) -> Optional[str]:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
-
-
-def restore_file(path: Path, content: Optional[str]) -> None:
-    if content is None:
-        remove_durably(path)
-    else:
-        write_atomic(path, content)
-
-
-def merge_patch(dropin: Path, patch: dict) -> dict:
-    """What DROPIN (90-reload.yaml) holds once PATCH is merged into its engine
-    section: the one place a patch meets the file, parsed by the config loader."""
-    try:
-        data = hostd_config.load.read_yaml(dropin).data if dropin.exists() else {}
-    except hostd_config.ConfigError as exc:
-        raise errors.InvalidValue(f"{RELOAD_DROPIN} cannot be merged with the patch:\n{exc}") from None
-    engine = data.get("engine")
-    return {**data, "engine": {**(engine if isinstance(engine, dict) else {}), **patch}}
-
 
 # ---------------------------------------------------------------- the run
 
@@ -273,6 +112,7 @@ class Reload:
         self.previous_reload: Optional[str] = None
         self.previous_rollback: Optional[str] = None
         self.reload_data: Optional[dict] = None  # 90-reload.yaml with the patch merged
+        self.reload_text: Optional[str] = None  # ... as the file root writes, within the loader's limits
         self.current = None  # effective config before the reload
         self.target = None  # effective config after it
         self.running_engine: Optional[dict] = None
@@ -312,16 +152,18 @@ class Reload:
         self.current = current.config
         health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
-        self.running_engine = (health or {}).get("engine_config") or (committed or {}).get("engine")
+        self.running_engine = previous_engine(current.config.backend, committed, health)
         if patch:
             self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch)
+            self.reload_text = render(RELOAD_DROPIN, RELOAD_HEADER, self.reload_data)
             self.target = self.config_with(self.reload_data, patch)
         else:
             self.target = current.config
         if committed is not None:
             self.check_fixed_unchanged(committed)
         if not patch and self.running_engine is None:
-            raise errors.NotRunning(f"the engine of {name} does not answer; cannot tell what it runs")
+            raise errors.NotRunning(f"the engine of {name} does not answer (or reports no valid engine section) "
+                                    "and nothing is committed; cannot tell what it runs")
         problems = self.model_backend_refusals(self.target)
         if problems:
             raise errors.InvalidValue("; ".join(problems))
@@ -366,7 +208,15 @@ class Reload:
                 f"run `systemctl restart {self.model.umbrella_unit}` (a full restart loads the weights again)",
             )
 
+    def weights_not_retained(self) -> str:
+        from hostd import backends
+
+        return backends.for_config(self.target).weights_not_retained(self.target) or ""
+
     def model_backend_refusals(self, cfg) -> list[str]:
+        """The backend's refusals from the config alone; never its
+        install_refusals(), which run upstream code (the engine unit checks
+        those as the model's user when it starts)."""
         from hostd import backends
 
         return backends.for_config(cfg).refusals(cfg)
@@ -407,9 +257,8 @@ class Reload:
             "target_engine": msgspec.to_builtins(self.target.engine),
             "weights": list(self.weights_before) if self.weights_before else None,
         })
-        if self.reload_data is not None:
-            header = "# Written by hostd's manager on reload; hostctl config NAME shows the effect.\n"
-            write_atomic(directory / RELOAD_DROPIN, header + yaml.safe_dump(self.reload_data, sort_keys=True))
+        if self.reload_text is not None:
+            write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
     async def drain(self) -> None:
         result = await self.model.probe.drain(self.current.reload.drain_timeout)
@@ -446,13 +295,10 @@ class Reload:
         else:
             # The new values came from the administrator's own drop-in: pin the
             # values the engine ran before above it rather than editing their file.
-            pinned = {"engine": self.running_engine}
-            write_atomic(
-                directory / ROLLBACK_DROPIN,
-                "# Written by hostd's manager: the reload of these values failed "
-                f"({cause.splitlines()[0][:200]}).\n# Remove this file once the config is fixed.\n"
-                + yaml.safe_dump(pinned, sort_keys=True),
-            )
+            if self.running_engine is None:
+                raise RuntimeError("no committed or schema-valid previous values to pin")
+            write_atomic(directory / ROLLBACK_DROPIN,
+                         render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine}))
             self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
         restored = hostd_config.load_model(self.model.name, self.model.root).config
         await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)
@@ -602,8 +448,14 @@ class Reload:
                 op.degraded = True
                 return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
             return self._end(State.ROLLED_BACK, cause)
-        # Verified: the engine attached the same weight daemon (PID, inode).
-        op.weights_reused = self.weights_before is not None
+        # Verified: the engine attached the same weight daemon (PID, inode),
+        # which holds the weights unless the backend says they are not retained.
+        not_retained = self.weights_not_retained()
+        op.weights_reused = self.weights_before is not None and not not_retained
+        if not_retained:
+            op.notes.append(f"weights not retained ({not_retained}): the engine loaded them from disk")
+            log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
+                     op.id, op.model, not_retained)
         try:
             await hand_back()
         except Exception as exc:  # the engine runs the target: commit, but say so
@@ -642,102 +494,6 @@ class Reload:
         # The next engine serves new requests: the main one restarts with the
         # target config (it finishes what it admitted first), then takes over.
         await self._replace_main(self._hand_back, "handing the gateway back to the main engine failed")
-
-
-# ---------------------------------------------------------------- recovery
-
-
-async def recover(model: Model, intent: dict) -> str:
-    """End the reload a previous manager left half done (INTENT is its record).
-    Returns what it did: committed, left (the engine runs the previous config),
-    restarted, or restored (the model is stopped: files only).
-
-    The decision is made on the main engine, whatever the strategy. After an
-    overlap reload nothing was drained (the gateway may be serving from the
-    second engine meanwhile), so the main engine restarts without a drain, and
-    at the end the gateway goes back to it and the second engine stops: exactly
-    one engine is left."""
-    name, probe, systemd = model.name, model.probe, model.systemd
-    where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
-    overlap = intent.get("strategy") == Strategy.OVERLAP.value
-    # An engine restarted just before the crash may still be starting: let it
-    # finish (or fail) before deciding what it runs.
-    await systemd.settle(model.engine_unit, timeout=300)
-    if overlap:
-        await systemd.settle(model.next_unit, timeout=300)
-    health = await probe.engine_health()
-    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
-        log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"), extra=where)
-        model.records.write_committed(name, model.load().config)
-        outcome = "committed"
-    else:
-        directory = model.dropins
-        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
-        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
-        previous = intent.get("previous_engine")
-        if health is not None and previous is not None and probe.runs(health, previous):
-            log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",
-                     name, intent.get("operation"), extra=where)
-            outcome = "left"
-        elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
-            log.warning("recovery: %s does not run the target of reload %s; restarting its engine%s",
-                        name, intent.get("operation"), "" if overlap else " after a drain", extra=where)
-            outcome = await (_restart_main(model, where) if overlap else _restart_drained(model))
-        else:  # never start a stopped model
-            log.info("recovery: %s is stopped; files restored", name, extra=where)
-            outcome = "restored"
-    if overlap:
-        await _leave_one_engine(model, outcome, where)
-    elif outcome != "restored":
-        try:
-            await probe.resume()
-        except Exception as exc:  # the gateway may be down; it starts serving on its own then
-            log.warning("recovery: resuming %s: %s", name, exc, extra=where)
-    model.records.drop_intent(name)
-    return outcome
-
-
-async def _restart_main(model: Model, where: dict) -> str:
-    """Restart the main engine with the config on disk (overlap: no drain)."""
-    try:
-        await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
-    except Exception as exc:
-        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
-    return "restarted"
-
-
-async def _leave_one_engine(model: Model, outcome: str, where: dict) -> None:
-    """After an overlap: the gateway back on the main engine, the next one stopped."""
-    main_answers = await model.probe.engine_health() is not None
-    if outcome != "restored" and main_answers:
-        try:
-            await model.probe.switch("main")
-        except Exception as exc:  # a gateway that is down starts on main by itself
-            log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc, extra=where)
-    if outcome == "restored" or main_answers:
-        await model.systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
-    else:
-        log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
-                  model.name, model.next_unit, extra=where)
-
-
-async def _restart_drained(model: Model) -> str:
-    """Restart the engine with the config on disk, after draining what it admitted."""
-    cfg = model.load().config
-    try:
-        result = await model.probe.drain(cfg.reload.drain_timeout)
-    except Exception as exc:  # no gateway: nothing was admitted through it
-        log.warning("recovery: draining %s: %s", model.name, exc)
-        result = {"drained": True}
-    if not result["drained"]:
-        log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
-                  "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit)
-        return "left"
-    try:
-        await model.systemd.restart(model.engine_unit, timeout=cfg.timeouts.start + 30)
-    except Exception as exc:
-        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc)
-    return "restarted"
 
 
 def patch_from_variants(patch: dict[str, Any]) -> dict:

@@ -14,18 +14,17 @@ A model's State follows its units' PropertiesChanged signals (systemd1.py)
 and its operations; nothing polls systemd. InFlight is the gateway's count,
 read from its control socket every few seconds while the model runs.
 
-Trust: anyone on the system bus may read (the D-Bus policy allows it);
-mutating methods are allowed by the policy only to root and the hostd-admin
-group, and checked again here (errors.admin): the caller's uid comes from the
-bus daemon (GetConnectionUnixUser), never from the message.
+Trust: anyone on the system bus may read and call (the D-Bus policy allows
+it, as systemd's does); before a mutating method the manager asks polkit
+(errors.admin, errors.authorize): root always may, the admin group by
+org.hostd1.rules, nobody else. The caller's uid comes from the bus daemon
+(GetConnectionUnixUser), never from the message.
 """
 
 import asyncio
 import contextvars
-import grp
 import json
 import logging
-import pwd
 from pathlib import Path
 from typing import Optional
 
@@ -37,7 +36,7 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 from hostd import config as hostd_config
 from hostd import units
 from hostd.config import schema
-from hostd.manager import api, errors
+from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
 from hostd.manager.errors import admin, replies
 from hostd.manager.probe import Probe
@@ -132,8 +131,22 @@ class OperationInterface(ServiceInterface):
     def FinishedUSec(self) -> "t":
         return int(self.op.finished * 1e6)
 
+    @dbus_property(access=PropertyAccess.READ)
+    def StageUSec(self) -> "t":
+        """When the current Stage began (CLOCK_REALTIME, µs): its elapsed time."""
+        return int(self.op.stage_entered * 1e6)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EngineStatus(self) -> "s":
+        """The engine unit's STATUS= line ("attaching weights", "warming up", ...)."""
+        return self.engine_status()
+
+    def engine_status(self) -> str:
+        props = self.manager.systemd.cached(units.engine(self.op.model)) or {}
+        return str(props.get("StatusText", ""))
+
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Cancel(self):
         op = self.op
         if op.state != RUNNING:
@@ -148,6 +161,7 @@ class OperationInterface(ServiceInterface):
             "Strategy": self.op.strategy,
             "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
             "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
+            "StageUSec": int(self.op.stage_entered * 1e6), "EngineStatus": self.engine_status(),
         })
 
     @property
@@ -176,12 +190,24 @@ def config_stamp(name: str, root: Path) -> tuple:
     return tuple(stamp)
 
 
+REDACTED = "<redacted>"
+
+
+def redacted(config: dict) -> dict:
+    """CONFIG with its env: values replaced by REDACTED, keys kept. Anyone on
+    the bus may read Config and RunningConfig, and env: holds secrets
+    (HF_TOKEN) of a YAML that may be 0600; root reads the files themselves."""
+    env = config.get("env")
+    return {**config, "env": dict.fromkeys(env, REDACTED)} if isinstance(env, dict) else config
+
+
 class ModelInterface(ServiceInterface):
     def __init__(self, manager: "Manager", name: str):
         super().__init__(api.MODEL)
         self.manager, self.model_name = manager, name  # self.name is the interface's
         self.path = api.model_path(name)
         self.units = (units.umbrella(name), units.engine(name))
+        self.weights_unit = units.weights(name)  # tracked too, for its PID
         self.state = "unknown"
         self.in_flight = 0
         self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
@@ -259,16 +285,44 @@ class ModelInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def Config(self) -> "s":
         loaded = self.loaded()
-        return json.dumps(msgspec.to_builtins(loaded.config)) if loaded else "{}"
+        return json.dumps(redacted(msgspec.to_builtins(loaded.config))) if loaded else "{}"
 
     @dbus_property(access=PropertyAccess.READ)
     def RunningConfig(self) -> "s":
-        return self.manager.records.committed_text(self.model_name) or "{}"
+        committed = self.manager.records.committed(self.model_name)
+        if committed is None:
+            return "{}"
+        return json.dumps({**committed, "fixed": redacted(committed.get("fixed") or {})})
 
     @dbus_property(access=PropertyAccess.READ)
     def EditableFields(self) -> "as":
         loaded = self.loaded()
         return list(schema.editable_fields(loaded.config.backend)) if loaded else []
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsRetained(self) -> "b":
+        """Does a weight cache daemon hold the weights now, so that engine
+        restarts attach them (a reload reuses them)? False for a model whose
+        config cannot retain them (WeightsNotRetainedReason) or whose weights
+        unit is not active."""
+        active = (self.manager.systemd.cached(self.weights_unit) or {}).get("ActiveState") == "active"
+        return active and not self.weights_not_retained()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsNotRetainedReason(self) -> "s":
+        """Why not, naming the setting; empty when they are retained."""
+        return self.weights_not_retained()
+
+    def weights_not_retained(self) -> str:
+        from hostd import backends
+
+        loaded = self.loaded()
+        if loaded is None:
+            return ""
+        try:
+            return backends.for_config(loaded.config).weights_not_retained(loaded.config) or ""
+        except backends.Refused:
+            return ""
 
     @dbus_property(access=PropertyAccess.READ)
     def ActiveOperation(self) -> "o":
@@ -279,8 +333,47 @@ class ModelInterface(ServiceInterface):
     def InFlight(self) -> "u":
         return self.in_flight
 
+    # What a script needs without a second tool (read with Get/GetAll; they
+    # follow the units, so only State and InFlight send PropertiesChanged).
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Units(self) -> "as":
+        name = self.model_name
+        return [units.umbrella(name), units.socket(name), units.engine(name), units.weights(name),
+                units.instance(units.WEIGHTS_SOCKET, name)]
+
+    def _pid(self, unit: str) -> int:
+        return int((self.manager.systemd.cached(unit) or {}).get("MainPID", 0) or 0)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def GatewayPID(self) -> "u":
+        return self._pid(self.units[0])
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EnginePID(self) -> "u":
+        return self._pid(self.units[1])
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsPID(self) -> "u":
+        return self._pid(self.weights_unit)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EngineStatus(self) -> "s":
+        return str((self.manager.systemd.cached(self.units[1]) or {}).get("StatusText", ""))
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Listen(self) -> "s":
+        loaded = self.loaded()
+        return str(loaded.config.listen) if loaded else ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def LastOperation(self) -> "o":
+        """The model's latest operation, running or finished, while it is on the bus."""
+        last = self.active
+        return last.path if last is not None and last.op.id in self.manager.operations else "/"
+
     @method()
-    @admin
+    @admin(api.RELOAD_ACTION)
     async def Reload(self, patch: "a{sv}") -> "o":
         return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
 
@@ -309,7 +402,7 @@ class Manager(ServiceInterface):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def require_admin(self) -> None:
+    async def require_admin(self, action: str = api.MANAGE_ACTION) -> None:
         sender = CALLER.get()
         if sender is None:
             raise errors.AccessDenied("unknown caller")
@@ -319,23 +412,16 @@ class Manager(ServiceInterface):
         ))
         if reply.message_type == MessageType.ERROR:
             raise errors.AccessDenied("cannot tell who the caller is")
-        uid = reply.body[0]
-        if uid == 0 or self.in_admin_group(uid):
-            return
-        raise errors.AccessDenied(f"uid {uid} may not change models: only root and members of {self.admin_group!r} may")
-
-    def in_admin_group(self, uid: int) -> bool:
-        try:
-            group = grp.getgrnam(self.admin_group)
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return user.pw_gid == group.gr_gid or user.pw_name in group.gr_mem
+        await errors.authorize(self.bus, sender, reply.body[0], action, self.admin_group)
 
     def model(self, name: str) -> ModelInterface:
         self.discover()
         if name not in self.models:
-            raise errors.NoSuchModel(f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
+            problem = schema.model_name_problem(name)
+            if problem is not None:  # never a path built from it: "../models/x" names no file
+                raise errors.NoSuchModel(problem)
+            raise errors.NoSuchModel(
+                f"no model {name!r}: {hostd_config.model_file(name, self.root)} does not exist")
         return self.models[name]
 
     def discover(self) -> None:
@@ -358,7 +444,7 @@ class Manager(ServiceInterface):
 
     async def track(self, model: ModelInterface) -> None:
         """Start following MODEL's units (one GetAll each); signals do the rest."""
-        for unit in model.units:
+        for unit in (*model.units, model.weights_unit):
             try:
                 await self.systemd.properties(unit)
             except Exception as exc:  # one model's trouble must not stop the others'
@@ -369,6 +455,9 @@ class Manager(ServiceInterface):
         model = self._by_unit.get(unit)
         if model is not None:
             model.refresh()
+            running = model.busy()
+            if running is not None and unit == model.units[1]:  # the engine's STATUS= for the operation
+                running.emit_properties_changed({"EngineStatus": running.engine_status()})
 
     def new_operation(self, model: ModelInterface, kind: str, patch: dict) -> OperationInterface:
         """An operation, not yet visible on the bus (see publish); MODEL is busy from here on."""
@@ -459,12 +548,12 @@ class Manager(ServiceInterface):
         return self.model(name).path
 
     @method()
-    @admin
+    @admin(api.RELOAD_ACTION)
     async def Reload(self, name: "s", patch: "a{sv}") -> "o":
         return await self.reload(name, reload_mod.patch_from_variants(patch))
 
     @method()
-    @admin
+    @admin(api.RELOAD_ACTION)
     async def ReloadJSON(self, name: "s", patch: "s") -> "o":
         try:
             data = (json.loads(patch) if patch.strip() else None) or {}
@@ -475,17 +564,17 @@ class Manager(ServiceInterface):
         return await self.reload(name, data)
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Start(self, name: "s") -> "o":
         return await self.unit_verb(name, "start")
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Stop(self, name: "s") -> "o":
         return await self.unit_verb(name, "stop")
 
     @method()
-    @admin
+    @admin(api.MANAGE_ACTION)
     async def Restart(self, name: "s") -> "o":
         return await self.unit_verb(name, "restart")
 
@@ -528,14 +617,14 @@ class Manager(ServiceInterface):
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     async def recover(self) -> None:
-        """End reloads a previous manager left half done (reload.recover)."""
+        """End reloads a previous manager left half done (recovery.recover)."""
         for name, model in list(self.models.items()):
             intent = self.records.intent(name)
             if intent is None:
                 continue
             where = reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load)
             try:
-                outcome = await reload_mod.recover(where, intent)
+                outcome = await recovery.recover(where, intent)
                 log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
             except Exception:
                 log.exception("recovery of %s failed; its intent record stays in %s", name,

@@ -115,7 +115,8 @@ class Systemd:
         event = self._changed.pop(name, None)
         if event is not None:
             event.set()
-        if self.on_unit_change and ("ActiveState" in changed and changed["ActiveState"] != before):
+        if self.on_unit_change and (("ActiveState" in changed and changed["ActiveState"] != before)
+                                    or "StatusText" in changed):
             self.on_unit_change(name, dict(props))
 
     # ------------------------------------------------------------ state

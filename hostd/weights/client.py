@@ -34,11 +34,9 @@ class Attached:
 
 
 def _exchange(path: Path, request) -> tuple[protocol.Response, list[int], int]:
-    st = sockets.check_socket_path(path)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(protocol.TIMEOUT)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        conn.connect(str(path))
+    with sockets.connect(path, protocol.TIMEOUT) as conn:
+        st = conn.file_stat
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # before we send: the answer carries it
         protocol.send_frame(conn, request)
         response, fds, peer_pid = protocol.recv_response(conn)
     if isinstance(response, (protocol.Status, protocol.Attach)):

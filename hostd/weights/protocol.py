@@ -123,6 +123,9 @@ class Status(msgspec.Struct, tag="status"):
     clients_served: int
     upstream_pids: list[int] = []
     upstream_socket_inodes: dict[str, int] = {}
+    # Empty while the weights are held here or upstream; else why they are not
+    # (an upstream backend without its weight cache: the engine loads from disk).
+    not_retained: str = ""
 
 
 class Attach(msgspec.Struct, tag="attach"):

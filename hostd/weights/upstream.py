@@ -40,11 +40,6 @@ from hostd.weights import listener as listener_mod
 
 log = logging.getLogger("hostd.weights")
 
-# The GPU UUID in an upstream file name: vLLM's vllm_weight_cache_GPU-....sock,
-# SGLang's {device_uuid}.sock from our template.
-GPU_UUID = re.compile(r"(GPU-[0-9a-fA-F-]{36}|MIG-[0-9a-fA-F-]{36})")
-
-
 def upstream_sockets(directory: Path) -> dict[str, int]:
     """{socket file name: inode} of the Unix sockets in DIRECTORY."""
     found = {}
@@ -90,7 +85,8 @@ def clear_directory(directory: Path) -> None:
     sockets.ensure_private_dir(directory.parent)  # /run/hostd/NAME first: 0700, not umask's mode
     sockets.ensure_private_dir(directory)
     for entry in os.scandir(directory):
-        if entry.is_file(follow_symlinks=False) or entry.is_socket() or entry.is_symlink():
+        if entry.is_file(follow_symlinks=False) or entry.is_symlink() or \
+                stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
             os.unlink(entry.path)
 
 
@@ -104,6 +100,9 @@ class Supervisor:
         self.socket_inode = 0
         self.loaded_at = 0.0
         self.stopping = threading.Event()
+        # Why the weight cache does not hold this model's weights, or None:
+        # then no upstream daemon runs and this process only answers status.
+        self.not_retained = self.backend.weights_not_retained(cfg)
 
     # ------------------------------------------------------------ child
 
@@ -149,8 +148,10 @@ class Supervisor:
     # ------------------------------------------------------------ status
 
     def compute_fingerprint(self) -> protocol.Fingerprint:
-        uuids = sorted({m.group(1) for n in upstream_sockets(self.directory) if (m := GPU_UUID.search(n))})
+        uuids = self.backend.socket_devices(list(upstream_sockets(self.directory)), self.cfg)
         device = "cuda:" + ",".join(uuids) if uuids else "cuda:" + ",".join(map(str, self.cfg.gpus))
+        if self.cfg.device == "cpu":
+            device = "cpu"
         try:
             return fingerprint.compute(
                 Path(self.cfg.model),
@@ -170,8 +171,8 @@ class Supervisor:
             )
 
     def status(self) -> protocol.Status:
-        assert self.child and self.fingerprint
-        pids = [self.child.pid, *child_pids(self.child.pid), *ready_pids(self.directory)]
+        assert self.fingerprint
+        pids = [self.child.pid, *child_pids(self.child.pid), *ready_pids(self.directory)] if self.child else []
         return protocol.Status(
             fingerprint=self.fingerprint,
             pid=os.getpid(),
@@ -182,9 +183,12 @@ class Supervisor:
             clients_served=0,
             upstream_pids=list(dict.fromkeys(pids)),
             upstream_socket_inodes=upstream_sockets(self.directory),
+            not_retained=self.not_retained or "",
         )
 
     def summary(self) -> str:
+        if self.not_retained:
+            return f"weights of {self.name} not retained: {self.not_retained}; the engine loads them from disk"
         count = len(upstream_sockets(self.directory))
         return f"{self.cfg.backend} weight cache for {self.name}: {count} socket(s), upstream pid {self.child.pid if self.child else '-'}"
 
@@ -201,6 +205,27 @@ class Supervisor:
                 message=f"the weights of {self.name} are held by {self.cfg.backend}; its engine "
                 f"attaches through the upstream sockets in {self.directory}, not weights.sock"
             ))
+
+
+def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path) -> int:
+    """No weight cache for this model (supervisor.not_retained says why): run
+    no upstream daemon, answer status on weights.sock, saying the weights are
+    not retained, until stopped. The engine unit still binds to this one, so a
+    reload restarts only the engine, which loads from disk."""
+    log.warning("weights of %s are not retained: %s; the %s engine loads them from disk on "
+                "every start", supervisor.name, supervisor.not_retained, supervisor.cfg.backend)
+    with systemd.ExtendTimeout():
+        supervisor.fingerprint = supervisor.compute_fingerprint()
+    supervisor.loaded_at = time.time()
+    listener = passed[0] if passed else sockets.bind_private(socket_path)
+    try:
+        supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
+        threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
+        systemd.notify("READY=1", f"STATUS={supervisor.summary()}")
+        supervisor.stopping.wait()
+        return 0
+    finally:
+        sockets.release(listener)
 
 
 def run(args, cfg) -> int:
@@ -225,6 +250,8 @@ def run(args, cfg) -> int:
     passed = systemd.listen_sockets()
     listener = None
     try:
+        if supervisor.not_retained:
+            return serve_without_cache(supervisor, passed, socket_path)
         supervisor.start_child()
         systemd.status(f"{cfg.backend} is loading {cfg.model}")
         with systemd.ExtendTimeout():
@@ -253,7 +280,11 @@ def run(args, cfg) -> int:
         log.info("upstream weight cache stopped (exit %s)", code)
         return 0
     finally:
-        if supervisor.child is not None and supervisor.child.poll() is None:
-            supervisor.stop_child()
+        if supervisor.child is not None:
+            if supervisor.child.poll() is None:
+                supervisor.stop_child()
+            # Upstream's daemons install no SIGTERM handler: their sockets,
+            # lock and .ready files outlive them. Nothing serves them now.
+            clear_directory(supervisor.directory)
         if listener is not None:
             sockets.release(listener)

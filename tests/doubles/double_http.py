@@ -1,9 +1,12 @@
 """TEST DOUBLE support: exists only to test hostd's orchestration of vLLM and SGLang.
 
-A tiny stdlib HTTP server shared by the `vllm` and `sglang` doubles: /health,
-/v1/models and /v1/completions with canned text, on a Unix socket or a TCP
-port, and upstream's SIGTERM behaviour (stop at once, drain up to a timeout,
-or drain without limit). Nothing here loads a model or needs a GPU.
+A tiny stdlib HTTP server shared by the `vllm` and `sglang` doubles: /health
+(and SGLang's /ready), /v1/models and /v1/completions with canned text, on a
+Unix socket or a TCP port, and upstream's SIGTERM behaviour (stop at once,
+drain up to a timeout, or drain without limit) as observed: vLLM's /health
+stays 200 while it drains and new requests get HTTP 500; SGLang's /health runs
+a generation (HOSTD_TEST_HEALTH_SECONDS stands for its duration). Nothing here
+loads a model or needs a GPU.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
     """Serve until SIGTERM/SIGINT; then drain for SHUTDOWN_TIMEOUT seconds
     (0: abort at once, None: without limit, as SGLang). Returns the exit code."""
     state = State()
+    flavour = health.get("double")
     delay = float(os.environ.get("HOSTD_TEST_COMPLETION_SECONDS", "0"))
 
     class Handler(BaseHTTPRequestHandler):
@@ -80,7 +84,13 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            if self.path == "/health":
+            if self.path == "/health" and flavour == "vllm":
+                self._send(200, health)  # vLLM: still 200 while it drains
+            elif self.path == "/health":
+                # SGLang's /health runs a one-token generation (up to 20 s).
+                time.sleep(float(os.environ.get("HOSTD_TEST_HEALTH_SECONDS", "0")))
+                self._send(503 if state.draining else 200, health)
+            elif self.path == "/ready" and flavour == "sglang":
                 self._send(503 if state.draining else 200, health)
             elif self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": served_name, "object": "model"}]})
@@ -94,8 +104,8 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
                 return
             with state.lock:
-                if state.draining:
-                    self._send(503, {"error": {"message": "server is shutting down"}})
+                if state.draining:  # vLLM answers 500 to new requests while it drains
+                    self._send(500 if flavour == "vllm" else 503, {"error": {"message": "server is shutting down"}})
                     return
                 state.inflight += 1
             try:

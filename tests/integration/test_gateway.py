@@ -190,11 +190,16 @@ def test_control_peer_with_another_uid_is_refused(served: ModelTree):
         os.chmod(path.parent, 0o711)
         os.chmod(path, 0o666)
         def drain_as_nobody() -> str:
-            try:
-                control.call(path, "drain", timeout=5.0)
-            except control.ControlError as exc:
-                return f"refused: {exc}"
-            return "answered"
+            # A raw connection: control.call would refuse a root-owned socket on
+            # nobody's side before the gateway's own peer check is reached.
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.settimeout(10)
+                conn.connect(str(path))
+                try:
+                    conn.sendall(b'{"verb": "drain", "timeout": 5}\n')
+                    return "answered" if conn.recv(4096) else "refused"
+                except (BrokenPipeError, ConnectionResetError) as exc:  # closed before a byte is read
+                    return f"refused: {exc}"
 
         outcome = as_other_user(drain_as_nobody)
         assert outcome.startswith("refused"), outcome

@@ -5,6 +5,7 @@ sockets, upstream death, and hostd's bound on SGLang's unbounded drain."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -72,7 +73,12 @@ def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, s
     assert len(before.upstream_socket_inodes) == 2
     assert before.upstream_pids and weights.pid not in before.upstream_pids
     assert before.fingerprint.backend == backend
-    assert before.fingerprint.device.startswith("cuda:GPU-12345678-1234-1234-1234-12345678")
+    uuids = [f"{UUID[:-4]}{index:04x}" for index in (0, 1)]
+    if backend == "vllm":  # sockets named after md5(UUID): hostd reads the GPUs from them
+        digests = sorted(hashlib.md5(u.encode()).hexdigest() for u in uuids)
+        assert before.fingerprint.device == "cuda:" + ",".join(f"md5:{d}" for d in digests)
+    else:
+        assert before.fingerprint.device == "cuda:" + ",".join(uuids)
 
     engine = tree.start_engine(timeout=60)
     health = tree.health()
@@ -112,7 +118,7 @@ def test_stopping_the_weights_supervisor_stops_upstream_and_clears_its_sockets(b
     trees.append(tree)
     weights = tree.start_weights(timeout=60)
     status = weights_client.status(tree.weights_socket)
-    assert weights.stop() == 0
+    assert weights.stop() == 0, weights.log()
     for pid in status.upstream_pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     upstream_dir = tree.runtime_dir / backend
@@ -160,3 +166,43 @@ def test_vllm_engine_failure_exits_non_zero(short_root, checkpoint, trees):
     engine = tree.start_engine(wait=False)
     assert engine.proc.wait(60) == 1
     wait_for(lambda: "exited with" in engine.log(), 10, "the engine's error in its log")
+
+
+def test_sglang_engine_is_ready_while_its_generating_health_is_slow(short_root, checkpoint, trees):
+    """SGLang's /health runs a one-token generation that may take up to 20 s;
+    hostd probes /ready, so a slow /health never holds back (or fails) the start."""
+    tree = tree_for(short_root, checkpoint, "sglang", env={"HOSTD_TEST_HEALTH_SECONDS": "15"})
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    started = time.monotonic()
+    tree.start_engine(timeout=40)
+    assert time.monotonic() - started < 30
+    with tree.http(timeout=30) as http:
+        assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_without_the_weight_cache_no_daemon_runs_and_an_engine_restart_loads_from_disk(
+        backend, short_root, checkpoint, trees):
+    """device: cpu: upstream's weight cache cannot run (CUDA IPC only), so the
+    weights unit starts no upstream daemon and says why; the engine loads from
+    disk, and an engine restart keeps the weights unit (what a reload relies on)."""
+    tree = tree_for(short_root, checkpoint, backend, device="cpu")
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    status = weights_client.status(tree.weights_socket)
+    assert status.upstream_pids == [] and status.upstream_socket_inodes == {}
+    assert status.not_retained.startswith("device: cpu") and status.fingerprint.device == "cpu"
+    assert "not retained" in weights.log()
+    engine = tree.start_engine(timeout=60)
+    health = tree.health()
+    assert health["weights"] == "disk" and health["weights_not_retained"].startswith("device: cpu")
+    argv = Path(f"/proc/{health['upstream_pid']}/cmdline").read_bytes().split(b"\0")
+    assert b"--uds" in argv or b"--port" in argv
+    assert b"ipc_cache" not in argv and b"--weight-cache-mode" not in argv
+    assert "not retained" in engine.log()
+    with tree.http() as http:
+        assert http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1}).status_code == 200
+    assert engine.stop() == 0
+    tree.start_engine(timeout=60)
+    assert weights_client.status(tree.weights_socket).pid == weights.pid == tree.health()["weights_pid"]

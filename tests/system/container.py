@@ -18,8 +18,9 @@ host's ``/usr`` mounted in, read-only; ``/etc``, ``/var`` and ``/tmp`` are the
 container's own and vanish with it.  Nothing of the host is visible inside
 except what is bound in explicitly: the checkout and the Python installation
 (both read-only), a host directory that becomes ``/etc/systemd/system``
-(writable, so tests can install unit files), a fixed ``/etc/machine-id`` and
-any extra binds a test asks for.  The host's ``/tmp`` is never bound.
+(writable, so tests can install unit files), a fixed ``/etc/machine-id``,
+writable overlays over ``/usr/local`` and ``/usr/share/dbus-1`` (see
+WRITABLE_USR) and any extra binds a test asks for.  The host's ``/tmp`` is never bound.
 
 ``--register=no --keep-unit`` keep nspawn from talking to a host systemd or
 systemd-machined (there is none).  Commands run inside through
@@ -62,6 +63,18 @@ AllowIsolate=yes
 
 #: Where the writable units directory appears inside the container.
 CONTAINER_UNITS_DIR = "/etc/systemd/system"
+
+#: polkitd reads actions only under /usr, which is the host's and read-only
+#: inside: each gets an empty writable directory of the container's own, so
+#: `hostd install` can put its polkit files where a real host has them.
+POLKIT_DIRS = ("/usr/share/polkit-1/actions", "/usr/share/polkit-1/rules.d")
+
+#: Host directories under the read-only /usr that the container sees
+#: writable, through an overlay whose upper layer nspawn keeps in a temporary
+#: directory and removes with the container: where `hostd install` puts vendor
+#: files (/usr/local/lib/systemd, /usr/local/bin, dbus-daemon's
+#: /usr/share/dbus-1). The host's own directories are never written.
+WRITABLE_USR = ("/usr/local", "/usr/share/dbus-1")
 
 #: Environment for commands run inside the container; nothing of the
 #: caller's environment (virtualenv, pyenv shims, pager settings) leaks in.
@@ -281,6 +294,8 @@ class SystemdContainer:
         binds = [Bind(p, p) for p in _dedupe([self.checkout, *python_paths()])]
         binds.append(Bind(self.units_dir, Path(CONTAINER_UNITS_DIR), readonly=False))
         binds.append(Bind(self.workdir / "machine-id", Path("/etc/machine-id")))
+        binds += [Bind(self.workdir / Path(d).name, Path(d), readonly=False) for d in POLKIT_DIRS
+                  if Path(d).is_dir()]
         return binds + self._extra_binds
 
     @property
@@ -300,6 +315,7 @@ class SystemdContainer:
             "--boot",
             f"--machine={self.machine}",
             *(b.nspawn_arg() for b in self.binds),
+            *(f"--overlay={_escape(Path(d))}::{_escape(Path(d))}" for d in WRITABLE_USR if Path(d).is_dir()),
             "--",
             # firstboot=off: never prompt.  A pre-made /etc/machine-id also
             # keeps systemd out of first-boot mode, so it does not run
@@ -361,6 +377,8 @@ class SystemdContainer:
         if not mask.is_symlink():
             mask.symlink_to("/dev/null")
         (self.workdir / "machine-id").write_text(secrets.token_hex(16) + "\n")
+        for directory in POLKIT_DIRS:
+            (self.workdir / Path(directory).name).mkdir(exist_ok=True)
 
     def _find_pid1(self, deadline: float) -> int:
         """The container's PID 1: the child of nspawn that has exec'd systemd."""

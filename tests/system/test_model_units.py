@@ -130,12 +130,12 @@ def test_engine_restart_keeps_weights_daemon_socket_and_gateway(running):
     assert greedy(host) == output
 
 
-def test_private_runtime_dir_is_0700_hostd_and_survives_engine_and_weights_restarts(running):
+def test_private_runtime_dir_is_0700_the_models_user_and_survives_engine_and_weights_restarts(running):
     host = running
 
     def check() -> None:
-        assert stat(host, "/run/hostd/tiny") | {"inode": 0} == {"inode": 0, "mode": "700", "owner": "hostd"}
-        assert stat(host, "/run/hostd/tiny/weights.sock") | {"inode": 0} == {"inode": 0, "mode": "600", "owner": "hostd"}
+        assert stat(host, "/run/hostd/tiny") | {"inode": 0} == {"inode": 0, "mode": "700", "owner": "hostd-tiny"}
+        assert stat(host, "/run/hostd/tiny/weights.sock") | {"inode": 0} == {"inode": 0, "mode": "600", "owner": "hostd-tiny"}
         for name in ("engine.sock", "control.sock"):
             assert stat(host, f"/run/hostd/tiny/{name}")["mode"] == "600"
 
@@ -197,7 +197,7 @@ def test_stop_stops_everything_closes_the_socket_and_removes_the_runtime_dir(run
     wait_for(lambda: set(active(host, *everything)) == {"inactive"}, timeout=120, what="all inactive")
     assert status_code(host) == 0  # nothing listens on the public address
     assert host.run(["test", "-e", "/run/hostd/tiny"], check=False).returncode == 1
-    assert host.run(["pgrep", "-u", "hostd"], check=False).stdout.strip() == ""
+    assert host.run(["pgrep", "-u", "hostd-tiny"], check=False).stdout.strip() == ""
 
 
 def test_units_verify(host):
@@ -209,15 +209,26 @@ def test_units_verify(host):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_a_broken_model_yaml_is_skipped_and_never_fails_daemon_reload(host):
+def test_a_broken_model_yaml_never_fails_daemon_reload_and_its_start_names_the_file(host):
     host.write_file("/etc/hostd/models/broken.yaml", "backend: builtin\nmodel: [\n")
     try:
         host.systemctl("daemon-reload")
         generated = host.run(["ls", "/run/systemd/generator"]).stdout.split()
         assert "model@tiny.socket.d" in generated
-        assert not any("broken" in name for name in generated)
+        assert "model-engine@broken.service.d" not in generated
         logged = host.run(["journalctl", "-b", "--no-pager", "-o", "cat"]).stdout
         assert "hostd-generator: skipping model 'broken'" in logged
+        # Not systemd's "Unit has no Listen setting": the file and the problem.
+        start = host.systemctl("start", "model@broken.service", check=False, timeout=120)
+        assert start.returncode != 0
+        status = host.systemctl("status", "--no-pager", "model@broken.service", check=False).stdout
+        assert "INVALID CONFIG /etc/hostd/models/broken.yaml" in status
+        journal = host.run(["journalctl", "--no-pager", "-o", "cat", "-u", "model@broken.socket"]).stdout
+        assert ("hostd: model broken is not started: invalid configuration: "
+                "/etc/hostd/models/broken.yaml:3: malformed YAML") in journal
+        source = host.systemctl("show", "-p", "SourcePath", "--value", "model@tiny.socket").stdout.strip()
+        assert source == "/etc/hostd/models/tiny.yaml"
     finally:
         host.run(["rm", "-f", "/etc/hostd/models/broken.yaml"])
+        host.systemctl("reset-failed", check=False)
         host.systemctl("daemon-reload")

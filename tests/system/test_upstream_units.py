@@ -124,7 +124,6 @@ def test_start_reload_keeps_upstream_weights_and_rollback_restores(host, backend
 
 REFUSALS = [
     # (backend, YAML keys, env lines, words the refusal must contain)
-    ("vllm", "quantization: gptq\n", "", "quantization"),
     ("vllm", "extra_args: ['--enable-lora']\n", "", "LoRA"),
     ("vllm", "extra_args: ['--speculative-config', '{}']\n", "", "speculative"),
     ("vllm", "extra_args: ['--enable-sleep-mode']\n", "", "sleep"),
@@ -132,7 +131,6 @@ REFUSALS = [
     ("vllm", "pipeline_parallel_size: 2\ngpus: [0, 1]\ntensor_parallel_size: 1\n", "", "pipeline"),
     ("vllm", "", "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n", "expandable_segments"),
     ("vllm", "", "  HOSTD_TEST_VLLM_VERSION: 0.30.0\n", "0.30.0"),
-    ("sglang", "quantization: awq\n", "", "quantization"),
     ("sglang", "extra_args: ['--lora-paths', 'a=/x']\n", "", "LoRA"),
     ("sglang", "extra_args: ['--speculative-algorithm', 'EAGLE']\n", "", "speculative"),
     ("sglang", "extra_args: ['--enable-memory-saver']\n", "", "sleep"),

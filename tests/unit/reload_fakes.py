@@ -20,6 +20,7 @@ import msgspec
 from dbus_fast import Message, Variant
 
 from hostd import config, units
+from hostd.manager import recovery
 from hostd.manager import reload as R
 from hostd.manager.probe import Probe, VerifyFailed
 from hostd.manager.records import Records
@@ -225,7 +226,7 @@ class World:
 
     async def recover(self, intent: dict) -> str:
         await self.connect()
-        return await R.recover(self.model(), intent)
+        return await recovery.recover(self.model(), intent)
 
     async def reload(self, patch: dict, during=None) -> R.Operation:
         """Check and run one reload; DURING(op) runs once the drain has begun."""

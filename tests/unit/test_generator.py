@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hostd import generator
 
 
@@ -16,10 +18,11 @@ def model(root: Path, name: str, text: str) -> None:
     (root / "models" / f"{name}.yaml").write_text(text)
 
 
-def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path: Path, capsys, monkeypatch):
+def test_generator_writes_dropins_for_good_models_and_failing_ones_for_broken_ones(tmp_path: Path, capsys, monkeypatch):
     monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
     etc, out = tmp_path / "etc", tmp_path / "out"
-    model(etc, "good", "backend: builtin\nmodel: /m\nlisten: '[::1]:8001'\ntimeouts: {start: 60, stop: 30}\n")
+    model(etc, "good", "backend: builtin\nmodel: /m\nlisten: '[::1]:8001'\ntimeouts: {start: 60, stop: 30}\n"
+                       "gateway: {api_keys: /etc/hostd/keys/good}\n")
     model(etc, "gpu", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [2, 3]\nautostart: true\n")
     model(etc, "broken", "backend: builtin\nmodel: [\n")
 
@@ -27,8 +30,19 @@ def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path
 
     assert names == ["good", "gpu"]
     assert "skipping model 'broken'" in capsys.readouterr().err
-    assert not any("broken" in p.name for p in out.rglob("*"))
-    assert (out / "model@good.socket.d/50-hostd.conf").read_text().endswith("[Socket]\nListenStream=[::1]:8001\n")
+    # The broken model's socket fails at start, saying which file and why.
+    socket = (out / "model@broken.socket.d/50-hostd.conf").read_text()
+    assert f"SourcePath={etc}/models/broken.yaml" in socket
+    assert f'ExecStartPre=/bin/echo "hostd: model broken is not started: invalid configuration: {etc}/models/broken.yaml:3: malformed YAML' in socket
+    assert "ExecStartPre=/bin/false" in socket
+    assert f"Description=hostd model broken: INVALID CONFIG {etc}/models/broken.yaml" in (
+        out / "model@broken.service.d/50-hostd.conf").read_text()
+    assert not (out / "model-engine@broken.service.d").exists()
+    good = (out / "model@good.socket.d/50-hostd.conf").read_text()
+    assert "[Socket]\nListenStream=[::1]:8001\n" in good and f"SourcePath={etc}/models/good.yaml" in good
+    gateway = (out / "model@good.service.d/50-hostd.conf").read_text()
+    assert "LoadCredential=api-keys:/etc/hostd/keys/good\n" in gateway
+    assert "LoadCredential" not in (out / "model@gpu.service.d/50-hostd.conf").read_text()
     engine = (out / "model-engine@good.service.d/50-hostd.conf").read_text()
     assert "TimeoutStartSec=60\nTimeoutStopSec=30" in engine and "DeviceAllow" not in engine
     gpu = (out / "model-weights@gpu.service.d/50-hostd.conf").read_text()
@@ -38,6 +52,27 @@ def test_generator_writes_dropins_for_good_models_and_skips_broken_ones(tmp_path
     link = out / "multi-user.target.wants/model@gpu.service"
     assert link.is_symlink() and os.readlink(link) == "/etc/systemd/system/model@.service"
     assert not (out / "multi-user.target.wants/model@good.service").exists()
+
+
+def test_invalid_config_message_is_quoted_for_the_unit_file_command_line():
+    assert generator._unit_quote('a "b" 50% $HOME\\n\nnext') == '"a \\"b\\" 50%% $$HOME\\\\n next"'
+
+
+def test_dry_run_prints_what_it_would_write_and_writes_nothing(tmp_path: Path):
+    etc = tmp_path / "etc"
+    model(etc, "good", "backend: builtin\nmodel: /m\nlisten: 127.0.0.1:8001\nautostart: true\n")
+    for option in ("--dry-run", "--dryrun"):
+        result = subprocess.run([sys.executable, "-m", "hostd.generator", option], cwd=tmp_path,
+                                env={**os.environ, "HOSTD_CONFIG_DIR": str(etc), "HOSTD_UNIT_DIR": "/u"},
+                                capture_output=True, text=True, check=True)
+        assert "# model@good.socket.d/50-hostd.conf\n" in result.stdout
+        assert "ListenStream=127.0.0.1:8001" in result.stdout
+        assert "# multi-user.target.wants/model@good.service -> /u/model@.service" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]  # nothing written, no "--dryrun" directory
+    bad = subprocess.run([sys.executable, "-m", "hostd.generator", "--bogus"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]
 
 
 def test_generator_never_fails_even_on_an_unreadable_tree(tmp_path: Path):
@@ -54,13 +89,25 @@ def test_install_and_uninstall_under_a_root(tmp_path: Path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "hostd.main", *a, "--root", str(root), "--no-reload"],  # noqa: E731
                                     capture_output=True, text=True, check=True)
     run("install")
-    unit = (root / "etc/systemd/system/model-engine@.service").read_text()
+    # Vendor files where systemd and dbus-daemon read them; /etc is the administrator's.
+    unit = (root / "usr/local/lib/systemd/system/model-engine@.service").read_text()
     assert f"ExecStart={sys.executable} -m hostd.main engine %i" in unit
     assert "BindsTo=model-weights@%i.service" in unit and "@" + "USER@" not in unit
-    assert os.access(root / "etc/systemd/system-generators/hostd-generator", os.X_OK)
-    for path in ("etc/sysusers.d/hostd.conf", "etc/tmpfiles.d/hostd.conf",
-                 "etc/dbus-1/system.d/org.hostd1.conf", "etc/hostd/hostd.yaml"):
+    assert os.access(root / "usr/local/lib/systemd/system-generators/hostd-generator", os.X_OK)
+    for path in ("usr/local/lib/sysusers.d/hostd.conf", "usr/local/lib/tmpfiles.d/hostd.conf",
+                 "usr/share/dbus-1/system.d/org.hostd1.conf", "etc/hostd/hostd.yaml"):
         assert (root / path).is_file(), path
+    activation = (root / "usr/local/share/dbus-1/system-services/org.hostd1.service").read_text()
+    assert "Name=org.hostd1" in activation and "SystemdService=hostd.service" in activation
+    assert not (root / "etc/systemd").exists() and not (root / "etc/dbus-1").exists()
+    page = (root / "usr/local/share/man/man1/hostctl.1").read_text()
+    assert page.startswith('.TH HOSTCTL "1"') and "\\-\\-json" in page and "status" in page
+    assert ".B engine.max_num_seqs" in (root / "usr/local/share/man/man5/hostd.yaml.5").read_text()
+    assert (root / "usr/local/share/man/man8/hostd.8").read_text().startswith('.TH HOSTD "8"')
+    completion = (root / "usr/local/share/bash-completion/completions/hostctl").read_text()
+    assert "complete " in completion and "reload" in completion and "--no-legend" in completion
+    for command in ("hostd", "hostctl"):  # on root's PATH
+        assert os.readlink(root / "usr/local/bin" / command) == str(Path(sys.executable).parent / command)
 
     run("uninstall")
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
@@ -73,6 +120,26 @@ def test_install_under_tmp_keeps_the_services_able_to_see_it(tmp_path: Path):
     root = tmp_path / "root"
     subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload",
                     "--python", "/tmp/ci/.venv/bin/python"], capture_output=True, text=True, check=True)
-    unit = (root / "etc/systemd/system/model-weights@.service").read_text()
+    unit = (root / "usr/local/lib/systemd/system/model-weights@.service").read_text()
     assert "PrivateTmp=no" in unit and "Environment=TMPDIR=%C/hostd/%i" in unit
     assert "PrivateTmp=yes" not in unit
+
+
+def test_installed_wheel_finds_its_data_files_under_the_prefix_not_in_site_packages(tmp_path: Path, monkeypatch):
+    """The bug of a regular `pip install`: site-packages holds the PyPI library
+    `packaging/`, which is not hostd's; the wheel's files are in <prefix>/share/hostd."""
+    from hostd import install
+
+    site = tmp_path / "lib/python3/site-packages"
+    (site / "packaging").mkdir(parents=True)
+    (site / "units").mkdir()
+    share = tmp_path / "share/hostd/packaging"
+    share.mkdir(parents=True)
+    (share / "hardening.conf").write_text("UMask=0077\n")
+    monkeypatch.setattr(install, "CHECKOUT", site)
+    monkeypatch.setattr(install.sys, "prefix", str(tmp_path))
+    assert install.data_dir("packaging") == share
+    assert install.docs_dir() == str(tmp_path / "share/doc/hostd")
+    monkeypatch.setattr(install.sys, "prefix", str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match="reinstall hostd"):
+        install.data_dir("units")

@@ -68,11 +68,33 @@ def test_check_lists_every_problem_and_fails(tmp_path: Path):
     assert "60-bad.yaml" not in only.stderr and "other.yaml" in only.stderr
 
 
-def test_config_of_a_broken_model_exits_non_zero_with_the_problem(tmp_path: Path):
+def test_config_of_a_missing_model_exits_4_as_systemctl_does_for_no_such_unit(tmp_path: Path):
     make_tree(tmp_path)
     result = hostctl("--config-dir", str(tmp_path), "config", "nosuch")
-    assert result.returncode == 1
-    assert "no such model" in result.stderr
+    assert result.returncode == 4
+    assert result.stderr == f"hostctl: no such model 'nosuch': {tmp_path}/models/nosuch.yaml does not exist\n"
+    result = hostctl("--config-dir", str(tmp_path), "config", "../models/tiny")
+    assert result.returncode == 4 and "is not allowed: use letters" in result.stderr
+
+
+def test_version_json_modes_and_one_line_errors_without_a_bus(tmp_path: Path, monkeypatch):
+    make_tree(tmp_path)
+    assert hostctl("--version").stdout.startswith("hostctl (hostd) ")
+    short = hostctl("--config-dir", str(tmp_path), "--json=short", "config", "tiny").stdout
+    pretty = hostctl("--config-dir", str(tmp_path), "config", "tiny", "--json=pretty").stdout
+    assert short.count("\n") == 1 and json.loads(short) == json.loads(pretty) and pretty.count("\n") > 5
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={tmp_path}/no-bus")
+    for command in (["list"], ["status"], ["status", "tiny", "--no-pager"], ["reload", "tiny", "max_num_seqs=2"]):
+        result = hostctl(*command)
+        assert result.returncode == 1, command
+        assert result.stderr.startswith("hostctl: cannot reach the system bus") and result.stderr.count("\n") == 1
+
+
+def test_a_closed_pipe_is_no_traceback(tmp_path: Path):
+    make_tree(tmp_path)
+    result = subprocess.run(f"{sys.executable} -m hostd.hostctl --config-dir {tmp_path} config tiny --json | head -1",
+                            shell=True, capture_output=True, text=True)
+    assert result.stdout == "{\n" and result.stderr == ""
 
 
 def test_edit_saves_a_valid_dropin_and_refuses_an_invalid_one(tmp_path: Path, monkeypatch):
@@ -96,3 +118,21 @@ def test_edit_saves_a_valid_dropin_and_refuses_an_invalid_one(tmp_path: Path, mo
     assert good.returncode == 0, good.stderr
     assert target.read_text() == "engine:\n  max_num_seqs: 6\n"
     assert "systemctl reload model@tiny" in good.stdout
+
+
+def test_check_reports_a_bad_dropin_value_at_its_own_line_even_when_a_later_dropin_shadows_it(tmp_path: Path):
+    make_tree(tmp_path)
+    bad = tmp_path / "models/tiny.d/70-badtype.yaml"
+    bad.write_text("# an administrator's drop-in\nengine:\n  max_num_seqs: lots\n")
+    (tmp_path / "models/tiny.d/90-reload.yaml").write_text("engine:\n  max_num_seqs: 8\n")
+    result = hostctl("--config-dir", str(tmp_path), "config", "--check")
+    assert result.returncode == 1
+    assert f"{bad}:3: engine.max_num_seqs: expected `int`, got `str`" in result.stderr.splitlines()
+
+
+def test_a_problem_in_a_new_subtree_points_at_the_key_not_its_parent(tmp_path: Path):
+    (tmp_path / "models").mkdir()
+    model = tmp_path / "models/tiny.yaml"
+    model.write_text("backend: builtin\nmodel: /m\nengine:\n  max_model_len: 8\n  max_num_seqs: lots\n")
+    result = hostctl("--config-dir", str(tmp_path), "config", "--check")
+    assert f"{model}:5: engine.max_num_seqs: expected `int`, got `str`" in result.stderr.splitlines()

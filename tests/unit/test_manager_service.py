@@ -153,3 +153,26 @@ def test_mutating_methods_check_the_caller(world):
         assert not world.dropin.exists()
 
     asyncio.run(go())
+
+
+def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(world):
+    async def go():
+        manager = await manager_of(world)
+        for name, expected in (("../models/tiny", "model name '../models/tiny' is not allowed: use letters"),
+                               ("ghost", f"no model 'ghost': {world.root}/models/ghost.yaml does not exist")):
+            with pytest.raises(DBusError) as refused:
+                await call(manager.GetModel, name)
+            assert refused.value.type == "org.hostd1.Error.NoSuchModel"
+            assert refused.value.text.startswith(expected), refused.value.text
+
+    asyncio.run(go())
+
+
+def test_the_rollback_pin_keeps_the_whole_cause_in_comment_lines_never_cut_mid_word():
+    cause = "engine failed to start: " + "max_model_len 999999 exceeds what the checkpoint supports; " * 6
+    text = R.render(R.ROLLBACK_DROPIN, R.rollback_header(cause + "\nsecond line"), {"engine": {"max_num_seqs": 4}})
+    comments = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    assert " ".join(comments).startswith("Written by hostd's manager: the reload of these values failed: "
+                                         + " ".join(cause.split()) + " second line")
+    assert all(len(line) <= 78 for line in text.splitlines())
+    assert text.endswith("engine:\n  max_num_seqs: 4\n")

@@ -1,10 +1,20 @@
-"""What root writes and reads from a model's config: strings that reach unit
-files carry no control characters, config files are regular files, and a GPU's
-device node is the one NVML names (issue 12, rows 5, 8 and 11)."""
+"""What root writes, reads and connects to: strings that reach unit files
+carry no control characters, config files are regular files, a GPU's device
+node is the one NVML names, the drop-ins a reload writes hold only values
+root computed within the loader's limits, env: values stay off the bus, and
+root connects only to the model user's own sockets, never through a symlink,
+each model runs as its own user, and polkit decides who may change models
+(issue 12, rows 1 to 8 and 11; tests/system/test_polkit.py and
+test_model_users.py prove rows 8 and 4 under a real systemd)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import types
@@ -13,8 +23,17 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from hostd import config, generator
+from hostd import config, generator, sockets
+from hostd.gateway import control
+from hostd.manager.probe import Probe
+from hostd.weights import client as weights_client
 from hostd.config import schema
+from hostd.manager import errors, service
+from hostd.manager import reload as R
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reload_fakes import World  # noqa: E402
 
 
 def write_model(root: Path, name: str, text: str) -> None:
@@ -48,7 +67,11 @@ def test_the_listen_injection_never_reaches_the_generated_socket(tmp_path: Path,
                 'listen: "x\\nExecStartPre=/bin/touch /tmp/pwned\\nListenStream=8000"\n')
     assert generator.generate(out, Path("/etc/systemd/system"), etc) == []
     assert "skipping model 'evil'" in capsys.readouterr().err
-    assert not any("ExecStartPre" in p.read_text() for p in out.rglob("*.conf"))
+    # The model's units fail with the problem quoted in one echo argument; no
+    # line of the value becomes a setting of its own.
+    lines = [line for p in out.rglob("*.conf") for line in p.read_text().splitlines()]
+    assert not any(line.startswith(("ExecStartPre=/bin/touch", "ListenStream=8000")) for line in lines)
+    assert [line for line in lines if line.startswith("ExecStartPre=")][1:] == ["ExecStartPre=/bin/false"]
 
 
 def test_generator_escapes_specifiers_in_values():
@@ -60,7 +83,343 @@ def test_generator_escapes_specifiers_in_values():
         generator.unit_value("a\nb")
 
 
-# ------------------------------------------------------------ row 8
+# ------------------------------------------------------------ row 1
+
+
+def test_a_reload_never_runs_the_models_upstream_program_as_root(tmp_path: Path):
+    world = World(tmp_path)
+    marker = tmp_path / "ran-as-root"
+    script = tmp_path / "vllm"
+    script.write_text(f"#!/bin/sh\nid -u > {marker}\necho 0.32.0\n")
+    script.chmod(0o755)
+    checkpoint = tmp_path / "checkpoint"
+    (world.root / "models/tiny.yaml").write_text(
+        f"backend: vllm\nmodel: {checkpoint}\nreload: {{drain_timeout: 5}}\n"
+        f"env: {{HOSTD_VLLM: {script}}}\n")
+    world.probe.engine_started()  # the engine runs the vllm config
+    op = asyncio.run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.DONE, op.error
+    assert not marker.exists()
+    # The model's own units still check the install, as the model's user.
+    from hostd import backends
+
+    cfg = config.load_model("tiny", world.root).config
+    assert backends.for_config(cfg).install_refusals(cfg) == [] and marker.exists()
+
+
+# ------------------------------------------------------------ row 4 (one user per model)
+
+
+@pytest.mark.parametrize("name, user", [
+    ("tiny", "hostd-tiny"),
+    ("a-b_c", "hostd-a-b_c"),
+    ("x" * 25, "hostd-" + "x" * 25),  # 31 characters: systemd's limit
+])
+def test_each_model_has_its_own_user_named_after_it(name, user):
+    from hostd import units
+
+    assert units.user(name) == user
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "x" * 26, "a.b", "A.b"])
+def test_a_name_no_user_name_can_hold_gets_a_readable_prefix_and_a_hash(name):
+    from hostd import units
+
+    user = units.user(name)
+    assert len(user) <= 31 and re.fullmatch(r"hostd-[a-z0-9_-]+-[0-9a-f]{8}", user), user
+    assert len({units.user(n) for n in ("a.b", "A.b", "a_b")}) == 3  # distinct models, distinct users
+
+
+def test_every_unit_of_a_model_runs_as_the_models_user():
+    cfg = msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)
+    files = generator.dropins("m", cfg)
+    for unit in ("model@m.service", "model-engine@m.service", "model-weights@m.service"):
+        assert "User=hostd-m\nGroup=hostd-m" in files[f"{unit}.d/50-hostd.conf"]
+    assert "SocketUser=hostd-m\nSocketGroup=hostd-m" in files["model-weights@m.socket.d/50-hostd.conf"]
+    socket_dropin = files["model@m.socket.d/50-hostd.conf"]
+    assert "ExecStartPre=\nExecStartPre=/usr/bin/systemd-sysusers --inline \"u hostd-m " in socket_dropin
+    assert "ExecStartPre=/usr/bin/install -d -m 0700 -o hostd-m -g hostd-m /run/hostd/%i" in socket_dropin
+
+
+# ------------------------------------------------------------ rows 2 and 7
+
+
+def test_a_rollback_pin_holds_the_committed_values_never_what_the_engine_reported(tmp_path: Path):
+    world = World(tmp_path)
+    world.records.write_committed("tiny", config.load_model("tiny", world.root).config)
+    (world.root / "models/tiny.d").mkdir()
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine: {max_num_seqs: 2}\n")
+    # The engine (the service user's process) reports 2 MiB of junk and logs an ESC.
+    world.probe.engine = {"junk": "x" * (2 << 20), "max_num_seqs": 8}
+    world.probe.fail_next_start = True
+
+    async def engine_error(default):
+        return default + ": boom\x1b[2J\n\u2028ExecStartPre=/bin/sh " + "word " * 400
+
+    world.probe.engine_error = engine_error
+    op = asyncio.run(world.reload({}))
+    assert op.state == R.State.ROLLED_BACK
+    pin = world.root / "models/tiny.d" / R.ROLLBACK_DROPIN
+    text = pin.read_text()
+    assert len(text) < 2000 and "junk" not in text and "\x1b" not in text
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    comment = " ".join(line[2:] for line in comments)
+    assert comment.startswith("Written by hostd's manager") and "ExecStartPre" in comment
+    assert len(comment) < R.COMMENT_LIMIT + 150 and " ... " in comment  # bounded, cut at a word
+    assert all(len(line) <= 80 for line in comments)
+    assert not any(line.startswith("ExecStartPre") for line in text.splitlines())
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == 8  # the file loads
+
+
+def test_without_a_commit_an_invalid_engine_report_is_never_pinned(tmp_path: Path):
+    world = World(tmp_path)
+    world.probe.engine = {"junk": "x" * 1000}
+    with pytest.raises(errors.NotRunning, match="no valid engine section"):
+        asyncio.run(world.reload({}))
+    assert not (world.root / "models/tiny.d").exists()
+
+
+def test_a_patch_over_the_loaders_node_limit_is_refused_naming_the_key(tmp_path: Path):
+    world = World(tmp_path)
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: more than 100000 values"):
+        asyncio.run(world.reload({"max_num_seqs": list(range(1, 150_001))}))
+    assert not world.dropin.exists() and world.restarts() == 0
+
+
+def test_a_patch_over_the_loaders_size_limit_is_refused_naming_the_key(tmp_path: Path):
+    world = World(tmp_path)
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the file would be larger"):
+        asyncio.run(world.reload({"max_num_seqs": "x" * (config.load.MAX_FILE_BYTES + 1)}))
+    assert not world.dropin.exists() and world.restarts() == 0
+
+
+def test_a_vllm_patch_of_150000_graph_sizes_is_refused_before_anything_is_written(tmp_path: Path):
+    big = {"engine": {"cuda_graph_sizes": list(range(1, 150_001))}}
+    with pytest.raises(config.ConfigError, match="engine.cuda_graph_sizes: more than"):
+        config.load.render_yaml(big, R.RELOAD_DROPIN)
+
+
+def test_comment_text_is_one_bounded_line_cut_at_a_word():
+    text = R.comment_text("a\x1bb\nc\rd\u2028e " + "word " * 200)
+    assert text.startswith("a b c d e word") and text.endswith(" ...")
+    assert len(text) <= R.COMMENT_LIMIT and text.isprintable() and "wor ..." not in text
+
+
+# ------------------------------------------------------------ row 6
+
+
+def test_config_and_running_config_on_the_bus_redact_env_values(tmp_path: Path):
+    world = World(tmp_path)
+    model_yaml = world.root / "models/tiny.yaml"
+    model_yaml.write_text(model_yaml.read_text() + "env: {HF_TOKEN: hf_secret123, OTHER: x}\n")
+    model_yaml.chmod(0o600)
+    world.records.write_committed("tiny", config.load_model("tiny", world.root).config)
+
+    async def go():
+        await world.connect()
+        manager = service.Manager(world.bus, world.systemd, world.root, world.records)
+        manager.discover()
+        model = manager.models["tiny"]
+        return json.loads(model.Config), json.loads(model.RunningConfig)
+
+    cfg, running = asyncio.run(go())
+    assert cfg["env"] == {"HF_TOKEN": "<redacted>", "OTHER": "<redacted>"}
+    assert running["fixed"]["env"] == {"HF_TOKEN": "<redacted>", "OTHER": "<redacted>"}
+    assert cfg["engine"]["max_num_seqs"] == running["engine"]["max_num_seqs"] == 8
+    assert "hf_secret123" in world.records.committed_text("tiny")  # root's own record keeps it
+
+
+# ------------------------------------------------------------ row 3
+
+NOBODY, DAEMON = 65534, 1
+
+
+def run_server(path: Path, uid: int) -> int:
+    """Fork a server on PATH (owned by UID) listening as UID: it answers an HTTP /health or a
+    control-socket status, one connection at a time. Returns its pid."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"r"
+        os.close(ready_r)
+        return pid
+    try:  # the child: never returns into pytest
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))  # as root (pytest's tmp is root's 0700); the peer is who listens
+        os.chown(path, uid, uid)
+        os.setgid(uid)
+        os.setuid(uid)
+        sock.listen()
+        os.write(ready_w, b"r")
+        while True:
+            conn, _ = sock.accept()
+            data = conn.recv(65536)
+            if data.startswith(b"GET"):
+                body = b'{"engine_config": {}}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(body), body))
+            else:
+                conn.sendall(b'{"ok": true, "state": "serving", "in_flight": 0}\n')
+            conn.close()
+    finally:
+        os._exit(0)
+
+
+@pytest.fixture
+def model_run(tmp_path: Path, monkeypatch):
+    """/run/hostd/tiny as root makes it: 0700, owned by the model's user (nobody
+    here), inside root's 0755 runtime root; SERVE(name, uid) starts a server."""
+    if os.getuid() != 0:
+        pytest.skip("needs root: the manager's side of the sockets")
+    root = tmp_path / "run"
+    directory = root / "tiny"
+    directory.mkdir(parents=True)
+    os.chmod(root, 0o755)
+    os.chown(directory, NOBODY, NOBODY)
+    os.chmod(directory, 0o700)
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(root))
+    children = []
+
+    def serve(name: str, uid: int = NOBODY) -> Path:
+        children.append(run_server(directory / name, uid))
+        return directory / name
+
+    yield directory, serve
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_root_talks_to_the_model_users_own_sockets(model_run):
+    directory, serve = model_run
+    serve("control.sock")
+    serve("engine.sock")
+    assert control.call(directory / "control.sock", "status")["state"] == "serving"
+    assert asyncio.run(control.call_async(directory / "control.sock", "status"))["ok"]
+    assert asyncio.run(Probe("tiny").engine_health()) == {"engine_config": {}}
+
+
+@pytest.mark.parametrize("name", ["control.sock", "engine.sock", "weights.sock"])
+def test_root_refuses_a_socket_replaced_by_a_symlink(model_run, name, caplog):
+    directory, serve = model_run
+    other = serve("other.sock")  # another socket of the same user: a symlink may not lead there
+    (directory / name).symlink_to(other)
+    with pytest.raises(sockets.UnsafeSocket, match="symbolic link"):
+        sockets.connect(directory / name)
+    if name == "control.sock":
+        with pytest.raises(control.ControlError, match="symbolic link"):
+            control.call(directory / name, "status")
+        with pytest.raises(OSError, match="symbolic link"):
+            asyncio.run(control.call_async(directory / name, "status"))
+    elif name == "engine.sock":
+        assert asyncio.run(Probe("tiny").engine_health()) is None
+    else:
+        with pytest.raises(OSError, match="symbolic link"):
+            weights_client.status(directory / name)
+    assert "refusing to connect" in caplog.text
+
+
+def test_root_refuses_a_socket_not_owned_by_the_models_user(model_run):
+    directory, serve = model_run
+    serve("control.sock", uid=0)  # root's socket in the model's directory: not the model's
+    with pytest.raises(control.ControlError, match="owned by uid 0, not 65534"):
+        control.call(directory / "control.sock", "status")
+
+
+def test_root_refuses_a_peer_that_is_not_the_models_user(model_run):
+    directory, serve = model_run
+    path = serve("control.sock", uid=DAEMON)
+    os.chown(path, NOBODY, NOBODY)  # the file looks right; the process behind it is not
+    with pytest.raises(control.ControlError, match="the peer is pid .* of uid 1, not 65534"):
+        control.call(path, "status")
+
+
+def test_a_directory_others_may_write_is_refused(model_run):
+    directory, serve = model_run
+    serve("control.sock")
+    os.chmod(directory, 0o777)
+    with pytest.raises(control.ControlError, match="another user could replace the socket"):
+        control.call(directory / "control.sock", "status")
+
+
+# ------------------------------------------------------------ row 8 (polkit)
+
+
+class PolkitBus:
+    """The bus daemon and polkit as the manager sees them: the caller's uid,
+    and polkit's answer (AUTHORIZED) or its absence (ERROR)."""
+
+    def __init__(self, uid: int, authorized: bool = False, error: str = ""):
+        self.uid, self.authorized, self.error, self.asked = uid, authorized, error, []
+
+    async def call(self, msg):
+        from dbus_fast import Message
+
+        msg.serial = 1  # the real bus numbers the messages it sends
+        if msg.member == "GetConnectionUnixUser":
+            return Message.new_method_return(msg, "u", [self.uid])
+        self.asked.append((msg.member, msg.body[0][0], msg.body[0][1]["name"].value, msg.body[1]))
+        if self.error:
+            return Message.new_error(msg, self.error, "no polkit")
+        return Message.new_method_return(msg, "(bba{ss})", [[self.authorized, not self.authorized, {}]])
+
+
+def require(bus: PolkitBus, action: str) -> None:
+    manager = service.Manager.__new__(service.Manager)
+    manager.bus, manager.admin_group = bus, "hostd-admin"
+    token = service.CALLER.set(":1.42")
+    try:
+        asyncio.run(manager.require_admin(action))
+    finally:
+        service.CALLER.reset(token)
+
+
+def test_root_is_allowed_without_asking_polkit():
+    bus = PolkitBus(uid=0, error="org.freedesktop.DBus.Error.ServiceUnknown")
+    require(bus, "org.hostd1.reload")
+    assert bus.asked == []
+
+
+def test_polkit_decides_for_everyone_else_by_the_callers_bus_name():
+    bus = PolkitBus(uid=1000, authorized=True)
+    require(bus, "org.hostd1.manage")
+    assert bus.asked == [("CheckAuthorization", "system-bus-name", ":1.42", "org.hostd1.manage")]
+    with pytest.raises(errors.AccessDenied, match="uid 1000 is not authorized to reload a model .*org.hostd1.reload"):
+        require(PolkitBus(uid=1000, authorized=False), "org.hostd1.reload")
+
+
+def test_without_polkit_only_root_is_allowed_and_the_journal_says_why(caplog):
+    with pytest.raises(errors.AccessDenied, match="polkit is not running on this host, so only root may"):
+        require(PolkitBus(uid=1000, error="org.freedesktop.DBus.Error.ServiceUnknown"), "org.hostd1.reload")
+    assert "polkit is not available (org.freedesktop.DBus.Error.ServiceUnknown)" in caplog.text
+
+
+def test_the_policy_ships_the_three_actions_the_manager_asks_for():
+    from hostd.manager import api
+
+    policy = (Path(__file__).resolve().parents[2] / "packaging/org.hostd1.policy").read_text()
+    assert set(api.ACTIONS) == {"org.hostd1.reload", "org.hostd1.manage", "org.hostd1.edit"}
+    for action in api.ACTIONS:
+        assert f'<action id="{action}">' in policy
+
+
+def test_install_puts_polkit_files_where_debians_polkitd_reads_them(tmp_path: Path):
+    import argparse
+
+    from hostd import install
+
+    (tmp_path / "etc/hostd").mkdir(parents=True)
+    (tmp_path / "etc/hostd/hostd.yaml").write_text("admin_group: model-ops\n")
+    args = argparse.Namespace(root=str(tmp_path), config_dir="/etc/hostd", unit_dir="/etc/systemd/system",
+                              generator_dir="/etc/systemd/system-generators", python=None)
+    files = install.planned_files(args)
+    assert tmp_path / "usr/share/polkit-1/actions/org.hostd1.policy" in files
+    rules = files[tmp_path / "usr/share/polkit-1/rules.d/org.hostd1.rules"][0]
+    assert 'subject.isInGroup("model-ops")' in rules
+
+
+# ------------------------------------------------------------ row 8 (config files)
 
 
 def test_hostd_yaml_as_a_fifo_is_refused_without_hanging(tmp_path: Path):

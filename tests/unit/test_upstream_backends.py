@@ -2,7 +2,7 @@
 runs, every refusal naming its setting, and SGLANG_JIT_CACHE_DIR resolved to a
 real absolute path that a child process inherits.
 
-Flag names are upstream's (vLLM 0.31+ `vllm preload` / `vllm serve`, SGLang
+Flag names are upstream's (vLLM 0.32+ `vllm preload` / `vllm serve`, SGLang
 0.5.21+ weight cache daemon and launch_server); docs/vllm.md and docs/sglang.md
 say where each was checked."""
 
@@ -93,8 +93,8 @@ def test_vllm_tp2_every_editable_field_and_quantization(ckpt):
         "vllm", ckpt, tensor_parallel_size=2, gpus=[2, 3], dtype="bfloat16", quantization="fp8",
         served_model_name="served", extra_args=["--trust-remote-code"],
         engine={"max_num_seqs": 16, "max_num_batched_tokens": 4096, "max_model_len": 2048,
-                "gpu_memory_utilization": 0.8, "enforce_eager": True, "cuda_graph_sizes": [1, 2, 4],
-                "shutdown_timeout": 30},
+                "gpu_memory_utilization": 0.8, "enforce_eager": True, "cudagraph_capture_sizes": [1, 2, 4],
+                "max_cudagraph_capture_size": 4, "shutdown_timeout": 30},
     )
     backend = backends.for_config(cfg)
     assert backend.weights_command("m", cfg).argv == [
@@ -104,8 +104,8 @@ def test_vllm_tp2_every_editable_field_and_quantization(ckpt):
     engine = backend.engine_command("m", cfg)
     assert engine.argv[engine.argv.index("--uds") + 2:] == [
         "--max-num-seqs", "16", "--max-num-batched-tokens", "4096", "--max-model-len", "2048",
-        "--gpu-memory-utilization", "0.8", "--enforce-eager", "--cuda-graph-sizes", "1", "2", "4",
-        "--shutdown-timeout", "30", "--trust-remote-code",
+        "--gpu-memory-utilization", "0.8", "--enforce-eager", "--cudagraph-capture-sizes", "1", "2", "4",
+        "--max-cudagraph-capture-size", "4", "--shutdown-timeout", "30", "--trust-remote-code",
     ]
     assert engine.argv[:12] == [
         VLLM, "serve", ckpt, "--served-model-name", "served", "--dtype", "bfloat16",
@@ -118,7 +118,7 @@ def test_vllm_tp2_every_editable_field_and_quantization(ckpt):
 def test_vllm_argv_is_accepted_by_the_double(ckpt):
     """The double's parser is the upstream flag set hostd relies on: an
     unknown flag fails there as argparse fails in vLLM."""
-    cfg = make("vllm", ckpt, engine={"max_num_seqs": 3, "enforce_eager": True, "cuda_graph_sizes": [8]})
+    cfg = make("vllm", ckpt, engine={"max_num_seqs": 3, "enforce_eager": True, "cudagraph_capture_sizes": [8]})
     argv = backends.for_config(cfg).engine_command("m", cfg).argv
     bad = subprocess.run([*argv, "--no-such-flag"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
@@ -148,6 +148,7 @@ def test_sglang_tp1_defaults(ckpt, home):
     assert engine.argv == [
         PY, "-m", "sglang.launch_server", "--model-path", ckpt, "--dtype", "auto", "--tp-size", "1",
         "--served-model-name", "m", "--host", "127.0.0.1", "--port", "31000", "--weight-cache-mode", "client",
+        "--enable-metrics",
     ]
     expected_env = {
         "PYTHONPATH": SGLANG_PATH,
@@ -163,7 +164,8 @@ def test_sglang_tp2_every_editable_field(ckpt, home):
     cfg = make(
         "sglang", ckpt, tensor_parallel_size=2, gpus=[0, 1], quantization=None, dtype="float16",
         engine={"max_running_requests": 32, "max_prefill_tokens": 8192, "context_length": 4096,
-                "chunked_prefill_size": -1, "mem_fraction_static": 0.7, "disable_cuda_graph": True,
+                "chunked_prefill_size": -1, "mem_fraction_static": 0.7, "disable_decode_cuda_graph": True,
+                "disable_prefill_cuda_graph": True,
                 "cuda_graph_max_bs_decode": 16, "cuda_graph_max_bs_prefill": 4,
                 "schedule_conservativeness": 1.5},
     )
@@ -172,9 +174,10 @@ def test_sglang_tp2_every_editable_field(ckpt, home):
         "--model-path", ckpt, "--dtype", "float16", "--tp-size", "2",
     ]
     engine = backend.engine_command("m", cfg, port=31001)
-    assert engine.argv[engine.argv.index("client") + 1:] == [
+    assert engine.argv[engine.argv.index("--enable-metrics") + 1:] == [
         "--max-running-requests", "32", "--max-prefill-tokens", "8192", "--context-length", "4096",
-        "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.7", "--disable-cuda-graph",
+        "--chunked-prefill-size", "-1", "--mem-fraction-static", "0.7", "--disable-decode-cuda-graph",
+        "--disable-prefill-cuda-graph",
         "--cuda-graph-max-bs-decode", "16", "--cuda-graph-max-bs-prefill", "4",
         "--schedule-conservativeness", "1.5",
     ]
@@ -200,9 +203,6 @@ def test_sglang_drain_is_bounded_by_hostd(ckpt):
 
 REFUSALS = [
     # (backend, config keys, text the message must contain)
-    ("vllm", {"quantization": "gptq"}, "quantization: 'gptq' is not verified"),
-    ("sglang", {"quantization": "awq"}, "quantization: 'awq' is not verified"),
-    ("sglang", {"quantization": "fp8"}, "weight_block_size"),
     ("vllm", {"extra_args": ["--enable-lora"]}, "extra_args: --enable-lora is refused"),
     ("sglang", {"extra_args": ["--lora-paths=a"]}, "extra_args: --lora-paths is refused"),
     ("vllm", {"extra_args": ["--speculative-config", "{}"]}, "--speculative-config is refused"),
@@ -211,6 +211,8 @@ REFUSALS = [
     ("sglang", {"extra_args": ["--enable-memory-saver"]}, "--enable-memory-saver is refused"),
     ("vllm", {"extra_args": ["--cpu-offload-gb", "4"]}, "--cpu-offload-gb is refused"),
     ("sglang", {"extra_args": ["--cpu-offload-gb=4"]}, "--cpu-offload-gb is refused"),
+    ("vllm", {"extra_args": ["--api-key", "sk-1"]}, "--api-key is refused: the manager's checks carry no key"),
+    ("sglang", {"extra_args": ["--api-key=sk-1"]}, "set gateway.api_keys"),
     ("vllm", {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}, "env.PYTORCH_CUDA_ALLOC_CONF"),
     ("sglang", {"env": {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}}, "env.PYTORCH_ALLOC_CONF"),
     ("vllm", {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}, "pipeline_parallel_size: 2"),
@@ -221,7 +223,7 @@ REFUSALS = [
     ("sglang", {"extra_args": ["--port", "1"]}, "extra_args: --port is set by hostd"),
     ("vllm", {"extra_args": ["--load-format", "auto"]}, "extra_args: --load-format is set by hostd"),
     ("vllm", {"env": {"HOSTD_VLLM": "/nonexistent/vllm"}}, "vllm: /nonexistent/vllm does not exist"),
-    ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.30.2"}}, "vllm: version '0.30.2' is older than 0.31"),
+    ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.30.2"}}, "vllm: version '0.30.2' is older than 0.32"),
     ("sglang", {"env": {"PYTHONPATH": "/nonexistent"}}, "sglang: `"),
 ]
 
@@ -229,21 +231,63 @@ REFUSALS = [
 @pytest.mark.parametrize(("backend", "keys", "message"), REFUSALS, ids=[m for _, _, m in REFUSALS])
 def test_refusal_names_the_setting(backend, keys, message, ckpt, home):
     cfg = make(backend, ckpt, **keys)
-    problems = backends.for_config(cfg).refusals(cfg)
+    backend_ = backends.for_config(cfg)
+    problems = backend_.refusals(cfg) + backend_.install_refusals(cfg)
     assert any(message in p for p in problems), problems
     with pytest.raises(backends.Refused, match="."):
         backends.for_config(cfg).check(cfg)
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
-def test_gguf_and_checkpoint_quantization_are_refused(backend, tmp_path, ckpt, home):
+def test_gguf_is_refused(backend, tmp_path, ckpt, home):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     cfg = make(backend, str(gguf))
     assert any("GGUF" in p and p.startswith("model:") for p in backends.for_config(cfg).refusals(cfg))
-    (Path(ckpt) / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-    cfg = make(backend, ckpt)
-    assert any("quant_method" in p and "'gptq'" in p for p in backends.for_config(cfg).refusals(cfg))
+
+
+# ---------------------------------------------------------------- served without the weight cache
+
+NOT_RETAINED = [
+    # (backend, config keys, checkpoint quantization_config, words of the reason)
+    ("vllm", {"quantization": "gptq"}, None, "quantization: 'gptq' is not verified for IPC sharing"),
+    ("sglang", {"quantization": "awq"}, None, "quantization: 'awq' is not verified"),
+    ("sglang", {"quantization": "fp8"}, None, "weight_block_size"),
+    ("vllm", {}, {"quant_method": "gptq"}, "config.json quantization_config.quant_method): 'gptq'"),
+    ("vllm", {"device": "cpu"}, None, "device: cpu; the vllm weight cache shares weights through CUDA IPC only"),
+    ("sglang", {"device": "cpu"}, None, "device: cpu"),
+    ("vllm", {"weight_cache": "off"}, None, "weight_cache: off"),
+]
+
+
+@pytest.mark.parametrize(("backend", "keys", "declared", "reason"), NOT_RETAINED, ids=[r for *_, r in NOT_RETAINED])
+def test_without_the_weight_cache_the_engine_loads_from_disk(backend, keys, declared, reason, ckpt, home):
+    if declared:
+        (Path(ckpt) / "config.json").write_text(json.dumps({"quantization_config": declared}))
+    cfg = make(backend, ckpt, **keys)
+    b = backends.for_config(cfg)
+    assert reason in b.weights_not_retained(cfg)
+    assert b.refusals(cfg) == []
+    engine = b.engine_command("m", cfg, port=1).argv
+    assert "ipc_cache" not in engine and "--model-loader-extra-config" not in engine
+    assert "--weight-cache-mode" not in engine
+    if keys.get("device") == "cpu":
+        assert "CUDA_VISIBLE_DEVICES" not in b.engine_command("m", cfg, port=1).env
+        assert not b.uses_gpu(cfg)
+
+
+def test_without_the_weight_cache_only_the_caches_refusals_are_lifted(ckpt):
+    cfg = make("vllm", ckpt, device="cpu", extra_args=["--enable-lora"], engine_extra_args=["-dp", "2"])
+    problems = backends.for_config(cfg).refusals(cfg)
+    assert problems == ["engine_extra_args: --data-parallel-size is refused: hostd runs one replica per model"]
+    cfg = make("vllm", ckpt, device="cpu", tensor_parallel_size=2)  # CPU: gpus: does not count
+    assert backends.for_config(cfg).refusals(cfg) == []
+
+
+def test_with_the_weight_cache_weights_are_retained(ckpt, home):
+    for backend in ("vllm", "sglang"):
+        cfg = make(backend, ckpt)
+        assert backends.for_config(cfg).weights_not_retained(cfg) is None
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
@@ -332,3 +376,101 @@ def test_child_env_drops_systemds_per_process_variables(monkeypatch):
     monkeypatch.setenv("LISTEN_FDS", "1")
     env = upstream.child_env({"A": "1"})
     assert "NOTIFY_SOCKET" not in env and "LISTEN_FDS" not in env and env["A"] == "1"
+
+
+# ---------------------------------------------------------------- issue 11: where hostd and upstream disagreed
+
+
+def test_vllm_cuda_graph_capture_sizes_use_vllms_flags(ckpt):
+    """No vLLM release has --cuda-graph-sizes (vllm serve exits 2 on it)."""
+    cfg = make("vllm", ckpt, engine={"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 8})
+    argv = backends.for_config(cfg).engine_command("m", cfg).argv
+    assert argv[argv.index("--cudagraph-capture-sizes"):][:3] == ["--cudagraph-capture-sizes", "1", "8"]
+    assert argv[argv.index("--max-cudagraph-capture-size") + 1] == "8"
+    assert not any(arg.startswith("--cuda-graph") for arg in argv)
+    with pytest.raises(msgspec.ValidationError, match="cuda_graph_sizes"):
+        make("vllm", ckpt, engine={"cuda_graph_sizes": [1]})
+
+
+def test_vllm_frontend_flags_reach_the_engine_only(ckpt):
+    """`vllm preload` takes engine flags only: frontend flags make it exit 2."""
+    frontend = ["--chat-template", "/t.jinja", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    cfg = make("vllm", ckpt, extra_args=["--trust-remote-code"], engine_extra_args=frontend)
+    backend = backends.for_config(cfg)
+    assert backend.refusals(cfg) == []
+    preload = backend.weights_command("m", cfg).argv
+    serve = backend.engine_command("m", cfg).argv
+    assert "--trust-remote-code" in preload and "--trust-remote-code" in serve
+    assert not set(frontend) & set(preload)
+    assert serve[-len(frontend):] == frontend
+
+
+@pytest.mark.parametrize("flag", ["--chat-template=/t.jinja", "--tool_call_parser", "--enable-auto-tool-choice",
+                                  "--api-key"])
+def test_vllm_frontend_flag_in_extra_args_is_refused(flag, ckpt):
+    cfg = make("vllm", ckpt, extra_args=[flag])
+    problems = backends.for_config(cfg).refusals(cfg)
+    assert any("vllm preload" in p and "engine_extra_args" in p for p in problems), problems
+
+
+def test_vllm_older_than_032_is_refused_naming_the_version(ckpt):
+    """vLLM 0.31 does not count daemon-held weights inside --gpu-memory-utilization."""
+    cfg = make("vllm", ckpt, env={"HOSTD_TEST_VLLM_VERSION": "0.31.2"})
+    problems = backends.for_config(cfg).install_refusals(cfg)
+    assert any("'0.31.2'" in p and "0.32" in p and "--gpu-memory-utilization" in p for p in problems), problems
+    cfg = make("vllm", ckpt, env={"HOSTD_TEST_VLLM_VERSION": "0.32.0"})
+    assert backends.for_config(cfg).install_refusals(cfg) == []
+
+
+def test_sglang_engine_readiness_uses_ready_not_the_generating_health(ckpt):
+    """SGLang's /health runs a one-token generation (up to 20 s); /ready does not."""
+    cfg = make("sglang", ckpt)
+    backend = backends.for_config(cfg)
+    assert backend.health_path == "/ready"
+    assert backends.for_config(make("vllm", ckpt)).health_path == "/health"
+
+
+def test_vllm_socket_names_are_the_md5_of_the_gpu_uuid(ckpt):
+    """vLLM's weight_cache/protocol.py: vllm_weight_cache_{md5(NVML UUID)}{role}.sock."""
+    from hostd.backends import vllm as vllm_backend
+
+    uuid = "GPU-12345678-1234-1234-1234-123456789abc"
+    name = vllm_backend.socket_name(uuid)
+    assert name == "vllm_weight_cache_" + __import__("hashlib").md5(uuid.encode()).hexdigest() + ".sock"
+    cfg = make("vllm", ckpt)
+    devices = backends.for_config(cfg).socket_devices(
+        [name, vllm_backend.socket_name(uuid, draft=True), name + ".lock", "other.sock"], cfg)
+    assert devices == ["md5:" + name[len("vllm_weight_cache_"):-len(".sock")]]
+
+
+SPELLINGS = [
+    # (backend, extra_args, text the refusal must contain): vLLM takes '_' for '-' and short aliases.
+    ("vllm", ["--max_num_seqs", "4"], "--max-num-seqs is the editable engine.max_num_seqs"),
+    ("vllm", ["--max_num_seqs=4"], "--max-num-seqs is the editable engine.max_num_seqs"),
+    ("vllm", ["-q", "gptq"], "--quantization is set by hostd"),
+    ("vllm", ["-qgptq"], "--quantization is set by hostd"),
+    ("vllm", ["-dp", "2"], "--data-parallel-size is refused"),
+    ("vllm", ["-dp=2"], "--data-parallel-size is refused"),
+    ("vllm", ["-sc", "{}"], "--speculative-config is refused"),
+    ("vllm", ["-tp", "2"], "--tensor-parallel-size is set by hostd"),
+    ("vllm", ["--enable_lora"], "--enable-lora is refused"),
+    ("vllm", ["--load_format=auto"], "--load-format is set by hostd"),
+    ("sglang", ["--tp", "2"], "--tp-size is set by hostd"),
+    ("sglang", ["--tensor-parallel-size", "2"], "--tp-size is set by hostd"),
+    ("sglang", ["--dp", "2"], "--dp-size is refused"),
+    ("sglang", ["--disable-cuda-graph"], "--disable-cuda-graph is refused: deprecated"),
+]
+
+
+@pytest.mark.parametrize(("backend", "args", "message"), SPELLINGS, ids=[" ".join(a) for _, a, _ in SPELLINGS])
+def test_every_spelling_of_a_checked_flag_is_caught(backend, args, message, ckpt, home):
+    for key in ("extra_args", "engine_extra_args"):
+        cfg = make(backend, ckpt, **{key: args})
+        problems = backends.for_config(cfg).refusals(cfg)
+        assert any(p.startswith(key + ":") and message in p for p in problems), problems
+
+
+def test_values_are_not_read_as_flags(ckpt):
+    cfg = make("vllm", ckpt, extra_args=["--trust-remote-code", "--seed", "-1"],
+               engine_extra_args=["--chat-template", "q.jinja"])
+    assert backends.for_config(cfg).refusals(cfg) == []

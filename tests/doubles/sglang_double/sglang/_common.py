@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/doubles: double_http
+import double_flags  # noqa: E402
 import double_http  # noqa: E402
 
 SOCKET_TEMPLATE = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
@@ -27,12 +28,21 @@ def paths_for(uuid: str) -> tuple[Path, Path]:
     return Path(sock.format(device_uuid=uuid)), Path(ready.format(device_uuid=uuid))
 
 
-def layout(parser: argparse.ArgumentParser) -> None:
-    """The ServerArgs hostd passes to both the daemon and the server."""
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--quantization")
+VERSION = "0.5.23"
 
 
-__all__ = ["double_http", "layout", "paths_for"]
+def build_parser(prog: str, which: str) -> argparse.ArgumentParser:
+    """SGLang's own flag set (tests/upstream/flags/sglang-VERSION.json) for
+    WHICH ('launch_server' or 'weight_cache.daemon'): the double rejects what
+    SGLang rejects."""
+    parser = argparse.ArgumentParser(prog=prog)
+    double_flags.add_flags(parser, double_flags.fixture("sglang", VERSION)["flags"][which])
+    return parser
+
+
+def first(value):
+    """An option declared with nargs='+' parses to a list: its first item."""
+    return value[0] if isinstance(value, list) else value
+
+
+__all__ = ["VERSION", "build_parser", "double_http", "first", "paths_for"]

@@ -1,7 +1,7 @@
 """TEST DOUBLE of `python -m sglang.launch_server`: exists only to test hostd's orchestration.
 
-Not SGLang and loads nothing. Accepts exactly the flags hostd generates (others
-fail as argparse does). In --weight-cache-mode client it looks for each visible
+Not SGLang and loads nothing. Its parser is SGLang 0.5.23's own flag set
+(tests/upstream/flags/): it rejects what SGLang rejects. In --weight-cache-mode client it looks for each visible
 GPU's daemon socket (SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE) and, like upstream,
 falls back to disk only when the socket file is missing. Serves /health and a
 canned OpenAI API on --host/--port; on SIGTERM it drains without a time limit,
@@ -10,30 +10,23 @@ as upstream does.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from sglang._common import double_http, layout, paths_for
+from sglang import _common
+from sglang._common import double_http, first, paths_for
+
+
+def build_parser():
+    return _common.build_parser("sglang serve", "launch_server")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="sglang.launch_server")
-    layout(parser)
-    parser.add_argument("--served-model-name")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--weight-cache-mode", choices=["off", "daemon", "client"], default="off")
-    parser.add_argument("--max-running-requests", type=int)
-    parser.add_argument("--max-prefill-tokens", type=int)
-    parser.add_argument("--context-length", type=int)
-    parser.add_argument("--chunked-prefill-size", type=int)
-    parser.add_argument("--mem-fraction-static", type=float)
-    parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--cuda-graph-max-bs-decode", type=int)
-    parser.add_argument("--cuda-graph-max-bs-prefill", type=int)
-    parser.add_argument("--schedule-conservativeness", type=float)
+    parser = build_parser()
     args = parser.parse_args()
+    args.port = int(args.port or 30000)
+    args.host = args.host or "127.0.0.1"
+    args.served_model_name = first(args.served_model_name)
     if os.environ.get("HOSTD_TEST_ENGINE_FAIL"):
         sys.exit("double: failing on purpose (HOSTD_TEST_ENGINE_FAIL)")
     fail_at = os.environ.get("HOSTD_TEST_FAIL_MAX_RUNNING_REQUESTS")

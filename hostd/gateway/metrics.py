@@ -1,0 +1,83 @@
+"""The gateway's Prometheus metrics, and the engine's, on one public /metrics.
+
+One job: own every series the public /metrics shows. The gateway's own
+series (hostd_gateway_*) live in this process, so they keep counting across
+engine restarts and reloads. The engine's series are fetched from the
+engine's /metrics at scrape time and passed through unchanged, restricted to
+the families its backend declares as its own (METRICS_PREFIXES: vllm:*,
+sglang:*, hostd_engine_*): the engine's process_* and python_* series would
+otherwise collide with nothing but mean another process. An engine counter
+starts again from zero with a new engine, which Prometheus' rate() reads as
+a counter reset; only one engine is scraped at a time, so two engines'
+series never mix.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Request durations of an LLM API: milliseconds (model info, tokenize) to
+# minutes (long generations).
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Reloads: a drain plus an engine restart, seconds to tens of minutes.
+RELOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+
+
+class Metrics:
+    def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(read)
+        self.admitted = Counter("hostd_gateway_admitted", "Requests admitted", registry=r)
+        self.rejected = Counter("hostd_gateway_rejected", "Requests answered 503, by reason", ["reason"], registry=r)
+        self.refused = Counter("hostd_gateway_refused", "Requests refused before admission (401, 404, 405, "
+                               "408, 413, 503 for a full body budget), by status", ["status"], registry=r)
+        self.proxied_bytes = Counter("hostd_gateway_proxied_bytes", "Response bytes passed to clients", registry=r)
+        self.drains = Counter("hostd_gateway_drains", "Drains requested", registry=r)
+        self.state = Gauge("hostd_gateway_state", "1 for the current state", ["state"], registry=r)
+        self.errors = Counter("hostd_gateway_upstream_errors", "Requests the engine failed mid-way", registry=r)
+        self.connections_refused = Counter(
+            "hostd_gateway_connections_refused", "Connections answered 503 at the connection cap", registry=r)
+        self.connections_timed_out = Counter(
+            "hostd_gateway_connections_timed_out", "Connections closed for slow headers or idleness, by phase",
+            ["phase"], registry=r)
+        self.duration = Histogram(
+            "hostd_gateway_request_duration_seconds", "Admitted requests: from admission to the last byte, "
+            "by status", ["status"], buckets=REQUEST_BUCKETS, registry=r)
+        self.ttfb = Histogram(
+            "hostd_gateway_time_to_first_byte_seconds", "Admitted requests: from admission to the engine's "
+            "response headers, by status", ["status"], buckets=REQUEST_BUCKETS, registry=r)
+        self.admission_wait = Histogram(
+            "hostd_gateway_admission_wait_seconds", "Time a request waited for admission (queue mode) "
+            "before it was admitted or refused", buckets=REQUEST_BUCKETS, registry=r)
+        self.reload_duration = Histogram(
+            "hostd_gateway_reload_duration_seconds", "From a reload's drain to its resume, by outcome",
+            ["outcome"], buckets=RELOAD_BUCKETS, registry=r)
+        self.reload_unavailable = Histogram(
+            "hostd_gateway_reload_unavailable_seconds", "Per reload: seconds new requests were answered 503, "
+            "from the drain until serving again", buckets=RELOAD_BUCKETS, registry=r)
+
+    def set_state(self, current: str, states: Iterable[str]) -> None:
+        for s in states:
+            self.state.labels(s).set(1 if s == current else 0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def engine_families(text: str, prefixes: tuple[str, ...]) -> str:
+    """The lines of Prometheus TEXT that belong to families named with PREFIXES."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].startswith(prefixes):
+                kept.append(line)
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name and name.startswith(prefixes):
+            kept.append(line)
+    return "\n".join(kept) + ("\n" if kept else "")

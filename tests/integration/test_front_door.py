@@ -1,0 +1,366 @@
+"""The gateway's public side under attack and in use (issue 15): a real
+gateway process in front of an engine double (tests/doubles/engine_double.py)
+on engine.sock, driven over real TCP sockets. Each test names the attack or
+the feature it pins."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from hostd import sockets
+from hostd.local import ModelTree, wait_for
+
+DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FrontDoor:
+    def __init__(self, tree: ModelTree, port: int):
+        self.tree, self.port = tree, port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.engine_log = tree.root / "engine-requests.jsonl"
+        self.engine: subprocess.Popen | None = None
+
+    def start_engine(self) -> None:
+        sockets.ensure_private_dir(self.tree.runtime_dir)
+        out = open(self.tree.root / "engine-double.log", "ab")
+        self.engine = subprocess.Popen(
+            [sys.executable, str(DOUBLE), str(self.tree.engine_socket), "--log", str(self.engine_log)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(lambda: self.tree._connectable(self.tree.engine_socket), 30, "engine double", self.engine)
+
+    def stop_engine(self) -> None:
+        assert self.engine
+        self.engine.terminate()
+        self.engine.wait(10)
+
+    @property
+    def gateway(self):
+        return next(d for d in self.tree.daemons if d.proc.args[3] == "gateway")
+
+    def engine_saw(self) -> list[dict]:
+        if not self.engine_log.exists():
+            return []
+        return [json.loads(line) for line in self.engine_log.read_text().splitlines()]
+
+    def raw(self, request: bytes, timeout: float = 10) -> bytes:
+        """Send REQUEST as it is (no client library normalizes it); the whole answer."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as conn:
+            conn.sendall(request)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        return answer
+
+    def get(self, target: str, headers: str = "") -> tuple[int, bytes]:
+        answer = self.raw(f"GET {target} HTTP/1.1\r\nHost: x\r\nX-Probe: {target}\r\n{headers}"
+                          "Connection: close\r\n\r\n".encode())
+        head, _, body = answer.partition(b"\r\n\r\n")
+        return int(head.split()[1]), body
+
+    def metrics(self, **kw) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=10, **kw).text
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.gateway.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+@contextlib.contextmanager
+def front_door(tmp_path: Path, keys: str | None = None, **gateway) -> Iterator[FrontDoor]:
+    """A gateway with GATEWAY settings (and KEYS as its keys file) in front of an engine double."""
+    port = free_port()
+    tree = ModelTree(tmp_path)
+    settings = {"retry_after": 3, **gateway}
+    if keys is not None:
+        key_file = tmp_path / "api.keys"
+        key_file.write_text(keys)
+        settings["api_keys"] = str(key_file)
+    tree.write_config(tmp_path / "no-checkpoint", fixed={"listen": f"127.0.0.1:{port}", "gateway": settings},
+                      max_num_seqs=4)
+    door = FrontDoor(tree, port)
+    door.start_engine()
+    try:
+        tree.start_gateway()
+        wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+        yield door
+    finally:
+        tree.stop_all()
+        door.stop_engine()
+
+
+@pytest.fixture
+def door(tmp_path: Path):
+    with front_door(tmp_path) as door:
+        yield door
+
+
+COMPLETION = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+
+
+# ---------------------------------------------------------------- row 1: paths
+
+
+@pytest.mark.parametrize("target", [
+    "/v1/../health", "/v1/%2e%2e/health", "/v1/%2E%2E/metrics", "//health", "/v1/./../health",
+    "/%68ealth", "/v1/..%2fhealth", "/v1/%2e%2e%2fmetrics", "/v1/models/../../health",
+    "/v1/../sleep", "/v1/%2e%2e/sleep", "/sleep", "/health/../sleep", "/v1/chat/../../metrics",
+])
+def test_engine_internals_are_unreachable_under_any_spelling(door: FrontDoor, target: str):
+    status, body = door.get(target)
+    assert b"weights_pid" not in body and b"python_gc" not in body, body
+    assert not [r for r in door.engine_saw() if r["probe"] == target and r["path"] != "/v1/models"]
+    if status == 404:
+        assert json.loads(body)["error"]["code"] == "not_found"
+
+
+def test_public_paths_reach_the_engine_normalized(door: FrontDoor):
+    status, body = door.get("/v1/./chat/../models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny"
+    assert [r["path"] for r in door.engine_saw() if r["probe"] == "/v1/./chat/../models"] == ["/v1/models"]
+
+
+def test_unknown_path_is_404_and_wrong_method_405_in_openai_shape(door: FrontDoor):
+    response = httpx.get(door.base_url + "/v1/nothing-here", timeout=10)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "no route /v1/nothing-here" in error["message"]
+    response = httpx.get(door.base_url + "/v1/completions", timeout=10)
+    assert response.status_code == 405 and response.headers["Allow"] == "POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_path_that_is_not_utf8_is_400(door: FrontDoor):
+    status, body = door.get("/v1/%ff%fe")
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_path"
+
+
+# ---------------------------------------------------------------- row 2: bodies
+
+
+def test_bodies_in_flight_are_capped_across_connections(tmp_path: Path):
+    with front_door(tmp_path, max_body_bytes=4 * MiB, body_bytes_in_flight=8 * MiB, body_timeout=30) as door:
+        before = door.rss_kib()
+        senders = []
+        for _ in range(12):  # each sends 3 of its 4 announced MiB, then stops
+            conn = socket.create_connection(("127.0.0.1", door.port), timeout=10)
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % (4 * MiB))
+            senders.append(conn)
+        refused = 0
+        for conn in senders:
+            try:
+                conn.sendall(b" " * (3 * MiB))
+            except OSError:  # refused and closed while sending
+                pass
+        for conn in senders:
+            conn.settimeout(0.5)
+            try:
+                if b" 503 " in conn.recv(4096).split(b"\r\n", 1)[0]:
+                    refused += 1
+            except (TimeoutError, socket.timeout, ConnectionResetError):
+                pass
+        grown = door.rss_kib() - before
+        assert refused == 10, refused  # two 4 MiB bodies fit in 8 MiB
+        assert grown < 40 * 1024, f"gateway RSS grew by {grown} KiB"
+        status = door.tree.control("status")
+        assert status["in_flight"] == 0  # nothing admitted before its body arrived
+        assert 'hostd_gateway_refused_total{status="503"} 10.0' in door.metrics()
+        for conn in senders:
+            conn.close()
+        wait_for(lambda: 'hostd_gateway_body_bytes_held 0.0' in door.metrics(), 10, "budget released")
+
+
+def test_a_body_over_the_size_cap_is_413(tmp_path: Path):
+    with front_door(tmp_path, max_body_bytes=1 * MiB) as door:
+        response = httpx.post(door.base_url + "/v1/completions", content=b"x" * (2 * MiB), timeout=10)
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "body_too_large"
+        response = httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10)
+        assert response.status_code == 200
+
+
+# ---------------------------------------------------------------- row 3: slow bodies
+
+
+def test_a_slow_body_is_not_admitted_does_not_hold_a_drain_and_gets_408(tmp_path: Path):
+    with front_door(tmp_path, body_timeout=3) as door:
+        conn = socket.create_connection(("127.0.0.1", door.port), timeout=10)
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        started = time.monotonic()
+        time.sleep(0.5)
+        conn.sendall(b" ")
+        drained = door.tree.control("drain", timeout=5)
+        assert drained == {"ok": True, "drained": True, "remaining": 0, "state": "paused"}
+        assert time.monotonic() - started < 2
+        door.tree.control("resume")
+        answer = conn.recv(4096)
+        assert time.monotonic() - started < 6
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_timeout"
+        conn.close()
+
+
+# ---------------------------------------------------------------- row 4: connections
+
+
+def test_silent_connections_are_capped_timed_out_and_never_block_the_control_socket(tmp_path: Path):
+    with front_door(tmp_path, max_connections=20, header_timeout=2, idle_timeout=30) as door:
+        silent = []
+        for _ in range(30):  # connect, send half a request line, never finish
+            conn = socket.create_connection(("127.0.0.1", door.port), timeout=10)
+            conn.sendall(b"GET /v1/mod")
+            silent.append(conn)
+        started = time.monotonic()
+        assert door.tree.control("status")["state"] == "serving"
+        assert time.monotonic() - started < 1.0
+        refusals = 0
+        for conn in silent[20:]:
+            answer = conn.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+            refusals += 1
+        assert refusals == 10
+        for conn in silent[:20]:  # closed by the gateway after header_timeout, without an answer
+            conn.settimeout(10)
+            assert conn.recv(4096) == b""
+        assert time.monotonic() - started < 6
+        assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+        text = door.metrics()
+        assert "hostd_gateway_connections_refused_total 10.0" in text
+        assert 'hostd_gateway_connections_timed_out_total{phase="headers"} 20.0' in text
+        for conn in silent:
+            conn.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed(tmp_path: Path):
+    with front_door(tmp_path, idle_timeout=1) as door:
+        with socket.create_connection(("127.0.0.1", door.port), timeout=10) as conn:
+            conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):  # the whole JSON answer
+                answer += conn.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            assert conn.recv(4096) == b""
+            assert time.monotonic() - started < 5
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_carry_histograms_and_only_the_engines_own_families(door: FrontDoor):
+    for _ in range(3):
+        assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+    text = door.metrics()
+    assert 'hostd_gateway_request_duration_seconds_count{status="200"} 3.0' in text
+    assert 'hostd_gateway_time_to_first_byte_seconds_count{status="200"} 3.0' in text
+    assert "hostd_gateway_admitted_total 3.0" in text
+    assert "hostd_engine_requests_running 0.0" in text  # the builtin engine's families pass
+    assert "python_gc" not in text and "vllm:" not in text  # the engine's process series and others' do not
+
+
+def test_gateway_counters_survive_an_engine_restart(door: FrontDoor):
+    for _ in range(2):
+        httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10)
+    door.stop_engine()
+    wait_for(lambda: door.tree.control("status")["state"] == "engine-down", 10, "engine down")
+    door.start_engine()
+    wait_for(lambda: door.tree.control("status")["state"] == "serving", 10, "serving again")
+    assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+    assert 'hostd_gateway_request_duration_seconds_count{status="200"} 3.0' in door.metrics()
+
+
+def test_a_reload_is_measured_from_drain_to_serving(door: FrontDoor):
+    door.tree.control("drain", timeout=5)
+    time.sleep(0.3)
+    door.tree.control("resume")
+    text = door.metrics()
+    assert 'hostd_gateway_reload_duration_seconds_count{outcome="serving"} 1.0' in text
+    assert "hostd_gateway_reload_unavailable_seconds_count 1.0" in text
+    line = next(l for l in text.splitlines() if l.startswith("hostd_gateway_reload_unavailable_seconds_sum"))
+    assert 0.3 <= float(line.split()[1]) < 5
+
+
+def test_client_disconnect_mid_stream_is_counted_and_frees_admission(door: FrontDoor):
+    body = {**COMPLETION, "stream": True, "max_tokens": 200, "chunk_delay": 0.05}
+    with httpx.stream("POST", door.base_url + "/v1/completions", json=body, timeout=10) as response:
+        lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines).startswith("data: {")
+        assert door.tree.control("status")["in_flight"] == 1
+    wait_for(lambda: door.tree.control("status")["in_flight"] == 0, 10, "the stream ended at the disconnect")
+    assert 'hostd_gateway_request_duration_seconds_count{status="499"} 1.0' in door.metrics()
+
+
+# ---------------------------------------------------------------- API keys
+
+
+def test_api_keys_are_required_checked_and_never_reach_the_engine(tmp_path: Path):
+    with front_door(tmp_path, keys="# keys of tiny\nsk-first\n\nsk-second\n") as door:
+        url = door.base_url + "/v1/completions"
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-first"},
+                        {"Authorization": "Basic c2stZmlyc3Q="}):
+            response = httpx.post(url, json=COMPLETION, headers=headers, timeout=10)
+            assert response.status_code == 401, headers
+            assert response.json()["error"]["code"] == "invalid_api_key"
+            assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        assert httpx.get(door.base_url + "/v1/nothing", timeout=10).status_code == 401  # routes stay hidden
+        assert httpx.get(door.base_url + "/metrics", timeout=10).status_code == 401
+        for key in ("sk-first", "sk-second"):
+            response = httpx.post(url, json=COMPLETION, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            assert response.status_code == 200
+        assert httpx.get(door.base_url + "/health", timeout=10).json() == {"model": "tiny", "state": "serving"}
+        assert httpx.get(door.base_url + "/metrics", headers={"Authorization": "Bearer sk-first"},
+                         timeout=10).status_code == 200
+        assert all(r["authorization"] is None for r in door.engine_saw())
+        assert 'hostd_gateway_refused_total{status="401"} 6.0' in door.metrics(
+            headers={"Authorization": "Bearer sk-second"})
+
+
+@pytest.mark.parametrize("content, words", [(None, "cannot read the keys file"), ("# none\n\n", "holds no key")])
+def test_a_model_with_keys_it_cannot_read_does_not_start(tmp_path: Path, content, words):
+    tree = ModelTree(tmp_path)
+    key_file = tmp_path / "api.keys"
+    if content is not None:
+        key_file.write_text(content)
+    tree.write_config(tmp_path / "no-checkpoint", fixed={
+        "listen": f"127.0.0.1:{free_port()}", "gateway": {"api_keys": str(key_file)}})
+    daemon = tree._spawn("gateway")
+    assert daemon.proc.wait(60) == 1
+    assert words in daemon.log() and "refusing to serve model tiny without its keys" in daemon.log()
+
+
+def test_streams_through_the_gateway_arrive_chunk_by_chunk(door: FrontDoor):
+    body = {**COMPLETION, "stream": True, "max_tokens": 5, "chunk_delay": 0.2}
+    arrivals = []
+    with httpx.stream("POST", door.base_url + "/v1/completions", json=body, timeout=10) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) == 5 and arrivals[-1] - arrivals[0] > 0.6  # not buffered to the end
+
+
+def test_many_clients_at_once_are_all_served(door: FrontDoor):
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(lambda _: httpx.post(door.base_url + "/v1/completions", json=COMPLETION,
+                                                   timeout=30).status_code, range(64)))
+    assert codes == [200] * 64

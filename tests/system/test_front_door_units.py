@@ -1,0 +1,82 @@
+"""The public front door under a real systemd 252: a model protected by API
+keys passed as a systemd credential (LoadCredential= from hostd-generator) is
+reloaded with `systemctl reload` while an authorized stream runs; the stream
+finishes, the reload is done, the keys keep working and the manager's checks
+(which carry no key) never went through the public port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from container import SystemdContainer, wait_for
+from test_model_units import free_port, prepare_model
+
+KEY = "sk-system-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def host(systemd_container: SystemdContainer):
+    port = free_port()
+    container = systemd_container
+    container.write_file("/etc/hostd/keys/tiny", f"# keys of model tiny\n{KEY}\n", mode=0o600)
+    prepare_model(container, port, timeouts="{start: 120, stop: 60}", gateway="{api_keys: /etc/hostd/keys/tiny}")
+    container.base_url = f"http://127.0.0.1:{port}"
+    container.port = port
+    container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
+    wait_for(lambda: httpx.get(container.base_url + "/health", timeout=10).status_code == 200,
+             timeout=120, what="serving")
+    return container
+
+
+def test_key_protected_model_reloads_under_an_authorized_stream(host: SystemdContainer):
+    unit = host.systemctl("cat", "model@tiny.service").stdout
+    assert "LoadCredential=api-keys:/etc/hostd/keys/tiny" in unit
+    assert "LimitNOFILE=65536" in unit
+
+    assert httpx.get(host.base_url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(host.base_url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
+
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    result: dict = {}
+    started = threading.Event()
+
+    def stream() -> None:
+        chunks = client.completions.create(model="tiny", prompt="Once", max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True})
+        for chunk in chunks:
+            started.set()
+            if chunk.usage:
+                result["tokens"] = chunk.usage.completion_tokens
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    host.write_file("/etc/hostd/models/tiny.d/50-admin.yaml", "engine:\n  max_num_seqs: 2\n")
+    host.systemctl("reload", "model@tiny.service", timeout=300)  # blocks until the reload ends; fails if it did
+    thread.join(300)
+    assert result == {"tokens": 200}  # the admitted stream ran to its end through the reload
+
+    assert httpx.get(host.base_url + "/v1/models", timeout=10).status_code == 401
+    answer = client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert answer.choices[0].text is not None
+
+    metrics = httpx.get(host.base_url + "/metrics", headers=AUTH, timeout=10).text
+    assert "hostd_gateway_reload_duration_seconds_count" in metrics
+    assert "hostd_gateway_reload_unavailable_seconds_count 1.0" in metrics
+    assert "hostd_engine_max_num_seqs 2.0" in metrics  # the new engine's own metrics, through the gateway
+    assert 'hostd_gateway_refused_total{status="401"} 2.0' in metrics  # the manager never knocked here
+
+    with socket.create_connection(("127.0.0.1", host.port), timeout=10) as conn:
+        conn.sendall(b"GET /v1/%2e%2e/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    assert b"weights_pid" not in answer and b'"state": "serving"' in answer
+    host.run(["rm", "-f", "/etc/hostd/models/tiny.d/50-admin.yaml"])

@@ -1,0 +1,205 @@
+"""What each systemctl verb does to a client, under a real systemd 252.
+
+A client polls the model's public address every 20 ms, each request on a new
+connection (as a load balancer's health check does), while an administrator
+types one verb. What the client may see is pinned per verb, as
+docs/operations.md promises it: during restarts connections wait at the
+public socket or get 503 + Retry-After, never a reset or a refusal; only a
+full stop closes the socket. Also here: the manager is started on demand
+(D-Bus activation), so `systemctl reload` and hostctl work right after
+install with nothing started by hand.
+
+One container for the module, set up as test_model_units does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from container import SystemdContainer, wait_for
+from test_model_units import host, status_code  # noqa: F401 (host: the module's container, set up alike)
+
+POLL_S = 0.02
+
+
+class Poller:
+    """GET /v1/models every 20 ms on a fresh connection; records what came back:
+    the status code, or 'refused' / 'reset' / 'timeout' / the error's name."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _once(self, http: httpx.Client) -> str:
+        try:
+            return str(http.get(self.url).status_code)
+        except httpx.ConnectError as exc:
+            return "refused" if "refused" in str(exc).lower() else "reset" if "reset" in str(exc).lower() else f"connect-error: {exc}"
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as exc:
+            return "reset" if "reset" in str(exc).lower() or isinstance(exc, httpx.RemoteProtocolError) else f"error: {exc!r}"
+        except httpx.TimeoutException:
+            return "timeout"
+
+    def _run(self) -> None:
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=120, limits=limits) as http:
+            while not self._stop.is_set():
+                self.seen.append((time.monotonic(), self._once(http)))
+                time.sleep(POLL_S)
+
+    def __enter__(self) -> "Poller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=150)
+
+    @property
+    def outcomes(self) -> Counter:
+        return Counter(outcome for _, outcome in self.seen)
+
+    def last(self) -> str:
+        return self.seen[-1][1] if self.seen else ""
+
+
+def serving(host: SystemdContainer) -> None:
+    host.systemctl("start", "model@tiny.service", timeout=300)
+    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+
+
+def during(host: SystemdContainer, *command: str, settle: float = 0.5) -> Poller:
+    """Run COMMAND in the container while a client polls; return once the client
+    sees 200 again (or, for a stop, right after the command)."""
+    with Poller(host.base_url + "/v1/models") as poller:
+        time.sleep(0.3)
+        started = time.monotonic()
+        host.run(list(command), timeout=300)
+        if command[:2] != ("systemctl", "stop"):
+            wait_for(lambda: poller.last() == "200" and poller.seen[-1][0] > started, timeout=180,
+                     what=f"serving again after {' '.join(command)}")
+        time.sleep(settle)
+    print(f"{' '.join(command)}: {dict(poller.outcomes)}")
+    return poller
+
+
+def test_the_manager_starts_on_demand_for_systemctl_reload_and_hostctl(host):
+    serving(host)
+    assert host.systemctl("is-active", "hostd.service", check=False).stdout.strip() == "inactive"
+    poller = during(host, "systemctl", "reload", "model@tiny.service")
+    assert set(poller.outcomes) <= {"200", "503"}, poller.outcomes
+    assert host.systemctl("is-active", "hostd.service", check=False).stdout.strip() == "active"
+    listed = host.run(["hostctl", "list"]).stdout  # on root's PATH after `hostd install`
+    assert "tiny" in listed
+
+
+@pytest.mark.parametrize("unit", ["model-engine@tiny.service", "model-weights@tiny.service", "model@tiny.service"])
+def test_restart_never_resets_a_connection_at_the_public_socket(host, unit):
+    serving(host)
+    poller = during(host, "systemctl", "restart", unit)
+    # Waiting at the socket shows up as a slow 200; 503 is the gateway's answer
+    # while the engine is away; nothing else is allowed.
+    assert set(poller.outcomes) <= {"200", "503"}, poller.outcomes
+    assert poller.outcomes["200"] > 0
+
+
+def test_stop_closes_the_public_socket_and_start_opens_it(host):
+    serving(host)
+    host.run(["systemctl", "stop", "model@tiny.service"], timeout=300)
+    # systemctl 252 may still warn that the socket "can still be activated": it
+    # looks before the socket's own stop job has run (the socket stops after the
+    # engine and the weights, which need its runtime directory). It does stop:
+    wait_for(lambda: host.systemctl("is-active", "model@tiny.socket", check=False).stdout.strip() == "inactive",
+             timeout=120, what="the socket stopped")
+    with pytest.raises(httpx.ConnectError, match="refused"):
+        httpx.get(host.base_url + "/v1/models", timeout=10)
+    poller = during(host, "systemctl", "start", "model@tiny.service")
+    assert set(poller.outcomes) <= {"200", "503", "refused"}, poller.outcomes
+
+
+def test_a_crashed_gateway_leaves_the_socket_listening_and_comes_back_on_the_next_connection(host):
+    serving(host)
+    listening = host.systemctl("show", "-p", "ActiveEnterTimestampMonotonic", "model@tiny.socket").stdout
+    engine = host.systemctl("show", "-p", "MainPID", "--value", "model-engine@tiny.service").stdout
+    gateway = host.systemctl("show", "-p", "MainPID", "--value", "model@tiny.service").stdout.strip()
+    host.run(["kill", "-9", gateway])
+    wait_for(lambda: host.systemctl("is-failed", "model@tiny.service", check=False).stdout.strip() == "failed",
+             timeout=30, what="the gateway dead")
+    # This connection waits at the socket, which starts the gateway again; the
+    # new gateway may answer 503 until it has found the engine.
+    assert httpx.get(host.base_url + "/v1/models", timeout=120).status_code in (200, 503)
+    wait_for(lambda: status_code(host) == 200, timeout=60, what="serving again")
+    assert host.systemctl("show", "-p", "ActiveEnterTimestampMonotonic", "model@tiny.socket").stdout == listening
+    assert host.systemctl("show", "-p", "MainPID", "--value", "model-engine@tiny.service").stdout == engine
+
+
+# ---------------------------------------------------------------- hostctl, as systemctl is used
+
+
+def hostctl(host: SystemdContainer, *args: str):
+    return host.run(["hostctl", *args], check=False, timeout=300)
+
+
+def test_hostctl_status_overview_detail_json_and_exit_codes(host):
+    serving(host)
+    host.run(["hostctl", "reload", "tiny", "max_num_seqs=3"], timeout=300)  # a last operation to show
+
+    overview = hostctl(host, "status")
+    assert overview.returncode == 0, overview.stderr
+    header, row = overview.stdout.splitlines()[:2]
+    assert header.split()[:4] == ["MODEL", "STATE", "BACKEND", "LISTEN"]
+    assert row.split()[:4] == ["tiny", "serving", "builtin", host.base_url.removeprefix("http://")]
+    assert "reload" in row and "done" in row and "yes" in row.split()  # weights retained
+    assert hostctl(host, "status", "--no-legend").stdout.splitlines()[0].startswith("tiny ")
+
+    detail = hostctl(host, "status", "tiny")
+    assert detail.returncode == 0 and detail.stdout.startswith("● tiny - builtin model, serving")
+    weights_pid = host.systemctl("show", "-p", "MainPID", "--value", "model-weights@tiny.service").stdout.strip()
+    assert f"Weights: retained by PID {weights_pid}" in detail.stdout
+
+    data = json.loads(hostctl(host, "status", "tiny", "--json=pretty").stdout)
+    assert data["weights_pid"] == int(weights_pid) and data["weights_retained"] is True
+    assert data["engine"]["max_num_seqs"] == 3 and data["last_operation"]["State"] == "done"
+    assert set(data["units"]) >= {"model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"}
+    short = hostctl(host, "--json=short", "list").stdout
+    assert short.count("\n") == 1
+    assert json.loads(short) == [{"name": "tiny", "state": "serving", "config_problem": ""}]
+
+    # The model's D-Bus object tells a script the same without hostctl.
+    props = host.busctl_json("get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model",
+                             "WeightsPID")
+    assert props["data"] == int(weights_pid)
+
+    # A model whose YAML does not load is listed with the reason.
+    host.write_file("/etc/hostd/models/bad.yaml", "backend: builtin\nmodel: /m\nengine:\n  max_num_seqs: lots\n")
+    try:
+        listed = hostctl(host, "list").stdout
+        assert re.search(r"^bad\s+\S+\s+invalid: /etc/hostd/models/bad.yaml:4: engine.max_num_seqs: expected `int`",
+                         listed, re.M), listed
+    finally:
+        host.run(["rm", "-f", "/etc/hostd/models/bad.yaml"])
+
+    missing = hostctl(host, "status", "ghost")
+    assert missing.returncode == 4 and missing.stderr.count("\n") == 1 and "NoSuchModel" in missing.stderr
+    host.systemctl("stop", "model@tiny.service", timeout=300)
+    stopped = hostctl(host, "status", "tiny")
+    assert stopped.returncode == 3 and stopped.stdout.startswith("○ tiny")
+
+
+def test_hostctl_reload_shows_each_stage_with_elapsed_time_and_the_engine_status(host):
+    serving(host)
+    result = host.run(["hostctl", "reload", "tiny", "max_num_seqs=5"], timeout=300)
+    print(result.stderr + result.stdout)
+    stages = [line for line in result.stderr.splitlines() if line.startswith("reload ")]
+    assert any(": drain (" in line for line in stages) and any(": verify (" in line for line in stages)
+    assert any(", engine: " in line for line in stages if ": restart (" in line), stages
+    assert re.search(r"reload of tiny: done \(weights reused\) in \d+\.\d s", result.stdout)

@@ -1,0 +1,88 @@
+"""The gateway's public-side rules as pure functions: path normalization and
+route tables, API key checks, which engine metric families pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostd import backends
+from hostd.gateway import keys, routes
+from hostd.gateway.metrics import engine_families
+
+
+@pytest.mark.parametrize("target, path", [
+    ("/v1/models", "/v1/models"),
+    ("/v1/../health", "/health"),
+    ("/v1/%2e%2e/health", "/health"),
+    ("/v1/%2E%2E/metrics", "/metrics"),
+    ("/v1/..%2fhealth", "/health"),
+    ("//health", "/health"),
+    ("/v1/./models/", "/v1/models"),
+    ("/../../../health", "/health"),
+    ("/%68ealth?x=/../y", "/health"),
+    ("/v1/%252e%252e/health", "/v1/%2e%2e/health"),  # decoded once: a literal segment, not '..'
+])
+def test_paths_are_decoded_once_and_dot_segments_removed(target: str, path: str):
+    assert routes.normalize(target) == path
+
+
+@pytest.mark.parametrize("target", ["v1/models", "http://evil/health", "/v1/%ff", "/v1/a%00b", "/v1\\..\\health"])
+def test_targets_that_are_not_clean_absolute_paths_are_refused(target: str):
+    with pytest.raises(routes.BadPath):
+        routes.normalize(target)
+
+
+def test_a_literal_percent_is_quoted_again_for_the_engine():
+    assert routes.quoted("/v1/%2e%2e/health") == "/v1/%252e%252e/health"
+    assert routes.quoted("/v1/models/Qwen 2") == "/v1/models/Qwen%202"
+
+
+@pytest.mark.parametrize("name", sorted(backends.BACKENDS))
+def test_no_backend_declares_an_internal_route_public(name: str):
+    backend = backends.BACKENDS[name]
+    paths = {path for _method, path in backend.public_routes}
+    assert paths and not paths & {"/health", "/metrics", "/sleep", "/wake_up", "/flush_cache",
+                                  "/get_server_info", "/server_info", "/health_generate", "/ping"}
+    assert backend.metrics_prefixes
+
+
+def test_route_table_matches_one_segment_per_name_and_knows_methods():
+    table = routes.Table(backends.BACKENDS["builtin"].public_routes)
+    assert table.match("GET", "/v1/models/tiny")[0].template == "/v1/models/{model}"
+    assert table.match("GET", "/v1/models/a/b") == (None, [])
+    assert table.match("GET", "/v1/completions") == (None, ["POST"])
+    assert table.match("POST", "/v1/completionsX") == (None, [])
+
+
+def test_bearer_keys_are_compared_against_every_key():
+    ring = [b"sk-one", b"sk-two"]
+    assert keys.authorized(ring, "Bearer sk-two") and keys.authorized(ring, "bearer  sk-one")
+    for header in (None, "", "Bearer", "Bearer sk-on", "Bearer sk-one2", "Basic sk-one", "sk-one"):
+        assert not keys.authorized(ring, header), header
+
+
+def test_keys_come_from_the_systemd_credential_when_passed(tmp_path, monkeypatch):
+    configured = tmp_path / "configured.keys"
+    configured.write_text("sk-from-file\n")
+    credentials = tmp_path / "creds"
+    credentials.mkdir()
+    (credentials / "api-keys").write_text("# comment\n  sk-from-credential  \n\n")
+    assert keys.load(str(configured)) == [b"sk-from-file"]
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    assert keys.load(str(configured)) == [b"sk-from-credential"]
+    assert keys.load(None) is None
+
+
+def test_only_the_engines_own_metric_families_pass():
+    text = (
+        "# HELP process_cpu_seconds_total CPU\n# TYPE process_cpu_seconds_total counter\n"
+        "process_cpu_seconds_total 1.0\n"
+        "# HELP vllm:num_requests_running Running\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 2.0\n'
+        "# EOF\n"
+    )
+    assert engine_families(text, ("vllm:",)) == (
+        "# HELP vllm:num_requests_running Running\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 2.0\n'
+    )
+    assert engine_families(text, ("sglang:",)) == ""
