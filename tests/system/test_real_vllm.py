@@ -125,11 +125,45 @@ def test_real_vllm_starts_under_systemctl_and_serves_the_openai_api(host):
     assert model_property(host, "WeightsRetained") is False
     assert model_property(host, "WeightsNotRetainedReason").startswith("device: cpu")
     status = host.run([host.python, "-m", "hostd.hostctl", "status", NAME]).stdout
-    assert "weights: not retained (device: cpu" in status, status
+    assert "Weights: not retained (device: cpu" in status, status
     logged = host.run(["journalctl", f"HOSTD_MODEL={NAME}", "-o", "cat", "--no-pager"], check=False).stdout
     logged += host.run(["journalctl", "-u", f"model-weights@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
     assert "not retained" in logged
     assert engine_health(host)["weights"] == "disk"
+
+
+def http(host: SystemdContainer, method: str, path: str, body: dict | None = None) -> tuple[int, str]:
+    """One request to the public port, the path sent exactly as written."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", host.port, timeout=120)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+def test_the_front_door_passes_vllms_user_routes_and_metrics_and_hides_its_admin_routes(host):
+    """Issue 15 with real vLLM: /tokenize and vllm:* metrics through the
+    gateway; admin routes and the engine's own /health under no spelling."""
+    status, body = http(host, "POST", "/tokenize", {"model": NAME, "prompt": "Hello world"})
+    assert status == 200 and json.loads(body)["tokens"], body
+    status, body = http(host, "GET", "/version")
+    assert status == 200 and "0.32.0" in body, body
+    status, metrics = http(host, "GET", "/metrics")
+    assert status == 200 and "vllm:num_requests_running" in metrics and "hostd_gateway" in metrics
+    for method, path in (("POST", "/collective_rpc"), ("GET", "/server_info"), ("POST", "/sleep"),
+                         ("POST", "/reset_prefix_cache"), ("POST", "/start_profile"), ("GET", "/ping"),
+                         ("GET", "/v1/../server_info"), ("GET", "/v1/%2e%2e/collective_rpc")):
+        status, body = http(host, method, path)
+        assert status in (404, 405), (method, path, status, body)
+        assert "error" in json.loads(body), body
+    for path in ("/health", "/v1/../health", "/v1/%2e%2e/health", "/v1/%2E%2E/health"):
+        status, body = http(host, "GET", path)
+        assert "upstream_pid" not in body and "engine_config" not in body, (path, body)
 
 
 def test_reload_with_two_streams_in_flight_loses_no_admitted_request(host):
