@@ -146,14 +146,16 @@ def run_as(name: str) -> list[str]:
 
 def model_user_lines(name: str) -> str:
     """model@NAME.socket, first of the model's units to start, creates the
-    model's user (as root; systemd-sysusers does nothing when it exists) and
-    the private runtime directory owned by it, in place of the template's
-    shared-user line."""
+    model's user (systemd-sysusers does nothing when it exists) and hands it
+    the private runtime directory (the socket's RuntimeDirectory=), in place
+    of the template's placeholder command. Both run as root ("+"): the
+    template runs the socket's commands as the shared user hostd, which can
+    neither lock /etc/passwd nor give a directory away."""
     user = units.user(name)
     return (
         "ExecStartPre=\n"
-        f'ExecStartPre=/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
-        f"ExecStartPre=/usr/bin/install -d -m 0700 -o {user} -g {user} /run/hostd/%i\n"
+        f'ExecStartPre=+/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
+        f"ExecStartPre=+/usr/bin/install -d -m 0700 -o {user} -g {user} /run/hostd/%i\n"
     )
 
 
