@@ -146,11 +146,11 @@ def run_as(name: str) -> list[str]:
 
 def model_user_lines(name: str) -> str:
     """model@NAME.socket, first of the model's units to start, creates the
-    model's user (systemd-sysusers does nothing when it exists) and hands it
-    the private runtime directory (the socket's RuntimeDirectory=), in place
-    of the template's placeholder command. Both run as root ("+"): the
-    template runs the socket's commands as the shared user hostd, which can
-    neither lock /etc/passwd nor give a directory away."""
+    model's user (as root: '+', since the template runs the socket's commands
+    as the shared user; systemd-sysusers does nothing when the user exists)
+    and hands it the private runtime directory (the socket's RuntimeDirectory=,
+    which systemd removes when the socket stops), in place of the template's
+    placeholder command."""
     user = units.user(name)
     return (
         "ExecStartPre=\n"
