@@ -8,8 +8,10 @@ boot and on every `systemctl daemon-reload` as
 For each valid model it writes, into NORMAL_DIR:
 
 - model@NAME.socket.d/50-hostd.conf: ListenStream= from `listen:`
-- model@NAME.service.d, model-engine@NAME.service.d, model-weights@NAME.service.d
-  /50-hostd.conf: start/stop timeouts from `timeouts:`; for CUDA models the
+- model@NAME.service.d, model-engine@NAME.service.d, model-engine-next@NAME.service.d
+  (the overlap reload's second engine), model-weights@NAME.service.d
+  /50-hostd.conf: start/stop timeouts from `timeouts:`; the engines and the
+  weights daemon run as the model's own user; for CUDA models the
   GPUs (CUDA_VISIBLE_DEVICES, counted in PCI bus order) and DeviceAllow= for
   the NVIDIA devices, each GPU by the minor number NVML reports for it
 - multi-user.target.wants/model@NAME.service for `autostart: true`
@@ -131,7 +133,7 @@ def dropins(name: str, cfg, source: Optional[Path] = None) -> dict[str, str]:
         + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n",
         f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg)) + "\n",
     }
-    for unit in (units.engine(name), units.weights(name)):
+    for unit in (units.engine(name), units.engine(name, "next"), units.weights(name)):
         body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg))
         files[f"{unit}.d/{DROPIN}"] = header + "[Service]\n" + body + "\n"
     return files

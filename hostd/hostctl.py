@@ -36,6 +36,7 @@ from dbus_fast.errors import DBusError
 import hostd
 from hostd import config, units
 from hostd.config import show
+from hostd.manager import api
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NO_SUCH_MODEL = 1, 2, 3, 4
 # D-Bus error name -> exit code (systemctl's: 4 "no such unit", 3 "not active").
@@ -168,7 +169,8 @@ class Progress:
     def line(self) -> str:
         props = self.props
         stage_s = max(0.0, time.time() - props.get("StageUSec", 0) / 1e6) if props.get("StageUSec") else 0.0
-        text = f"reload {props.get('Id', '?')} of {self.name}: {props.get('Stage', '...')} ({stage_s:.1f} s)"
+        strategy = f" (strategy {props['Strategy']})" if props.get("Strategy") else ""
+        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({stage_s:.1f} s)"
         if props.get("Stage") == "restart" and props.get("EngineStatus"):
             text += f", engine: {props['EngineStatus']}"
         return text + f"  [{time.monotonic() - self.started:.1f} s]"
@@ -207,19 +209,23 @@ def cmd_reload(args: argparse.Namespace) -> int:
     state = result["State"]
     if args.json:
         emit_json(args, result)
-        return 0 if state == "done" else 1
+        return 0 if state in api.SUCCESS_STATES else 1
     took = (result.get("FinishedUSec", 0) - result.get("CreatedUSec", 0)) / 1e6
     line = f"reload of {args.name}: {state}"
+    facts = [f"strategy {result['Strategy']}"] if result.get("Strategy") else []
     if result.get("WeightsReused"):
-        line += " (weights reused)"
+        facts.append("weights reused")
+    if facts:
+        line += f" ({', '.join(facts)})"
     if took > 0:
         line += f" in {took:.1f} s"
     if result.get("Error"):
         line += f": {result['Error']}"
     for note in result.get("Notes", []):
         line += f"; {note}"
-    print(line, file=sys.stdout if state == "done" else sys.stderr)
-    return 0 if state == "done" else 1
+    ok = state in api.SUCCESS_STATES
+    print(line, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def config_problem(args: argparse.Namespace, name: str) -> str:
@@ -262,6 +268,8 @@ def describe_operation(op: Optional[dict]) -> str:
     if not op:
         return "-"
     text = f"{op['Kind']} {op['Id']} {op['State']}"
+    if op.get("Strategy"):
+        text += f" (strategy {op['Strategy']})"
     if op.get("FinishedUSec"):
         text += f" in {(op['FinishedUSec'] - op['CreatedUSec']) / 1e6:.1f} s, {_ago(op['FinishedUSec'])}"
     else:
@@ -281,8 +289,8 @@ def model_summary(hostd, name: str) -> dict:
         "weights_not_retained_reason": props.get("WeightsNotRetainedReason", ""),
         "engine_status": props.get("EngineStatus", ""), "in_flight": props["InFlight"],
         "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
-        "last_operation": op and {k: op[k] for k in ("Id", "Kind", "State", "Stage", "Error", "WeightsReused",
-                                                      "CreatedUSec", "FinishedUSec")},
+        "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
+                                                          "WeightsReused", "CreatedUSec", "FinishedUSec")},
         "_last_operation_text": describe_operation(op),
     }
 

@@ -22,6 +22,9 @@ SUN_PATH_MAX = 107  # bytes, without the terminating NUL
 # GPU's UUID ("GPU-" + 36 characters), inside the socket directory we give it.
 WEIGHTS_SOCKET = "weights.sock"
 ENGINE_SOCKET = "engine.sock"
+# The engine slots of a model (units.py names their units): "main" serves at
+# rest; "next" runs only during an overlap reload, beside main.
+ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock"}
 CONTROL_SOCKET = "control.sock"
 VLLM_SOCKET_DIR = "vllm"
 SGLANG_SOCKET_DIR = "sglang"
@@ -43,8 +46,8 @@ def weights_socket(name: str) -> Path:
     return runtime_dir(name) / WEIGHTS_SOCKET
 
 
-def engine_socket(name: str) -> Path:
-    return runtime_dir(name) / ENGINE_SOCKET
+def engine_socket(name: str, slot: str = "main") -> Path:
+    return runtime_dir(name) / ENGINE_SOCKETS[slot]
 
 
 def control_socket(name: str) -> Path:

@@ -14,6 +14,10 @@ import re
 UMBRELLA = "model@.service"  # the gateway, and the unit an administrator starts
 SOCKET = "model@.socket"
 ENGINE = "model-engine@.service"
+# The second engine slot: started only by an overlap reload, beside ENGINE, and
+# stopped once ENGINE serves the new config again (docs/operations.md).
+ENGINE_NEXT = "model-engine-next@.service"
+ENGINES = {"main": ENGINE, "next": ENGINE_NEXT}
 WEIGHTS = "model-weights@.service"
 WEIGHTS_SOCKET = "model-weights@.socket"
 MANAGER = "hostd.service"
@@ -52,8 +56,8 @@ def socket(name: str) -> str:
     return instance(SOCKET, name)
 
 
-def engine(name: str) -> str:
-    return instance(ENGINE, name)
+def engine(name: str, slot: str = "main") -> str:
+    return instance(ENGINES[slot], name)
 
 
 def weights(name: str) -> str:

@@ -84,6 +84,14 @@ class Backend(abc.ABC):
         """Do the model's units need the NVIDIA devices (DeviceAllow=, the
         manager's GPU memory preflight)?"""
 
+    def overlap_refusal(self, cfg) -> Optional[str]:
+        """Why two engines of this model cannot run at once on the same weights
+        (an overlap reload then falls back to restart), or None when they can."""
+        return (
+            f"the {self.name} backend's engine listens where upstream puts it, one socket per "
+            "model, so a second engine cannot start beside the first"
+        )
+
     def weights_not_retained(self, cfg) -> Optional[str]:
         """Why CFG's weights are not kept across engine restarts (the engine
         loads them from disk each start), or None when they are."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from hostd.backends.base import Backend
 
@@ -55,6 +56,9 @@ class BuiltinBackend(Backend):
                 f"({positions}); lower it or leave it unset"
             ]
         return []
+
+    def overlap_refusal(self, cfg) -> Optional[str]:
+        return None  # engines map the daemon's one allocation; --slot picks the socket
 
     def uses_gpu(self, cfg) -> bool:
         return cfg.device == "cuda"

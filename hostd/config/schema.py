@@ -169,6 +169,25 @@ class ReloadConfig(_Strict):
             le=86400,
         ),
     ] = 120.0
+    strategy: Annotated[
+        Literal["overlap", "restart"],
+        _doc(
+            "overlap: start a second engine beside the serving one on the same "
+            "weights and move new requests to it while the first restarts (no "
+            "503); it falls back to restart when the preflight finds no room for "
+            "a second engine or the backend cannot run two. restart: drain, "
+            "restart the engine, resume (503 meanwhile)."
+        ),
+    ] = "overlap"
+    overlap_reserve_mib: Annotated[
+        int,
+        _doc(
+            "MiB that must stay free (host memory on CPU, GPU memory on GPU) "
+            "beside a second engine for an overlap reload; with less, the "
+            "reload falls back to restart.",
+            ge=0,
+        ),
+    ] = 256
 
 
 class TimeoutsConfig(_Strict):

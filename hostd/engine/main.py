@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from hostd import backends, paths, systemd
+from hostd import backends, memory, paths, systemd
 from hostd import config as hostd_config
 from hostd.weights import checkpoint, client, fingerprint, shared
 
@@ -156,7 +156,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
     sock = next(iter(systemd.listen_sockets()), None)
     unix_path = None
     if sock is None:  # bound by server.py through hostd/sockets.py
-        unix_path = str(Path(args.socket) if args.socket else paths.engine_socket(args.name))
+        unix_path = str(Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot))
 
     def ready() -> None:
         phases.mark("warm_up_and_listen")
@@ -178,7 +178,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
         sock=sock,
         on_ready=ready,
         on_status=status,
-        health_info=health,
+        health_info=lambda: {**health, "memory": memory.snapshot()},  # for the overlap preflight
         log=log,
     )
 
@@ -186,6 +186,8 @@ def serve(args: argparse.Namespace, cfg) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
     parser.add_argument("--socket", metavar="PATH", help="serve HTTP here (default /run/hostd/NAME/engine.sock)")
+    parser.add_argument("--slot", choices=sorted(paths.ENGINE_SOCKETS), default="main",
+                        help="engine slot: main (engine.sock) or next (engine-next.sock, during an overlap reload)")
     parser.add_argument("--weights", metavar="PATH", help="weight daemon socket (default /run/hostd/NAME/weights.sock)")
     parser.add_argument("--state-dir", metavar="DIR", help="digest cache (default /var/lib/hostd/NAME)")
     parser.add_argument("--from-disk", action="store_true", help="load the checkpoint from disk (cold start; for benchmarks)")

@@ -278,7 +278,7 @@ def run(args, cfg) -> int:
         log.error("cannot reach the weight cache of %s at %s: %s", args.name, weights_path, exc)
         systemd.status(f"failed: no weight cache ({exc})")
         return 1
-    socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name)
+    socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot)
     if not args.socket:
         sockets.ensure_private_dir(socket_path.parent)
     supervisor = EngineSupervisor(args.name, cfg, socket_path, (status.pid, status.socket_inode))

@@ -1,4 +1,4 @@
-"""The gateway's control socket: drain, resume, status.
+"""The gateway's control socket: drain, resume, status, switch.
 
 Trust model: /run/hostd/NAME/control.sock is 0600 in the private 0700 runtime
 directory, and every peer is checked with SO_PEERCRED (the gateway's uid or
@@ -12,6 +12,7 @@ answer naming the problem and changes nothing.
     -> {"verb": "drain", "timeout": 30}
     <- {"ok": true, "drained": false, "remaining": 2, "state": "draining"}
     -> {"verb": "resume"}  (optionally "outcome": "done")    -> {"verb": "status"}
+    -> {"verb": "switch", "slot": "next"}   (overlap reload: new requests to engine-next.sock)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Awaitable, Callable, Optional, Union
+from typing import Annotated, Any, Awaitable, Callable, Literal, Optional, Union
 
 import msgspec
 
@@ -47,7 +48,14 @@ class Status(msgspec.Struct, tag_field="verb", tag="status", forbid_unknown_fiel
     pass
 
 
-Request = Union[Drain, Resume, Status]
+class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fields=True):
+    """Send new requests to the engine in SLOT (paths.ENGINE_SOCKETS); requests
+    already running stay on their engine. A slot name, never a path."""
+
+    slot: Literal["main", "next"]
+
+
+Request = Union[Drain, Resume, Status, Switch]
 _decoder = msgspec.json.Decoder(Request)
 
 Handler = Callable[[Request], Awaitable[dict]]
@@ -63,7 +71,7 @@ def parse(line: bytes) -> Request:
     except msgspec.ValidationError as exc:
         message = str(exc)
         if "Invalid value" in message and "$.verb" in message:
-            message = f"{message}; expected verb drain, resume or status"
+            message = f"{message}; expected verb drain, resume, status or switch"
         raise ControlError(message) from None
     except msgspec.DecodeError as exc:
         raise ControlError(f"not a JSON object: {exc}") from None
@@ -98,7 +106,11 @@ async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 log.warning("control: refused request from pid %d: %s", pid, exc)
                 await _answer(writer, {"ok": False, "error": str(exc)})
                 continue
-            await _answer(writer, {"ok": True, **await handle(request)})
+            try:
+                answer = {"ok": True, **await handle(request)}
+            except ControlError as exc:  # the gateway refused: it says why, nothing changed
+                answer = {"ok": False, "error": str(exc)}
+            await _answer(writer, answer)
     except (ConnectionError, OSError):
         return
     finally:

@@ -59,12 +59,14 @@ CLIENT_CLOSED = "499"  # status label of a request whose client left before the 
 
 
 class Gateway:
-    def __init__(self, name: str, cfg, engine_socket: Path, control_socket: Path,
+    def __init__(self, name: str, cfg, engine_sockets: dict[str, Path], control_socket: Path,
                  api_keys: Optional[list[bytes]] = None):
         self.name = name
         self.cfg = cfg
         self.limits = cfg.gateway
-        self.engine_socket = engine_socket
+        self.engine_sockets = engine_sockets  # slot -> socket (paths.ENGINE_SOCKETS)
+        self.slot = "main"  # where new requests go; `switch` moves it
+        self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.control_socket = control_socket
         self.backend = backends.for_config(cfg)
         self.routes = routes.Table(self.backend.public_routes)
@@ -83,7 +85,6 @@ class Gateway:
                                           lambda: len(self.connections.open) if self.connections else 0),
             "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: self.budget.used),
         })
-        self.session: Optional[aiohttp.ClientSession] = None
         self._last_status = ""
         self._reload_started: Optional[float] = None  # loop time of the drain that began a reload
         self._reload_resumed = False
@@ -99,14 +100,25 @@ class Gateway:
         app.on_cleanup.append(self._cleanup)
         return app
 
+    @property
+    def engine_socket(self) -> Path:
+        return self.engine_sockets[self.slot]
+
+    @property
+    def session(self) -> Optional[aiohttp.ClientSession]:
+        """The serving slot's session. A request keeps the session it started
+        on, so a switch never moves a running request."""
+        return self.sessions.get(self.slot)
+
     async def _startup(self, app: web.Application) -> None:
-        self.session = forward.session(aiohttp.UnixConnector(path=str(self.engine_socket), limit=0), 5)
+        for slot, path in self.engine_sockets.items():
+            self.sessions[slot] = forward.session(aiohttp.UnixConnector(path=str(path), limit=0), 5)
         app["monitor"] = asyncio.create_task(self.monitor())
 
     async def _cleanup(self, app: web.Application) -> None:
         app["monitor"].cancel()
-        if self.session:
-            await self.session.close()
+        for session in self.sessions.values():
+            await session.close()
 
     # ------------------------------------------------------------ routing
 
@@ -258,10 +270,10 @@ class Gateway:
 
     # ------------------------------------------------------------ monitor
 
-    async def engine_ok(self) -> bool:
-        assert self.session
+    async def engine_ok(self, slot: Optional[str] = None) -> bool:
+        session = self.sessions[slot or self.slot]
         try:
-            async with self.session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -312,10 +324,26 @@ class Gateway:
             result = await self.admission.resume(await self.engine_ok())
             self._reload_ended(request.outcome or result["state"])
             log.info("resumed: %s", result["state"])
+        elif isinstance(request, control.Switch):
+            result = {**await self.switch(request.slot), "slot": self.slot}
         else:
-            result = self.admission.snapshot()
+            result = {**self.admission.snapshot(), "slot": self.slot}
         self._report()
         return result
+
+    async def switch(self, slot: str) -> dict:
+        """New requests go to SLOT's engine from now on (an overlap reload);
+        running ones finish where they are. Refused while that engine does
+        not answer /health, so a switch never sends traffic into the void."""
+        if slot != self.slot:
+            if not await self.engine_ok(slot):
+                raise control.ControlError(
+                    f"the engine in slot {slot} ({self.engine_sockets[slot]}) does not answer /health; not switching"
+                )
+            log.info("switch: new requests go to the %s engine (%s); %d in flight stay where they are",
+                     slot, self.engine_sockets[slot], self.admission.in_flight)
+            self.slot = slot
+        return self.admission.snapshot()
 
 
 def listener_from_config(listen: str) -> socket.socket:
@@ -382,11 +410,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s; refusing to serve model %s without its keys", exc, args.name)
         systemd.status(f"failed: {exc}")
         return 1
-    engine_socket = Path(args.engine) if args.engine else paths.engine_socket(args.name)
+    main = Path(args.engine) if args.engine else paths.engine_socket(args.name)
+    engine_sockets = {"main": main, "next": main.with_name(paths.ENGINE_SOCKETS["next"])}
     control_socket = Path(args.control) if args.control else paths.control_socket(args.name)
     passed = systemd.listen_sockets()
     listener = passed[0] if passed else listener_from_config(args.listen or cfg.listen)
-    gateway = Gateway(args.name, cfg, engine_socket, control_socket, api_keys)
+    gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys)
     # Leave a margin inside the unit's stop timeout for the process to exit.
     stop_timeout = max(1.0, cfg.timeouts.stop - 10.0)
     asyncio.run(serve(gateway, listener, stop_timeout))
@@ -396,5 +425,6 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
     parser.add_argument("--listen", metavar="ADDRESS", help="public address when not socket-activated (default: the model's listen:)")
-    parser.add_argument("--engine", metavar="PATH", help="engine socket (default /run/hostd/NAME/engine.sock)")
+    parser.add_argument("--engine", metavar="PATH", help="engine socket (default /run/hostd/NAME/engine.sock; "
+                        "the overlap slot's is engine-next.sock beside it)")
     parser.add_argument("--control", metavar="PATH", help="control socket (default /run/hostd/NAME/control.sock)")

@@ -29,7 +29,9 @@ OPERATION_PATH = f"{ROOT_PATH}/operation"
 
 # An Operation's State while it runs, and the states it ends in.
 RUNNING = "running"
-FINAL_STATES = ("done", "rolled-back", "failed", "cancelled")
+FINAL_STATES = ("done", "unchanged", "rolled-back", "failed", "cancelled")
+# The final states in which the model runs what was asked for (hostctl exits 0).
+SUCCESS_STATES = ("done", "unchanged")
 
 # Finished operations the manager keeps on the bus (systemd's importd keeps 64
 # transfers); older ones are removed with OperationRemoved.

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import aiohttp
 import msgspec
@@ -55,6 +55,10 @@ class Probe:
     async def resume(self) -> dict:
         return await control.call_async(paths.control_socket(self.name), "resume")
 
+    async def switch(self, slot: str) -> dict:
+        """New requests to the engine in SLOT (an overlap reload)."""
+        return await control.call_async(paths.control_socket(self.name), "switch", slot=slot)
+
     async def gateway_status(self) -> Optional[dict]:
         try:
             return await control.call_async(paths.control_socket(self.name), "status")
@@ -73,8 +77,8 @@ class Probe:
 
     # ------------------------------------------------------------ engine
 
-    async def engine_health(self) -> Optional[dict]:
-        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name)))
+    async def engine_health(self, slot: str = "main") -> Optional[dict]:
+        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as http:
                 async with http.get("http://engine/health") as response:
@@ -84,8 +88,8 @@ class Probe:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return None
 
-    async def smoke(self, served_name: str) -> None:
-        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name)))
+    async def smoke(self, served_name: str, slot: str = "main") -> None:
+        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
         body = {"model": served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
             async with http.post("http://engine/v1/completions", json=body) as response:
@@ -98,13 +102,13 @@ class Probe:
         backend's engine reports the section it was started with."""
         return health.get("engine_config") == engine
 
-    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]]) -> None:
-        health = await self.engine_health()
+    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]], slot: str = "main") -> None:
+        health = await self.engine_health(slot)
         if health is None:
-            raise VerifyFailed("the engine does not answer /health")
+            raise VerifyFailed(f"the engine in slot {slot} does not answer /health")
         if not self.runs(health, msgspec.to_builtins(cfg.engine)):
             raise VerifyFailed(f"the engine runs {health.get('engine_config')}, not the target config")
-        await self.smoke(cfg.served_model_name or self.name)
+        await self.smoke(cfg.served_model_name or self.name, slot)
         if weights_before is not None:
             now = await self.weights_identity()
             engine_saw = (health.get("weights_pid"), health.get("weights_socket_inode"))
@@ -114,12 +118,12 @@ class Probe:
                     f"the engine attached to {engine_saw}"
                 )
 
-    async def engine_error(self, default: str) -> str:
+    async def engine_error(self, default: str, slot: str = "main") -> str:
         """The engine's own last error lines from the journal, else DEFAULT."""
         try:
             result = await asyncio.to_thread(
                 subprocess.run,
-                ["journalctl", "-u", units.engine(self.name), "-p", "err", "-n", "3",
+                ["journalctl", "-u", units.engine(self.name, slot), "-p", "err", "-n", "3",
                  "-o", "cat", "--no-pager", "--since", "-5min"],
                 capture_output=True, text=True, timeout=10,
             )
@@ -144,12 +148,33 @@ class Probe:
             return None
         fraction = backend.memory_fraction(cfg)
         try:
+            gpus = await self.gpu_memory(cfg, engine_pid)
+        except RuntimeError as exc:  # no driver library here: verify and rollback still guard
+            log.warning("GPU preflight skipped for %s: %s", self.name, exc)
+            return None
+        for gpu in gpus:
+            available = gpu.free + gpu.engine
+            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20)
+            if need > available:
+                return (
+                    f"GPU {gpu.index}: the new engine needs about {need / 2**30:.1f} GiB "
+                    f"({'fraction ' + str(fraction) + ' of ' + format(gpu.total / 2**30, '.1f') + ' GiB, less the daemon-held weights' if fraction else 'for its context'}), "
+                    f"but only {available / 2**30:.1f} GiB would be free; lower the memory fraction"
+                )
+        return None
+
+    async def gpu_memory(self, cfg, engine_pid: int) -> list["GpuMemory"]:
+        """NVML's view of each of the model's GPUs: free, total, the serving
+        engine's share and the weight daemon's. The engine's share is NVML's
+        per-process figure where NVML sees our PIDs; inside a container they
+        are another namespace's, so then it is the device's used memory less
+        the daemon's share. RuntimeError when NVML cannot be read."""
+        try:
             import pynvml
 
             pynvml.nvmlInit()
-        except Exception as exc:  # no driver library here: verify and rollback still guard
-            log.warning("GPU preflight skipped for %s: NVML unavailable (%s)", self.name, exc)
-            return None
+        except Exception as exc:
+            raise RuntimeError(f"NVML unavailable ({exc})") from None
         try:
             status = None
             try:
@@ -157,23 +182,70 @@ class Probe:
             except (OSError, weights_client.WeightsRefused):
                 pass
             held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+            out = []
             for index in cfg.gpus:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                daemon_share = held // max(1, len(cfg.gpus))
-                engine_now = next(
+                daemon = held // max(1, len(cfg.gpus))
+                engine = next(
                     (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
                      if p.pid == engine_pid), None)
-                if engine_now is None:  # PIDs from another namespace: device-level accounting
-                    engine_now = max(0, info.used - daemon_share)
-                available = info.free + engine_now
-                need = (fraction * info.total - daemon_share) if fraction else (512 << 20)
-                if need > available:
-                    return (
-                        f"GPU {index}: the new engine needs about {need / 2**30:.1f} GiB "
-                        f"({'fraction ' + str(fraction) + ' of ' + format(info.total / 2**30, '.1f') + ' GiB, less the daemon-held weights' if fraction else 'for its context'}), "
-                        f"but only {available / 2**30:.1f} GiB would be free; lower the memory fraction"
-                    )
+                if engine is None:
+                    engine = max(0, info.used - daemon)
+                out.append(GpuMemory(index, info.total, info.free, engine, daemon))
+            return out
         finally:
             pynvml.nvmlShutdown()
+
+    async def overlap_problem(self, cfg, engine_pid: int) -> Optional[str]:
+        """Why a second engine would not fit beside the serving one, or None.
+
+        The second engine needs what the serving one uses beyond the shared
+        weights (its footprint), and reload.overlap_reserve_mib must stay free
+        besides. CPU: the footprint is the engine's anonymous memory against
+        the host's MemAvailable, both as the engine reports them on /health
+        (hostd/memory.py: this sandbox cannot read them). GPU: NVML's per-process figure for
+        the engine (device used - the daemon's share where NVML cannot see our
+        PIDs), against each GPU's free memory."""
+        backend = backends.for_config(cfg)
+        refusal = backend.overlap_refusal(cfg)
+        if refusal:
+            return refusal
+        reserve = cfg.reload.overlap_reserve_mib << 20
+        if backend.uses_gpu(cfg):
+            return await self._overlap_gpu(cfg, engine_pid, reserve)
+        reported = ((await self.engine_health()) or {}).get("memory") or {}
+        if "anonymous" not in reported or "host_available" not in reported:
+            return "the engine does not report its memory on /health (hostd/memory.py)"
+        footprint, available = reported["anonymous"], reported["host_available"]
+        if footprint + reserve > available:
+            return (
+                f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
+                f"the shared weights) and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
+                f"must stay free, but MemAvailable is {available >> 20} MiB"
+            )
         return None
+
+    async def _overlap_gpu(self, cfg, engine_pid: int, reserve: int) -> Optional[str]:
+        try:
+            gpus = await self.gpu_memory(cfg, engine_pid)
+        except RuntimeError as exc:
+            return f"cannot read GPU memory: {exc}"
+        for gpu in gpus:
+            if gpu.engine + reserve > gpu.free:
+                return (
+                    f"GPU {gpu.index}: a second engine needs about {gpu.engine >> 20} MiB and "
+                    f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
+                    f"but {gpu.free >> 20} MiB are free"
+                )
+        return None
+
+
+class GpuMemory(NamedTuple):
+    """Bytes on one GPU, as NVML reports them (Probe.gpu_memory)."""
+
+    index: int
+    total: int
+    free: int
+    engine: int  # the serving engine's share
+    daemon: int  # the weight daemon's share

@@ -1,6 +1,32 @@
 """The reload of one model: an explicit state machine, one function per stage,
 and every way a reload can end, its recovery after a manager crash included.
 
+Two strategies, chosen by the preflight (Operation.strategy says which, and why
+in the journal): `overlap` (the default) and `restart` (forced by
+reload.strategy: restart, and the fallback when the backend cannot run two
+engines or there is no room for a second one).
+
+overlap: no 503 at any point.
+
+    validate -> preflight -> record -> start-next -> switch -> restart -> verify -> resume -> retire -> commit -> finished (done)
+                                          |  (fails)   |         \\____(fails)___/
+                                       restore: stop next,     rollback (main back to the previous config)
+                                       put the drop-in back     -> resume -> retire -> finished (rolled-back)
+                                       -> finished (rolled-back; the gateway never moved)
+
+    start-next: model-engine-next@NAME starts beside model-engine@NAME on the
+      same weights with the target config and is verified on its own socket;
+    switch: the gateway sends new requests to it (requests running on the
+      old engine finish there);
+    restart: model-engine@NAME restarts with the target config (SIGTERM: the
+      old engine finishes what it admitted first), verify;
+    resume: the gateway sends new requests to model-engine@NAME again;
+    retire: model-engine-next@NAME stops, finishing what it admitted.
+    At rest only model-engine@NAME runs, so `systemctl restart model-engine@NAME`
+    and the journal mean what they always meant.
+
+restart:
+
     validate -> preflight -> record -> drain -> restart -> verify -> resume -> commit -> finished (done)
         |           |                    |          \\________/         |
      refused     refused                 |               | failure     +- resume fails: commit, failed
@@ -11,6 +37,10 @@ and every way a reload can end, its recovery after a manager crash included.
                                          |                      restore, start nothing -> finished (failed)
                                 finished (cancelled | failed)
 
+A reload whose target engine config is what the engine runs already ends at
+validate as `unchanged`, touching nothing (`systemctl restart
+model-engine@NAME` restarts the engine regardless).
+
 Nothing is touched before validate and preflight pass: a refusal changes no
 file, drains nothing and restarts nothing. From `record` on, the intent
 (previous drop-in content and target config) is in the manager's records
@@ -20,28 +50,15 @@ runs the previous config alone (the crash came before its restart); else
 drain, restart it with the previous config and resume. Recovery never stops an
 engine that still has admitted requests without draining it first.
 
-Drop-ins: a patch is merged into /etc/hostd/models/NAME.d/90-reload.yaml by
-one function (merge_patch, parsing with the config loader) and written
-atomically. An empty patch applies what is on disk now; if that fails, the
-previous values are pinned in 99-rollback.yaml (the administrator's own files
-are never edited) and the Operation says so.
-
-Trust: root writes only what it computed from validated data. A patch and a
-pin are rendered within the config loader's limits before anything is
-written (render); the pin holds the last committed engine section, never what
-the engine reported as such (previous_engine); a failure message in a comment
-is one bounded line without control characters (comment_text).
+The states and stages are in operation.py, the drop-in files root writes in
+dropins.py, the recovery after a manager crash in recovery.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import logging
-import textwrap
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,212 +67,19 @@ import msgspec
 from hostd import config as hostd_config
 from hostd import units
 from hostd.config import schema
-from hostd.config.atomic import remove_durably, write_atomic
+from hostd.config.atomic import write_atomic
 from hostd.manager import errors
+from hostd.manager.dropins import (  # noqa: F401  (COMMENT_LIMIT, comment_text: callers read them here too)
+    COMMENT_LIMIT, RELOAD_DROPIN, RELOAD_HEADER, ROLLBACK_DROPIN, comment_text, merge_patch,
+    previous_engine, read_text, render, restore_file, rollback_header,
+)
+from hostd.manager.operation import (  # noqa: F401  (CANCELLABLE: callers read it here too)
+    CANCELLABLE, MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy,
+)
+from hostd.manager.probe import Probe
 from hostd.manager.records import Records
 
 log = logging.getLogger("hostd.manager.reload")
-
-RELOAD_DROPIN = "90-reload.yaml"
-ROLLBACK_DROPIN = "99-rollback.yaml"
-
-
-def rollback_header(cause: str) -> str:
-    """The comment lines of 99-rollback.yaml: the cause made safe and bounded
-    (comment_text), wrapped at words, never cut mid-word."""
-    lines = textwrap.wrap(f"Written by hostd's manager: the reload of these values failed: {comment_text(cause)}",
-                          76, break_long_words=False, break_on_hyphens=False)
-    lines.append("Remove this file once the config is fixed.")
-    return "".join(f"# {line}\n" for line in lines)
-
-
-# MESSAGE_IDs of the journal lines a reload writes (journalctl MESSAGE_ID=...).
-MESSAGE_IDS = {
-    "started": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a40",
-    "done": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a41",
-    "rolled-back": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a42",
-    "failed": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a43",
-    "cancelled": "4a1d9b7e2c5f4e0b8d3a6c9f1e2b7a44",
-}
-
-
-class State(str, enum.Enum):
-    RUNNING = "running"
-    DONE = "done"
-    ROLLED_BACK = "rolled-back"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-class Stage(str, enum.Enum):
-    VALIDATE = "validate"
-    PREFLIGHT = "preflight"
-    RECORD = "record"
-    DRAIN = "drain"
-    RESTART = "restart"
-    VERIFY = "verify"
-    RESUME = "resume"
-    COMMIT = "commit"
-    ROLLBACK = "rollback"
-    RESTORE = "restore"  # put the drop-in back after a drain that did not finish
-    FINISHED = "finished"
-
-
-# Which stage may follow which; anything else is a bug and raises.
-TRANSITIONS: dict[Stage, set[Stage]] = {
-    Stage.VALIDATE: {Stage.PREFLIGHT, Stage.FINISHED},
-    Stage.PREFLIGHT: {Stage.RECORD, Stage.RESTORE, Stage.FINISHED},
-    Stage.RECORD: {Stage.DRAIN, Stage.RESTORE},
-    Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
-    Stage.RESTART: {Stage.VERIFY, Stage.ROLLBACK},
-    Stage.VERIFY: {Stage.RESUME, Stage.ROLLBACK},
-    Stage.RESUME: {Stage.COMMIT, Stage.FINISHED},
-    Stage.COMMIT: {Stage.FINISHED},
-    Stage.ROLLBACK: {Stage.RESUME, Stage.FINISHED},
-    Stage.RESTORE: {Stage.FINISHED},
-    Stage.FINISHED: set(),
-}
-CANCELLABLE = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN)
-
-
-class Cancelled(Exception):
-    pass
-
-
-class Interrupted(Exception):
-    """The model is being stopped: the reload gives way and touches no unit."""
-
-
-@dataclass
-class Operation:
-    """One reload, as the D-Bus Operation object shows it."""
-
-    id: int
-    model: str
-    patch: dict
-    state: State = State.RUNNING
-    stage: Stage = Stage.VALIDATE
-    error: str = ""
-    weights_reused: bool = False
-    restored: bool = False
-    created: float = field(default_factory=time.time)
-    stage_entered: float = field(default_factory=time.time)  # when the current stage began
-    finished: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    on_change: Optional[Callable[["Operation"], None]] = None
-    done_event: asyncio.Event = field(default_factory=asyncio.Event)
-    cancel_requested: bool = False
-    interrupt_requested: bool = False  # the model is being stopped
-    degraded: bool = False
-    asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
-
-    def cancel(self) -> None:
-        self.cancel_requested = True
-        self.asked.set()
-
-    def interrupt(self) -> None:
-        """The model is being stopped."""
-        self.interrupt_requested = True
-        self.asked.set()
-
-    def enter(self, stage: Stage) -> None:
-        if stage not in TRANSITIONS[self.stage]:
-            raise RuntimeError(f"reload {self.id}: no transition {self.stage.value} -> {stage.value}")
-        self.stage = stage
-        self.stage_entered = time.time()
-        log.info(
-            "reload %d of %s: stage %s", self.id, self.model, stage.value,
-            extra={"hostd_model": self.model, "hostd_operation": str(self.id), "hostd_stage": stage.value},
-        )
-        self._changed()
-
-    def finish(self, state: State, error: str = "") -> None:
-        self.state, self.error, self.finished = state, error, time.time()
-        if self.stage != Stage.FINISHED:
-            self.stage = Stage.FINISHED
-        log.log(
-            logging.INFO if state == State.DONE else logging.WARNING,
-            "reload %d of %s %s%s", self.id, self.model, state.value, f": {error}" if error else "",
-            extra={"hostd_model": self.model, "hostd_operation": str(self.id),
-                   "hostd_stage": "finished", "message_id": MESSAGE_IDS[state.value]},
-        )
-        self._changed()
-        self.done_event.set()
-
-    def _changed(self) -> None:
-        if self.on_change:
-            self.on_change(self)
-
-
-# ---------------------------------------------------------------- files
-
-
-def read_text(path: Path) -> Optional[str]:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
-
-
-def restore_file(path: Path, content: Optional[str]) -> None:
-    if content is None:
-        remove_durably(path)
-    else:
-        write_atomic(path, content)
-
-
-def merge_patch(dropin: Path, patch: dict) -> dict:
-    """What DROPIN (90-reload.yaml) holds once PATCH is merged into its engine
-    section: the one place a patch meets the file, parsed by the config loader."""
-    try:
-        data = hostd_config.load.read_yaml(dropin).data if dropin.exists() else {}
-    except hostd_config.ConfigError as exc:
-        raise errors.InvalidValue(f"{RELOAD_DROPIN} cannot be merged with the patch:\n{exc}") from None
-    engine = data.get("engine")
-    return {**data, "engine": {**(engine if isinstance(engine, dict) else {}), **patch}}
-
-
-RELOAD_HEADER = "# Written by hostd's manager on reload; hostctl config NAME shows the effect.\n"
-COMMENT_LIMIT = 500  # characters of a failure message in a drop-in's comment
-
-
-def render(file_name: str, header: str, data: dict) -> str:
-    """The text of a drop-in root writes: refused (InvalidValue naming the key)
-    where the config loader would refuse the file, before anything is written."""
-    try:
-        return hostd_config.load.render_yaml(data, file_name, header)
-    except hostd_config.ConfigError as exc:
-        raise errors.InvalidValue("; ".join(map(str, exc.problems))) from None
-
-
-def comment_text(message: str, limit: int = COMMENT_LIMIT) -> str:
-    """MESSAGE (the engine's journal lines among others: not root's text) fit
-    for one comment line: control and other non-printable characters (YAML
-    line breaks such as U+2028 included) become spaces, whitespace collapses,
-    and at most LIMIT characters are kept, cut at a word."""
-    text = " ".join("".join(c if c.isprintable() else " " for c in message).split())
-    if len(text) <= limit:
-        return text
-    cut = text[: limit - 4]
-    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
-
-
-def previous_engine(backend: str, committed: Optional[dict], health: Optional[dict]) -> Optional[dict]:
-    """The engine section a rollback brings back, as values root computed: the
-    last committed section (records.py, written by root after a verify), else
-    (nothing committed yet) the section the engine reports, only if it is a
-    valid engine section of BACKEND, re-rendered from the schema's type. Text
-    the engine sent is never written as such; None when neither is usable."""
-    engine_type = schema.ENGINE_TYPES[backend]
-    for source in ((committed or {}).get("engine"), (health or {}).get("engine_config")):
-        if source is None:
-            continue
-        try:
-            return msgspec.to_builtins(msgspec.convert(source, engine_type))
-        except (msgspec.ValidationError, TypeError):
-            log.warning("previous engine values refused: not a valid %s engine section", backend)
-    return None
-
 
 # ---------------------------------------------------------------- the run
 
@@ -271,6 +95,7 @@ class Model:
         self.records = records or Records()
         self._load = load
         self.engine_unit = units.engine(name)
+        self.next_unit = units.engine(name, "next")
         self.umbrella_unit = units.umbrella(name)
 
     @property
@@ -293,6 +118,8 @@ class Reload:
         self.running_engine: Optional[dict] = None
         self.weights_before: Optional[tuple[int, int]] = None
         self.recorded = False  # the previous files are known: restore() may write
+        self.unchanged = False  # validate found nothing to apply
+        self.strategy_reason = ""
 
     # ------------------------------------------------------------ stages
 
@@ -340,6 +167,8 @@ class Reload:
         problems = self.model_backend_refusals(self.target)
         if problems:
             raise errors.InvalidValue("; ".join(problems))
+        # Nothing to apply when the engine answers and runs the target already.
+        self.unchanged = health is not None and Probe.runs(health, msgspec.to_builtins(self.target.engine))
 
     def config_with(self, reload_data: dict, patch: dict):
         """The effective config if 90-reload.yaml held RELOAD_DATA, every drop-in
@@ -369,6 +198,9 @@ class Reload:
             return
         now = msgspec.to_builtins(self.target)
         now.pop("engine", None)
+        # reload.* steers the manager at each reload, never the units: not fixed.
+        now.pop("reload", None)
+        running_fixed = {k: v for k, v in running_fixed.items() if k != "reload"}
         changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
         if changed:
             raise errors.NotEditable(
@@ -391,9 +223,23 @@ class Reload:
 
     async def preflight(self) -> None:
         props = await self.model.systemd.properties(self.model.engine_unit)
-        problem = await self.model.probe.memory_problem(self.target, props.get("MainPID", 0))
+        pid = props.get("MainPID", 0)
+        strategy, why = await self.choose_strategy(pid)
+        self.op.strategy, self.strategy_reason = strategy.value, why
+        if strategy == Strategy.RESTART:
+            problem = await self.model.probe.memory_problem(self.target, pid)
+            if problem:
+                raise errors.InsufficientMemory(problem)
+
+    async def choose_strategy(self, engine_pid: int) -> tuple[Strategy, str]:
+        """overlap when configured, possible for the backend and there is room
+        for a second engine beside the first; else restart. Returns the reason."""
+        if self.current.reload.strategy == Strategy.RESTART.value:
+            return Strategy.RESTART, "reload.strategy is restart"
+        problem = await self.model.probe.overlap_problem(self.target, engine_pid)
         if problem:
-            raise errors.InsufficientMemory(problem)
+            return Strategy.RESTART, f"overlap does not fit, falling back to restart: {problem}"
+        return Strategy.OVERLAP, "room for a second engine beside the serving one"
 
     async def record(self) -> None:
         directory = self.model.dropins
@@ -403,6 +249,7 @@ class Reload:
         self.weights_before = await self.model.probe.weights_identity()
         self.model.records.write_intent(self.model.name, {
             "operation": self.op.id,
+            "strategy": self.op.strategy,
             "patch": self.op.patch,
             "previous_reload": self.previous_reload,
             "previous_rollback": self.previous_rollback,
@@ -424,8 +271,17 @@ class Reload:
     async def restart(self) -> None:
         await self.model.systemd.restart(self.model.engine_unit, timeout=self.target.timeouts.start + 30)
 
-    async def verify(self, cfg) -> None:
-        await self.model.probe.verify_engine(cfg, self.weights_before)
+    async def verify(self, cfg, slot: str = "main") -> None:
+        await self.model.probe.verify_engine(cfg, self.weights_before, slot)
+
+    async def start_next(self) -> None:
+        """Start the second engine with the target config and verify it."""
+        await self.model.systemd.start(self.model.next_unit, timeout=self.target.timeouts.start + 30)
+        await self.verify(self.target, "next")
+
+    async def retire_next(self) -> None:
+        """Stop the second engine; it finishes what it admitted first."""
+        await self.model.systemd.stop(self.model.next_unit, timeout=self.target.timeouts.stop + 30)
 
     async def commit(self) -> None:
         self.model.records.write_committed(self.model.name, self.target)
@@ -470,6 +326,8 @@ class Reload:
     async def check(self) -> None:
         """Validate and preflight: raises errors.Refused, having touched nothing."""
         await self.validate()
+        if self.unchanged:
+            return
         self.op.enter(Stage.PREFLIGHT)
         await self.preflight()
 
@@ -490,15 +348,19 @@ class Reload:
             self.op.enter(Stage.FINISHED)
         self.op.finish(state, error)
 
+    async def _record_stage(self) -> None:
+        """A cancel asked for before anything was written ends here; else record."""
+        if self.op.cancel_requested:
+            raise Cancelled("cancelled by request")
+        self.op.enter(Stage.RECORD)
+        await self.record()
+
     async def _drain_stage(self) -> None:
         """Record and drain; Cancelled, Interrupted or the drain's own failure
         leave with the file restored (and the gateway resumed unless stopping)."""
         op = self.op
         try:
-            if op.cancel_requested:
-                raise Cancelled("cancelled by request")
-            op.enter(Stage.RECORD)
-            await self.record()
+            await self._record_stage()
             op.enter(Stage.DRAIN)
             drain = asyncio.create_task(self.drain())
             asked = asyncio.create_task(op.asked.wait())
@@ -528,14 +390,41 @@ class Reload:
 
     async def _apply(self) -> None:
         op = self.op
+        if self.unchanged:
+            log.info("reload %d of %s: the engine runs this config already; nothing to do", op.id, op.model,
+                     extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+            return self._end(State.UNCHANGED)
         log.info(
-            "reload %d of %s started: %s", op.id, op.model, json.dumps(op.patch) if op.patch else "config on disk",
-            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"]},
+            "reload %d of %s started (strategy %s: %s): %s", op.id, op.model, op.strategy, self.strategy_reason,
+            json.dumps(op.patch) if op.patch else "config on disk",
+            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"],
+                   "hostd_strategy": op.strategy},
         )
+        if op.strategy == Strategy.OVERLAP.value:
+            return await self._apply_overlap()
         try:
             await self._drain_stage()
         except Exception as exc:
             return self._end(State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED, str(exc))
+        await self._replace_main(self._resume, "the gateway did not resume")
+
+    async def _resume(self) -> None:
+        """restart: the drained gateway serves again."""
+        self.op.enter(Stage.RESUME)
+        await self.model.probe.resume()
+
+    async def _hand_back(self) -> None:
+        """overlap: new requests go to the main engine again; the next one stops."""
+        self.op.enter(Stage.RESUME)
+        await self.model.probe.switch("main")
+        self.op.enter(Stage.RETIRE)
+        await self.retire_next()
+
+    async def _replace_main(self, hand_back, hand_back_failed: str) -> None:
+        """Restart the main engine with the target config and verify it, then
+        HAND_BACK the gateway to it and commit; on failure roll back (the main
+        engine back on the previous config), then HAND_BACK."""
+        op = self.op
         try:
             op.enter(Stage.RESTART)
             await self.restart()
@@ -551,11 +440,12 @@ class Reload:
             op.enter(Stage.ROLLBACK)
             try:
                 await self.rollback(cause)
-                op.enter(Stage.RESUME)
-                await self.model.probe.resume()
+                await hand_back()
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
-                op.degraded = True  # the gateway stays paused: nothing safe to serve
+                # restart: the gateway stays paused, nothing safe to serve;
+                # overlap: the next engine may still serve the target config.
+                op.degraded = True
                 return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
             return self._end(State.ROLLED_BACK, cause)
         # Verified: the engine attached the same weight daemon (PID, inode),
@@ -566,77 +456,44 @@ class Reload:
             op.notes.append(f"weights not retained ({not_retained}): the engine loaded them from disk")
             log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
                      op.id, op.model, not_retained)
-        op.enter(Stage.RESUME)
         try:
-            await self.model.probe.resume()
+            await hand_back()
         except Exception as exc:  # the engine runs the target: commit, but say so
             op.enter(Stage.COMMIT)
             await self.commit()
-            return self._end(State.FAILED, f"the new config runs, but the gateway did not resume: {exc}")
+            return self._end(State.FAILED, f"the new config runs, but {hand_back_failed}: {exc}")
         op.enter(Stage.COMMIT)
         await self.commit()
         self._end(State.DONE)
 
-
-# ---------------------------------------------------------------- recovery
-
-
-async def recover(model: Model, intent: dict) -> str:
-    """End the reload a previous manager left half done (INTENT is its record).
-    Returns what it did: committed, left (the engine runs the previous config),
-    restarted, or restored (the model is stopped: files only)."""
-    name, probe, systemd = model.name, model.probe, model.systemd
-    where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
-    # An engine restarted just before the crash may still be starting: let it
-    # finish (or fail) before deciding what it runs.
-    await systemd.settle(model.engine_unit, timeout=300)
-    health = await probe.engine_health()
-    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
-        log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"), extra=where)
-        model.records.write_committed(name, model.load().config)
-        outcome = "committed"
-    else:
-        directory = model.dropins
-        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
-        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
-        previous = intent.get("previous_engine")
-        if health is not None and previous is not None and probe.runs(health, previous):
-            log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",
-                     name, intent.get("operation"), extra=where)
-            outcome = "left"
-        elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
-            log.warning("recovery: %s does not run the target of reload %s; draining and restarting its engine",
-                        name, intent.get("operation"), extra=where)
-            outcome = await _restart_drained(model)
-        else:  # never start a stopped model
-            log.info("recovery: %s is stopped; files restored", name, extra=where)
-            outcome = "restored"
-    if outcome != "restored":
+    async def _apply_overlap(self) -> None:
+        """The overlap strategy (module docstring): the gateway always has an
+        engine that answers, so no request is ever refused."""
+        op = self.op
         try:
-            await probe.resume()
-        except Exception as exc:  # the gateway may be down; it starts serving on its own then
-            log.warning("recovery: resuming %s: %s", name, exc, extra=where)
-    model.records.drop_intent(name)
-    return outcome
-
-
-async def _restart_drained(model: Model) -> str:
-    """Restart the engine with the config on disk, after draining what it admitted."""
-    cfg = model.load().config
-    try:
-        result = await model.probe.drain(cfg.reload.drain_timeout)
-    except Exception as exc:  # no gateway: nothing was admitted through it
-        log.warning("recovery: draining %s: %s", model.name, exc)
-        result = {"drained": True}
-    if not result["drained"]:
-        log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
-                  "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit)
-        return "left"
-    try:
-        await model.systemd.restart(model.engine_unit, timeout=cfg.timeouts.start + 30)
-    except Exception as exc:
-        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc)
-    return "restarted"
+            await self._record_stage()
+            op.enter(Stage.START_NEXT)
+            await self.start_next()
+            op.enter(Stage.SWITCH)
+            await self.model.probe.switch("next")
+        except Exception as exc:  # the new engine failed: the old one never stopped
+            interrupted = await self.stopping()
+            cause = str(exc) if isinstance(exc, Cancelled) or interrupted else \
+                await self.model.probe.engine_error(str(exc), "next")
+            op.enter(Stage.RESTORE)
+            try:
+                await self.retire_next()
+                self.restore()
+            except Exception as again:  # logged for operators
+                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+            if isinstance(exc, Cancelled):
+                return self._end(State.CANCELLED, cause)
+            if interrupted:
+                return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+            return self._end(State.ROLLED_BACK if self.recorded else State.FAILED, cause)
+        # The next engine serves new requests: the main one restarts with the
+        # target config (it finishes what it admitted first), then takes over.
+        await self._replace_main(self._hand_back, "handing the gateway back to the main engine failed")
 
 
 def patch_from_variants(patch: dict[str, Any]) -> dict:

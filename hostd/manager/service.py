@@ -8,7 +8,7 @@ D-Bus errors in errors.py; names shared with clients in api.py.
 
     /org/hostd1                     org.hostd1.Manager    verbs, OperationFinished, OperationRemoved
     /org/hostd1/model/<name>        org.hostd1.Model      one per configured model
-    /org/hostd1/operation/<id>      org.hostd1.Operation  the running ones and the last 64 finished
+    /org/hostd1/operation/<id>      org.hostd1.Operation  the running ones and the last 64 finished (operation_bus.py)
 
 A model's State follows its units' PropertiesChanged signals (systemd1.py)
 and its operations; nothing polls systemd. InFlight is the gateway's count,
@@ -36,9 +36,10 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 from hostd import config as hostd_config
 from hostd import units
 from hostd.config import schema
-from hostd.manager import api, errors
+from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
 from hostd.manager.errors import admin, replies
+from hostd.manager.operation_bus import OperationInterface
 from hostd.manager.probe import Probe
 from hostd.manager.records import Records
 from hostd.manager.systemd1 import Systemd
@@ -48,7 +49,6 @@ log = logging.getLogger("hostd.manager")
 CALLER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("caller", default=None)
 IN_FLIGHT_INTERVAL = 2.0
 GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
-RUNNING = reload_mod.State.RUNNING
 
 
 class CallerAwareBus(MessageBus):
@@ -66,100 +66,6 @@ class CallerAwareBus(MessageBus):
                 CALLER.reset(token)
 
         return handler
-
-
-# ---------------------------------------------------------------- operations
-
-
-class OperationInterface(ServiceInterface):
-    def __init__(self, manager: "Manager", op: reload_mod.Operation, kind: str):
-        super().__init__(api.OPERATION)
-        self.manager, self.op, self.kind = manager, op, kind
-        self.path = api.operation_path(op.id)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Id(self) -> "u":
-        return self.op.id
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Model(self) -> "s":
-        return self.op.model
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Kind(self) -> "s":
-        return self.kind
-
-    @dbus_property(access=PropertyAccess.READ)
-    def State(self) -> "s":
-        return self.op.state.value
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Stage(self) -> "s":
-        return self.op.stage.value
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Error(self) -> "s":
-        return self.op.error
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Patch(self) -> "s":
-        return json.dumps(self.op.patch, sort_keys=True)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def WeightsReused(self) -> "b":
-        return self.op.weights_reused
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Restored(self) -> "b":
-        return self.op.restored
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Notes(self) -> "as":
-        return list(self.op.notes)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def CreatedUSec(self) -> "t":
-        return int(self.op.created * 1e6)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def FinishedUSec(self) -> "t":
-        return int(self.op.finished * 1e6)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def StageUSec(self) -> "t":
-        """When the current Stage began (CLOCK_REALTIME, µs): its elapsed time."""
-        return int(self.op.stage_entered * 1e6)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def EngineStatus(self) -> "s":
-        """The engine unit's STATUS= line ("attaching weights", "warming up", ...)."""
-        return self.engine_status()
-
-    def engine_status(self) -> str:
-        props = self.manager.systemd.cached(units.engine(self.op.model)) or {}
-        return str(props.get("StatusText", ""))
-
-    @method()
-    @admin(api.MANAGE_ACTION)
-    async def Cancel(self):
-        op = self.op
-        if op.state != RUNNING:
-            raise errors.NotRunning(f"operation {op.id} already ended ({op.state.value})")
-        if self.kind != "reload" or op.stage not in reload_mod.CANCELLABLE:
-            raise errors.Busy(f"operation {op.id} is past its drain ({op.stage.value}); it cannot be cancelled now")
-        op.cancel()
-
-    def changed(self) -> None:
-        self.emit_properties_changed({
-            "State": self.op.state.value, "Stage": self.op.stage.value, "Error": self.op.error,
-            "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
-            "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
-            "StageUSec": int(self.op.stage_entered * 1e6), "EngineStatus": self.engine_status(),
-        })
-
-    @property
-    def running(self) -> bool:
-        return self.op.state == RUNNING
 
 
 # ---------------------------------------------------------------- models
@@ -610,14 +516,14 @@ class Manager(ServiceInterface):
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     async def recover(self) -> None:
-        """End reloads a previous manager left half done (reload.recover)."""
+        """End reloads a previous manager left half done (recovery.recover)."""
         for name, model in list(self.models.items()):
             intent = self.records.intent(name)
             if intent is None:
                 continue
             where = reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load)
             try:
-                outcome = await reload_mod.recover(where, intent)
+                outcome = await recovery.recover(where, intent)
                 log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
             except Exception:
                 log.exception("recovery of %s failed; its intent record stays in %s", name,

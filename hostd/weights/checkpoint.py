@@ -20,6 +20,10 @@ from typing import Iterator
 
 import torch
 
+from hostd.weights import lean
+
+lean.apply()  # before anything in this process imports transformers
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -62,15 +66,14 @@ def build_skeleton(checkpoint: Path, dtype: str, *, meta_buffers: bool) -> torch
     return model.eval()
 
 
-def load_tensors(
-    checkpoint: Path, model: torch.nn.Module, device: torch.device
-) -> list[tuple[str, str, torch.Tensor, list[str]]]:
-    """(name, kind, tensor on DEVICE, aliases) for every parameter and buffer of
-    MODEL, parameters read from the checkpoint, tied ones once."""
-    from safetensors import safe_open
+Named = list[tuple[str, str, torch.Tensor, list[str]]]
 
+
+def named_tensors(model: torch.nn.Module) -> Named:
+    """(name, kind, tensor, aliases) for every parameter and buffer of MODEL,
+    tied ones once (their other names in aliases)."""
     by_id: dict[int, int] = {}
-    out: list[tuple[str, str, torch.Tensor, list[str]]] = []
+    out: Named = []
     for kind, named in (
         ("parameter", model.named_parameters(remove_duplicate=False)),
         ("buffer", model.named_buffers(remove_duplicate=False)),
@@ -81,12 +84,45 @@ def load_tensors(
                 continue
             by_id[id(tensor)] = len(out)
             out.append((name, kind, tensor, []))
+    return out
 
+
+def wanted_keys(tensors: Named) -> dict[str, int]:
+    """Checkpoint key -> index in TENSORS, for every parameter name and alias."""
     wanted: dict[str, int] = {}
-    for index, (name, kind, _, aliases) in enumerate(out):
+    for index, (name, kind, _, aliases) in enumerate(tensors):
         if kind == "parameter":
             for candidate in (name, *aliases):
                 wanted[candidate] = index
+    return wanted
+
+
+def check_shape(path: Path, key: str, shape, expected: torch.Tensor) -> None:
+    if tuple(shape) != tuple(expected.shape):
+        raise ValueError(
+            f"{path}: tensor {key} has shape {tuple(shape)}, the model "
+            f"expects {tuple(expected.shape)}"
+        )
+
+
+def check_complete(checkpoint: Path, tensors: Named, found: set[int]) -> None:
+    """Refuse a checkpoint that lacks a parameter the model needs."""
+    missing = [tensors[i][0] for i, (_, kind, _, _) in enumerate(tensors) if kind == "parameter" and i not in found]
+    if missing:
+        raise ValueError(
+            f"{checkpoint}: the checkpoint lacks {len(missing)} parameter(s) the model "
+            f"needs, e.g. {', '.join(missing[:3])}"
+        )
+
+
+def load_tensors(checkpoint: Path, model: torch.nn.Module, device: torch.device) -> Named:
+    """(name, kind, tensor on DEVICE, aliases) for every parameter and buffer of
+    MODEL, parameters read from the checkpoint, tied ones once. The engine's
+    cold start (--from-disk); the weight daemon reads with load.py instead."""
+    from safetensors import safe_open
+
+    out = named_tensors(model)
+    wanted = wanted_keys(out)
     found: set[int] = set()
     device_name = str(device) if device.type == "cuda" else "cpu"
     for path in sorted(checkpoint.glob("*.safetensors")):
@@ -97,19 +133,10 @@ def load_tensors(
                     continue
                 name, kind, meta, aliases = out[index]
                 tensor = shard.get_tensor(key).to(meta.dtype)
-                if tuple(tensor.shape) != tuple(meta.shape):
-                    raise ValueError(
-                        f"{path}: tensor {key} has shape {tuple(tensor.shape)}, the model "
-                        f"expects {tuple(meta.shape)}"
-                    )
+                check_shape(path, key, tensor.shape, meta)
                 out[index] = (name, kind, tensor, aliases)
                 found.add(index)
-    missing = [out[i][0] for i, (_, kind, _, _) in enumerate(out) if kind == "parameter" and i not in found]
-    if missing:
-        raise ValueError(
-            f"{checkpoint}: the checkpoint lacks {len(missing)} parameter(s) the model "
-            f"needs, e.g. {', '.join(missing[:3])}"
-        )
+    check_complete(checkpoint, out, found)
     return [
         (name, kind, tensor if kind == "parameter" else tensor.to(device), aliases)
         for name, kind, tensor, aliases in out

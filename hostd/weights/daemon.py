@@ -34,7 +34,7 @@ import torch
 
 from hostd import config as hostd_config
 from hostd import backends, paths, sockets, systemd
-from hostd.weights import checkpoint, fingerprint, protocol, shared
+from hostd.weights import checkpoint, fingerprint, load, protocol, shared
 from hostd.weights import listener as listener_mod
 
 log = logging.getLogger("hostd.weights")
@@ -66,20 +66,13 @@ class WeightDaemon:
         device_id = "cpu"
         if self.device.type == "cuda":
             device_id = f"cuda:{shared.cuda_uuid(self.device)}"
-        systemd.status(f"hashing {self.model_dir}")
-        self.fingerprint = fingerprint.compute(
-            self.model_dir, dtype=dtype, device=device_id, cache_dir=self.state_dir
-        )
         systemd.status(f"loading {self.model_dir} ({dtype}) onto {self.device}")
         skeleton = checkpoint.build_skeleton(self.model_dir, dtype, meta_buffers=False)
-        tensors = checkpoint.load_tensors(self.model_dir, skeleton, self.device)
-        if self.device.type == "cuda":
-            self.shared = shared.share_cuda(tensors, self.device)
-        else:
-            self.shared = shared.share_cpu(tensors, self.name)
-        del tensors, skeleton
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.shared, digest = load.load(
+            self.model_dir, skeleton, self.device, label=self.name, cache_dir=self.state_dir
+        )
+        del skeleton
+        self.fingerprint = fingerprint.compute(self.model_dir, dtype=dtype, device=device_id, digest=digest)
         self.loaded_at = time.time()
         log.info(
             "holding %d tensors, %d bytes on %s, loaded in %.2f s; fingerprint %s",

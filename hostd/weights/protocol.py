@@ -42,7 +42,7 @@ class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
     engine only when every field is equal."""
 
     model_path: str  # resolved, symlinks followed
-    content_digest: str  # sha256 over the weight files and config.json
+    content_digest: str  # over the weight files and config.json (fingerprint.py)
     architecture: str
     dtype: str
     device: str  # "cpu", or "cuda:<GPU UUID>"

@@ -2,7 +2,8 @@
 
 One job: the memory. The daemon copies every parameter and buffer (tied
 weights once, non-persistent buffers such as rotary inv_freq included) into a
-single allocation at 256-byte aligned offsets:
+single allocation at 256-byte aligned offsets (load.py streams the checkpoint
+into it through MemfdWriter or CudaWriter):
 
 - CPU: one memfd, filled with pwrite (the daemon never maps it writable), then
   sealed F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL, so no
@@ -22,7 +23,7 @@ import mmap
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -63,48 +64,68 @@ class Shared:
     keep: Any = None  # the CUDA allocation, kept alive
 
 
-def share_cpu(tensors, label: str) -> Shared:
-    table, size = plan(tensors)
-    fd = os.memfd_create(f"hostd-weights-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        for entry, (_, _, tensor, _) in zip(table, tensors):
-            data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
-            view = memoryview(data)
-            written = 0
-            while written < len(view):
-                written += os.pwrite(fd, view[written:], entry.offset + written)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    storage = MemfdStorage(size=size, inode=os.fstat(fd).st_ino)
-    return Shared(storage=storage, table=table, size=size, device="cpu", fd=fd)
+class MemfdWriter:
+    """Fills one memfd of SIZE bytes with pwrite; finish() seals it. The daemon
+    never maps it, so not even the daemon can write it once sealed."""
+
+    def __init__(self, size: int, label: str):
+        self.size = size
+        self.fd = os.memfd_create(f"hostd-weights-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, size)
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        """Copy DATA (uint8, on the CPU) to OFFSET."""
+        view = memoryview(data.contiguous().numpy())
+        written = 0
+        while written < len(view):
+            written += os.pwrite(self.fd, view[written:], offset + written)
+
+    def finish(self, table: list[TensorEntry]) -> Shared:
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+        storage = MemfdStorage(size=self.size, inode=os.fstat(self.fd).st_ino)
+        return Shared(storage=storage, table=table, size=self.size, device="cpu", fd=self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-def share_cuda(tensors, device: torch.device) -> Shared:
-    table, size = plan(tensors)
-    block = torch.empty(size, dtype=torch.uint8, device=device)
-    for entry, (_, _, tensor, _) in zip(table, tensors):
-        nbytes = tensor.numel() * tensor.element_size()
-        block[entry.offset : entry.offset + nbytes].copy_(
-            tensor.detach().contiguous().view(-1).view(torch.uint8)
+class CudaWriter:
+    """Fills one device allocation of SIZE bytes; finish() exports its IPC handle.
+    write() copies asynchronously: DATA must stay unchanged until sync()."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size = size
+        self.device = device
+        self.block = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        self.block[offset : offset + data.numel()].copy_(data, non_blocking=True)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def finish(self, table: list[TensorEntry]) -> Shared:
+        self.sync()
+        fields = self.block.untyped_storage()._share_cuda_()
+        (dev, handle, nbytes, offset, rc_handle, rc_offset, event, event_sync) = fields
+        storage = CudaStorage(
+            device=dev,
+            handle=handle,
+            size=nbytes,
+            offset=offset,
+            ref_counter_handle=rc_handle,
+            ref_counter_offset=rc_offset,
+            event_handle=event if event else b"",
+            event_sync_required=bool(event_sync),
+            device_uuid=cuda_uuid(self.device),
         )
-    torch.cuda.synchronize(device)
-    fields = block.untyped_storage()._share_cuda_()
-    (dev, handle, nbytes, offset, rc_handle, rc_offset, event, event_sync) = fields
-    storage = CudaStorage(
-        device=dev,
-        handle=handle,
-        size=nbytes,
-        offset=offset,
-        ref_counter_handle=rc_handle,
-        ref_counter_offset=rc_offset,
-        event_handle=event if event else b"",
-        event_sync_required=bool(event_sync),
-        device_uuid=cuda_uuid(device),
-    )
-    return Shared(storage=storage, table=table, size=size, device=str(device), keep=block)
+        return Shared(storage=storage, table=table, size=self.size, device=str(self.device), keep=self.block)
+
+    def close(self) -> None:
+        self.block = None
+
+
+Writer = Union[MemfdWriter, CudaWriter]
 
 
 def cuda_uuid(device: torch.device) -> str:

@@ -29,7 +29,9 @@ DROPINS = "/etc/hostd/models/tiny.d"
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
     port = free_port()
-    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
+    # This module tests the restart strategy (drain, restart, resume) and its
+    # recovery; test_overlap.py tests the default, overlap.
+    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}", reload="{strategy: restart}")
     systemd_container.base_url = f"http://127.0.0.1:{port}"
     systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
     wait_for(lambda: status_code(systemd_container) == 200, timeout=60, what="serving")
@@ -156,7 +158,7 @@ def test_the_same_reload_succeeds_through_every_door(served):
     result = hostctl(host, "reload", "tiny", "max_num_seqs=4")
     assert result.returncode == 0, result.stderr
     assert model_state(host) == "serving"  # at once: the manager follows its units' signals
-    assert "reload of tiny: done (weights reused)" in result.stdout
+    assert "reload of tiny: done (strategy restart, weights reused)" in result.stdout
     assert ": drain (" in result.stderr and ": finished (" in result.stderr  # live progress, elapsed times
     after(4, last_operation(host))
 

@@ -20,6 +20,7 @@ import msgspec
 from dbus_fast import Message, Variant
 
 from hostd import config, units
+from hostd.manager import recovery
 from hostd.manager import reload as R
 from hostd.manager.probe import Probe, VerifyFailed
 from hostd.manager.records import Records
@@ -43,6 +44,7 @@ class FakeBus:
         self.units: dict[str, dict] = {}
         self.job_results: dict[str, list[str]] = {}  # unit -> results of its next jobs
         self.jobs = 0
+        self.job_log: list[tuple[str, str]] = []  # (start|stop|restart, unit) of every job asked for
 
     exported: dict[str, object]
 
@@ -84,6 +86,7 @@ class FakeBus:
                       "MainPID": Variant("u", props["MainPID"]), "Id": Variant("s", name)}
             return Message.new_method_return(msg, "a{sv}", [values])
         if msg.member in ("StartUnit", "StopUnit", "RestartUnit"):
+            self.job_log.append((msg.member[:-4].lower(), msg.body[0]))
             self.jobs += 1
             job = f"{PATH}/job/{self.jobs}"
             asyncio.get_running_loop().create_task(self.run_job(msg.member[:-4].lower(), msg.body[0], job))
@@ -94,17 +97,20 @@ class FakeBus:
         await asyncio.sleep(0.001)
         results = self.job_results.get(name) or []
         result = results.pop(0) if results else "done"
+        slot = {units.engine(self.world.name): "main", units.engine(self.world.name, "next"): "next"}.get(name)
         if verb == "stop":
             self.set_state(name, "inactive")
+            if slot == "next":
+                self.world.probe.next_engine = None
         elif result == "done":
             self.set_state(name, "activating")
-            if name == units.engine(self.world.name):
-                self.world.probe.engine_started()
+            if slot:
+                self.world.probe.engine_started(slot)
             self.set_state(name, "active")
         else:
             self.set_state(name, "failed")
-            if name == units.engine(self.world.name):
-                self.world.probe.engine = None
+            if slot:
+                self.world.probe.set_engine(slot, None)
         self.emit(PATH, MANAGER, "JobRemoved", "uoss", [self.jobs, job, name, result])
 
 
@@ -116,25 +122,48 @@ class FakeProbe:
     def __init__(self, world: "World"):
         self.world = world
         self.engine: Optional[dict] = None  # the engine section the engine runs; None: it does not answer
+        self.next_engine: Optional[dict] = None  # the same for the overlap slot's engine
+        self.slot = "main"  # where the gateway sends new requests
+        self.no_room: Optional[str] = None  # what overlap_problem answers
         self.calls: list[str] = []
         self.drain_result = {"drained": True, "remaining": 0}
         self.drain_hangs = False
         self.resume_fails = False
         self.fail_next_start = False  # the engine exits with an error once started
 
-    def engine_started(self) -> None:
+    def set_engine(self, slot: str, engine: Optional[dict]) -> None:
+        if slot == "main":
+            self.engine = engine
+        else:
+            self.next_engine = engine
+
+    def get_engine(self, slot: str) -> Optional[dict]:
+        return self.engine if slot == "main" else self.next_engine
+
+    def engine_started(self, slot: str = "main") -> None:
         if self.fail_next_start:
             self.fail_next_start = False
-            self.engine = None
+            self.set_engine(slot, None)
             return
-        self.engine = msgspec.to_builtins(config.load_model(self.world.name, self.world.root).config.engine)
+        self.set_engine(slot, msgspec.to_builtins(config.load_model(self.world.name, self.world.root).config.engine))
 
-    async def engine_health(self) -> Optional[dict]:
-        self.calls.append("health")
-        return None if self.engine is None else {"engine_config": self.engine}
+    async def engine_health(self, slot: str = "main") -> Optional[dict]:
+        self.calls.append("health" if slot == "main" else f"health {slot}")
+        engine = self.get_engine(slot)
+        return None if engine is None else {"engine_config": engine}
 
     async def memory_problem(self, cfg, pid: int) -> Optional[str]:
         return None
+
+    async def overlap_problem(self, cfg, pid: int) -> Optional[str]:
+        return self.no_room
+
+    async def switch(self, slot: str) -> dict:
+        self.calls.append(f"switch {slot}")
+        if self.get_engine(slot) is None:
+            raise OSError(f"the engine in slot {slot} does not answer /health; not switching")
+        self.slot = slot
+        return {"slot": slot}
 
     async def weights_identity(self):
         return (7, 8)
@@ -151,14 +180,15 @@ class FakeProbe:
             raise OSError("control socket: connection refused")
         return {}
 
-    async def verify_engine(self, cfg, weights_before) -> None:
-        self.calls.append("verify")
-        if self.engine is None:
+    async def verify_engine(self, cfg, weights_before, slot: str = "main") -> None:
+        self.calls.append("verify" if slot == "main" else f"verify {slot}")
+        engine = self.get_engine(slot)
+        if engine is None:
             raise VerifyFailed("the engine does not answer /health")
-        if not self.runs({"engine_config": self.engine}, msgspec.to_builtins(cfg.engine)):
-            raise VerifyFailed(f"the engine runs {self.engine}, not the target config")
+        if not self.runs({"engine_config": engine}, msgspec.to_builtins(cfg.engine)):
+            raise VerifyFailed(f"the engine runs {engine}, not the target config")
 
-    async def engine_error(self, default: str) -> str:
+    async def engine_error(self, default: str, slot: str = "main") -> str:
         return default
 
 
@@ -166,7 +196,7 @@ class World:
     """One model, tiny, configured under ROOT, running, with its manager's
     records under STATE."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, strategy: str = "restart"):
         self.name = "tiny"
         self.root = tmp / "etc"
         checkpoint = tmp / "checkpoint"
@@ -175,7 +205,8 @@ class World:
         (checkpoint / "model.safetensors").write_text("")
         (self.root / "models").mkdir(parents=True)
         (self.root / "models/tiny.yaml").write_text(
-            f"backend: builtin\nmodel: {checkpoint}\ndevice: cpu\nreload: {{drain_timeout: 5}}\n")
+            f"backend: builtin\nmodel: {checkpoint}\ndevice: cpu\n"
+            f"reload: {{drain_timeout: 5, strategy: {strategy}}}\n")
         self.records = Records(tmp / "state/.manager")
         self.bus = FakeBus(self)
         self.probe = FakeProbe(self)
@@ -195,7 +226,7 @@ class World:
 
     async def recover(self, intent: dict) -> str:
         await self.connect()
-        return await R.recover(self.model(), intent)
+        return await recovery.recover(self.model(), intent)
 
     async def reload(self, patch: dict, during=None) -> R.Operation:
         """Check and run one reload; DURING(op) runs once the drain has begun."""

@@ -10,7 +10,7 @@ import pytest
 from hostd import config
 from hostd.config.load import merge_model, validate, model_type
 from hostd.hostctl import parse_assignments
-from hostd.manager.reload import Operation, Stage, State, TRANSITIONS
+from hostd.manager.operation import TRANSITIONS, Operation, Stage, State
 
 
 def test_every_stage_is_reachable_and_every_path_ends_finished():

@@ -133,7 +133,9 @@ def test_a_name_no_user_name_can_hold_gets_a_readable_prefix_and_a_hash(name):
 def test_every_unit_of_a_model_runs_as_the_models_user():
     cfg = msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)
     files = generator.dropins("m", cfg)
-    for unit in ("model@m.service", "model-engine@m.service", "model-weights@m.service"):
+    for unit in (
+        "model@m.service", "model-engine@m.service", "model-engine-next@m.service", "model-weights@m.service"
+    ):
         assert "User=hostd-m\nGroup=hostd-m" in files[f"{unit}.d/50-hostd.conf"]
     assert "SocketUser=hostd-m\nSocketGroup=hostd-m" in files["model-weights@m.socket.d/50-hostd.conf"]
     socket_dropin = files["model@m.socket.d/50-hostd.conf"]

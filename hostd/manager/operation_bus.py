@@ -1,0 +1,116 @@
+"""org.hostd1.Operation: one object per operation on the bus, as systemd's Job
+(/org/hostd1/operation/<id>): read-only properties that follow the reload's
+Operation (reload.py, operation.py) with PropertiesChanged, and Cancel.
+
+Trust: anyone on the bus may read; Cancel asks polkit first (errors.admin),
+as every mutating method of the manager does (service.py).
+"""
+
+import json
+
+from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method
+
+from hostd import units
+from hostd.manager import api, errors
+from hostd.manager import reload as reload_mod
+from hostd.manager.errors import admin
+
+RUNNING = reload_mod.State.RUNNING
+
+
+class OperationInterface(ServiceInterface):
+    def __init__(self, manager: "Manager", op: reload_mod.Operation, kind: str):
+        super().__init__(api.OPERATION)
+        self.manager, self.op, self.kind = manager, op, kind
+        self.path = api.operation_path(op.id)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Id(self) -> "u":
+        return self.op.id
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Model(self) -> "s":
+        return self.op.model
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Kind(self) -> "s":
+        return self.kind
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return self.op.state.value
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Stage(self) -> "s":
+        return self.op.stage.value
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Error(self) -> "s":
+        return self.op.error
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Patch(self) -> "s":
+        return json.dumps(self.op.patch, sort_keys=True)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Strategy(self) -> "s":
+        """overlap or restart, once the preflight chose ("" before, and for
+        start/stop/restart operations)."""
+        return self.op.strategy
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsReused(self) -> "b":
+        return self.op.weights_reused
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Restored(self) -> "b":
+        return self.op.restored
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Notes(self) -> "as":
+        return list(self.op.notes)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CreatedUSec(self) -> "t":
+        return int(self.op.created * 1e6)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def FinishedUSec(self) -> "t":
+        return int(self.op.finished * 1e6)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def StageUSec(self) -> "t":
+        """When the current Stage began (CLOCK_REALTIME, µs): its elapsed time."""
+        return int(self.op.stage_entered * 1e6)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EngineStatus(self) -> "s":
+        """The engine unit's STATUS= line ("attaching weights", "warming up", ...)."""
+        return self.engine_status()
+
+    def engine_status(self) -> str:
+        props = self.manager.systemd.cached(units.engine(self.op.model)) or {}
+        return str(props.get("StatusText", ""))
+
+    @method()
+    @admin(api.MANAGE_ACTION)
+    async def Cancel(self):
+        op = self.op
+        if op.state != RUNNING:
+            raise errors.NotRunning(f"operation {op.id} already ended ({op.state.value})")
+        if self.kind != "reload" or op.stage not in reload_mod.CANCELLABLE:
+            raise errors.Busy(f"operation {op.id} is past its drain ({op.stage.value}); it cannot be cancelled now")
+        op.cancel()
+
+    def changed(self) -> None:
+        self.emit_properties_changed({
+            "State": self.op.state.value, "Stage": self.op.stage.value, "Error": self.op.error,
+            "Strategy": self.op.strategy,
+            "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
+            "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
+            "StageUSec": int(self.op.stage_entered * 1e6), "EngineStatus": self.engine_status(),
+        })
+
+    @property
+    def running(self) -> bool:
+        return self.op.state == RUNNING

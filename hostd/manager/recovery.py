@@ -1,0 +1,112 @@
+"""Recovery: the end of a reload that a previous manager left half done (its
+intent is in the manager's records, records.py, from the `record` stage on).
+
+It decides on its next start: commit if the engine runs the target config;
+leave an engine that runs the previous config alone (the crash came before its
+restart); else restart it with the previous config and resume (after a drain
+for the restart strategy). Recovery never stops an engine that still has
+admitted requests without draining it first, and after an overlap reload
+leaves exactly one engine serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
+from hostd.manager.operation import Strategy
+from hostd.manager.reload import Model
+
+log = logging.getLogger("hostd.manager.reload")
+
+async def recover(model: Model, intent: dict) -> str:
+    """End the reload a previous manager left half done (INTENT is its record).
+    Returns what it did: committed, left (the engine runs the previous config),
+    restarted, or restored (the model is stopped: files only).
+
+    The decision is made on the main engine, whatever the strategy. After an
+    overlap reload nothing was drained (the gateway may be serving from the
+    second engine meanwhile), so the main engine restarts without a drain, and
+    at the end the gateway goes back to it and the second engine stops: exactly
+    one engine is left."""
+    name, probe, systemd = model.name, model.probe, model.systemd
+    where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
+    overlap = intent.get("strategy") == Strategy.OVERLAP.value
+    # An engine restarted just before the crash may still be starting: let it
+    # finish (or fail) before deciding what it runs.
+    await systemd.settle(model.engine_unit, timeout=300)
+    if overlap:
+        await systemd.settle(model.next_unit, timeout=300)
+    health = await probe.engine_health()
+    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
+        log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"), extra=where)
+        model.records.write_committed(name, model.load().config)
+        outcome = "committed"
+    else:
+        directory = model.dropins
+        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
+        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
+        previous = intent.get("previous_engine")
+        if health is not None and previous is not None and probe.runs(health, previous):
+            log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",
+                     name, intent.get("operation"), extra=where)
+            outcome = "left"
+        elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
+            log.warning("recovery: %s does not run the target of reload %s; restarting its engine%s",
+                        name, intent.get("operation"), "" if overlap else " after a drain", extra=where)
+            outcome = await (_restart_main(model, where) if overlap else _restart_drained(model))
+        else:  # never start a stopped model
+            log.info("recovery: %s is stopped; files restored", name, extra=where)
+            outcome = "restored"
+    if overlap:
+        await _leave_one_engine(model, outcome, where)
+    elif outcome != "restored":
+        try:
+            await probe.resume()
+        except Exception as exc:  # the gateway may be down; it starts serving on its own then
+            log.warning("recovery: resuming %s: %s", name, exc, extra=where)
+    model.records.drop_intent(name)
+    return outcome
+
+
+async def _restart_main(model: Model, where: dict) -> str:
+    """Restart the main engine with the config on disk (overlap: no drain)."""
+    try:
+        await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
+    except Exception as exc:
+        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
+    return "restarted"
+
+
+async def _leave_one_engine(model: Model, outcome: str, where: dict) -> None:
+    """After an overlap: the gateway back on the main engine, the next one stopped."""
+    main_answers = await model.probe.engine_health() is not None
+    if outcome != "restored" and main_answers:
+        try:
+            await model.probe.switch("main")
+        except Exception as exc:  # a gateway that is down starts on main by itself
+            log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc, extra=where)
+    if outcome == "restored" or main_answers:
+        await model.systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
+    else:
+        log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
+                  model.name, model.next_unit, extra=where)
+
+
+async def _restart_drained(model: Model) -> str:
+    """Restart the engine with the config on disk, after draining what it admitted."""
+    cfg = model.load().config
+    try:
+        result = await model.probe.drain(cfg.reload.drain_timeout)
+    except Exception as exc:  # no gateway: nothing was admitted through it
+        log.warning("recovery: draining %s: %s", model.name, exc)
+        result = {"drained": True}
+    if not result["drained"]:
+        log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
+                  "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit)
+        return "left"
+    try:
+        await model.systemd.restart(model.engine_unit, timeout=cfg.timeouts.start + 30)
+    except Exception as exc:
+        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc)
+    return "restarted"

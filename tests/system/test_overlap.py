@@ -1,0 +1,138 @@
+"""The overlap reload (the default strategy) under a real systemd 252: no
+request is refused while the engine is replaced, a new engine that fails
+costs nothing, a manager killed mid-way leaves one engine, and a preflight
+that finds no room falls back to restart and says so.
+
+One container for the module (model tiny, hostd.service). Clients are the
+official openai client without retries, streaming the whole time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from container import SystemdContainer, wait_for
+from test_manager import DROPINS, hostctl, last_operation, model_state, op_property, read_file
+from test_model_units import free_port, main_pid, prepare_model, status_code
+
+MAIN = "model-engine@tiny.service"
+NEXT = "model-engine-next@tiny.service"
+
+
+@pytest.fixture(scope="module")
+def host(systemd_container: SystemdContainer):
+    port = free_port()
+    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
+    systemd_container.base_url = f"http://127.0.0.1:{port}"
+    systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
+    wait_for(lambda: model_state(systemd_container) == "serving", timeout=120, what="serving per the manager")
+    return systemd_container
+
+
+def under_load(host: SystemdContainer, action, clients: int = 4):
+    """Run ACTION() while CLIENTS stream completions back to back; returns
+    (what ACTION returned, {completed, refused, lost})."""
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    counts = {"completed": 0, "refused": 0, "lost": 0}
+    lock, done = threading.Lock(), threading.Event()
+
+    def one() -> None:
+        while not done.is_set():
+            admitted, outcome = False, "lost"
+            try:
+                stream = client.completions.create(model="tiny", prompt="x", max_tokens=32, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+                admitted = True
+                if any(c.choices and c.choices[0].finish_reason for c in stream):
+                    outcome = "completed"
+            except openai.APIStatusError as exc:
+                outcome = "refused" if exc.status_code == 503 and not admitted else "lost"
+                time.sleep(0.1)
+            except openai.APIError:
+                outcome = "lost"
+            with lock:
+                counts[outcome] += 1
+
+    with ThreadPoolExecutor(clients) as pool:
+        workers = [pool.submit(one) for _ in range(clients)]
+        wait_for(lambda: counts["completed"] >= clients, timeout=120, what="load running")
+        try:
+            result = action()
+            time.sleep(1.0)
+        finally:
+            done.set()
+        for worker in workers:
+            worker.result(300)
+    return result, counts
+
+
+def active(host: SystemdContainer, unit: str) -> str:
+    return host.systemctl("is-active", unit, check=False).stdout.strip()
+
+
+def test_overlap_reload_under_streaming_load_refuses_nothing_and_loses_nothing(host):
+    engine_pid, weights_pid = main_pid(host, MAIN), main_pid(host, "model-weights@tiny.service")
+    result, counts = under_load(host, lambda: hostctl(host, "reload", "tiny", "max_num_seqs=3"))
+    assert result.returncode == 0, result.stderr
+    assert "reload of tiny: done (strategy overlap, weights reused)" in result.stdout
+    assert counts["refused"] == 0 and counts["lost"] == 0 and counts["completed"] > 0, counts
+    path = last_operation(host)
+    assert op_property(host, path, "Strategy") == "overlap"
+    assert main_pid(host, MAIN) != engine_pid and main_pid(host, "model-weights@tiny.service") == weights_pid
+    assert active(host, NEXT) == "inactive"  # one engine at rest
+    health = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
+                                  "http://engine/health"]).stdout)
+    assert health["limits"]["max_num_seqs"] == 3
+    journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
+    assert "(strategy overlap: room for a second engine" in journal
+
+
+def test_a_failing_overlap_reload_refuses_nothing_and_the_old_engine_keeps_serving(host):
+    engine_pid = main_pid(host, MAIN)
+    before = read_file(host, f"{DROPINS}/90-reload.yaml")
+    result, counts = under_load(host, lambda: hostctl(host, "reload", "tiny", "max_model_len=99999"))
+    assert result.returncode == 1
+    assert counts["refused"] == 0 and counts["lost"] == 0, counts
+    path = last_operation(host)
+    assert (op_property(host, path, "State"), op_property(host, path, "Strategy")) == ("rolled-back", "overlap")
+    assert "max_position_embeddings" in op_property(host, path, "Error")  # the new engine's own words
+    assert main_pid(host, MAIN) == engine_pid  # never stopped
+    assert active(host, NEXT) in ("inactive", "failed")
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == before
+
+
+def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
+    path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+    wait_for(lambda: op_property(host, path, "Stage") in ("start-next", "switch", "restart"), timeout=120,
+             what="the overlap under way")
+    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
+    wait_for(lambda: active(host, "hostd.service") == "active", timeout=60, what="manager back")
+    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
+                              check=False).returncode == 1, timeout=300, what="intent record resolved")
+    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=120, what="the second engine stopped")
+    assert active(host, MAIN) == "active"
+    limits = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
+                                  "http://engine/health"]).stdout)["limits"]
+    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
+    assert limits["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
+
+
+def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_so(host):
+    # More than any machine has must stay free beside a second engine.
+    host.write_file(f"{DROPINS}/40-reserve.yaml", "reload:\n  overlap_reserve_mib: 100000000\n")
+    try:
+        result = hostctl(host, "reload", "tiny", "max_num_seqs=4")
+        assert result.returncode == 0, result.stderr
+        assert "reload of tiny: done (strategy restart, weights reused)" in result.stdout
+        assert op_property(host, last_operation(host), "Strategy") == "restart"
+        journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
+        assert "overlap does not fit, falling back to restart" in journal and "overlap_reserve_mib" in journal
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/40-reserve.yaml"])

@@ -1,0 +1,142 @@
+"""The overlap strategy, the fallback to restart and the `unchanged` outcome,
+driven with the fake systemd and probe of reload_fakes.py: which units start
+and stop, where the gateway sends new requests, whether it ever drains (it
+must not: a drain is what answers 503), and what the Operation says."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reload_fakes import MANAGER, World  # noqa: E402
+
+from hostd import units  # noqa: E402
+from hostd.manager import reload as R  # noqa: E402
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path, strategy="overlap")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def jobs(world: World) -> list[str]:
+    """(verb unit) of every job the manager asked systemd for, in order."""
+    return [f"{verb} {unit}" for verb, unit in world.bus.job_log]
+
+
+NEXT = units.engine("tiny", "next")
+MAIN = units.engine("tiny")
+
+
+def test_overlap_never_drains_hands_traffic_to_the_next_engine_and_back(world):
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.strategy, op.error) == (R.State.DONE, "overlap", "")
+    assert op.weights_reused
+    calls = world.probe.calls
+    assert "drain" not in calls and "resume" not in calls
+    assert calls.index("verify next") < calls.index("switch next") < calls.index("verify") < calls.index("switch main")
+    assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
+    assert world.probe.slot == "main" and world.probe.next_engine is None  # one engine left
+    assert world.probe.engine["max_num_seqs"] == 4
+    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.intent("tiny") is None
+
+
+def test_a_next_engine_that_fails_is_stopped_and_the_old_one_never_moves(world):
+    world.probe.fail_next_start = True  # the new engine refuses its config
+    before = dict(world.probe.engine)
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.ROLLED_BACK and op.restored
+    assert "switch next" not in world.probe.calls and "drain" not in world.probe.calls
+    assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]  # main never restarted
+    assert world.probe.engine == before and world.probe.slot == "main"
+    assert not world.dropin.exists() and world.records.intent("tiny") is None
+
+
+def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_why(world, caplog):
+    world.probe.no_room = "a second engine needs about 900 MiB, but MemAvailable is 300 MiB"
+    with caplog.at_level("INFO", logger="hostd.manager.reload"):
+        op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.strategy) == (R.State.DONE, "restart")
+    assert "drain" in world.probe.calls and jobs(world) == [f"restart {MAIN}"]
+    assert "strategy restart: overlap does not fit, falling back to restart: a second engine needs" in caplog.text
+
+
+def test_reload_strategy_restart_forces_the_restart(tmp_path: Path):
+    world = World(tmp_path, strategy="restart")
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.strategy) == (R.State.DONE, "restart")
+    assert jobs(world) == [f"restart {MAIN}"]
+
+
+def test_a_reload_that_changes_nothing_ends_unchanged_at_once(world):
+    op = run(world.reload({}))
+    assert (op.state, op.stage) == (R.State.UNCHANGED, R.Stage.FINISHED)
+    assert jobs(world) == [] and "drain" not in world.probe.calls
+    assert world.records.intent("tiny") is None and not world.dropin.exists()
+    # A patch that sets what the engine runs already is no change either.
+    op = run(world.reload({"max_num_seqs": world.probe.engine["max_num_seqs"]}))
+    assert op.state == R.State.UNCHANGED and jobs(world) == []
+
+
+def overlap_intent(world: World, target: dict) -> dict:
+    running = dict(world.probe.engine)
+    world.records.write_intent("tiny", {
+        "operation": 5, "strategy": "overlap", "patch": target, "previous_reload": None,
+        "previous_rollback": None, "previous_engine": running, "target_engine": {**running, **target},
+        "weights": [7, 8],
+    })
+    world.dropin.parent.mkdir(parents=True, exist_ok=True)
+    world.dropin.write_text(yaml.safe_dump({"engine": target}))
+    return world.records.intent("tiny")
+
+
+def test_recovery_mid_overlap_restores_and_leaves_exactly_the_main_engine(world):
+    intent = overlap_intent(world, {"max_num_seqs": 4})
+    world.probe.engine_started("next")  # the manager died with the new engine serving
+    world.probe.slot = "next"
+    assert run(world.recover(intent)) == "left"
+    assert not world.dropin.exists()
+    assert world.probe.slot == "main" and world.probe.next_engine is None
+    assert jobs(world) == [f"stop {NEXT}"] and "drain" not in world.probe.calls
+
+
+def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
+    intent = overlap_intent(world, {"max_num_seqs": 4})
+    world.probe.engine_started("next")
+    world.probe.engine_started("main")  # main runs the target already
+    world.probe.slot = "next"
+    assert run(world.recover(intent)) == "committed"
+    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.probe.slot == "main" and world.probe.next_engine is None
+    assert world.bus.sent.count(f"{MANAGER}.RestartUnit") == 0
+
+
+def test_the_preflight_compares_what_the_engine_reports_with_the_reserve(world, monkeypatch):
+    from hostd import config
+    from hostd.manager.probe import Probe
+
+    cfg = config.load_model("tiny", world.root).config  # builtin on CPU, reserve 256 MiB
+    probe = Probe("tiny")
+    reported: dict = {}
+
+    async def health(slot="main"):
+        return {"memory": reported}
+
+    monkeypatch.setattr(probe, "engine_health", health)
+    assert "does not report its memory" in run(probe.overlap_problem(cfg, 1))
+    reported.update(anonymous=900 << 20, host_available=1000 << 20)
+    problem = run(probe.overlap_problem(cfg, 1))
+    assert "about 900 MiB" in problem and "overlap_reserve_mib=256" in problem and "1000 MiB" in problem
+    reported.update(host_available=2000 << 20)
+    assert run(probe.overlap_problem(cfg, 1)) is None
