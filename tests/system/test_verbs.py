@@ -197,9 +197,12 @@ def test_hostctl_status_overview_detail_json_and_exit_codes(host):
 
 def test_hostctl_reload_shows_each_stage_with_elapsed_time_and_the_engine_status(host):
     serving(host)
+    # The restart strategy's stages (drain, restart with the engine's status).
+    host.run(["mkdir", "-p", "/etc/hostd/models/tiny.d"])
+    host.write_file("/etc/hostd/models/tiny.d/40-strategy.yaml", "reload:\n  strategy: restart\n")
     result = host.run(["hostctl", "reload", "tiny", "max_num_seqs=5"], timeout=300)
     print(result.stderr + result.stdout)
     stages = [line for line in result.stderr.splitlines() if line.startswith("reload ")]
     assert any(": drain (" in line for line in stages) and any(": verify (" in line for line in stages)
     assert any(", engine: " in line for line in stages if ": restart (" in line), stages
-    assert re.search(r"reload of tiny: done \(weights reused\) in \d+\.\d s", result.stdout)
+    assert re.search(r"reload of tiny: done \((strategy restart, )?weights reused\) in \d+\.\d s", result.stdout)
