@@ -57,6 +57,14 @@ def control_character_problem(key: str, value: str) -> Optional[str]:
     return None
 
 
+def refuse_control_characters(strings: list[tuple[str, str]]) -> None:
+    """Raise ValueError for the first (key, value) whose value has a control character."""
+    for key, value in strings:
+        problem = control_character_problem(key, value)
+        if problem:
+            raise ValueError(problem)
+
+
 def _doc(description: str, **constraints) -> Meta:
     return Meta(description=description, **constraints)
 
@@ -364,10 +372,7 @@ class _ModelBase(_Strict):
             strings.append(("served_model_name", self.served_model_name))
         for key, value in self.env.items():
             strings += [(f"env: key {key!r}", key), (f"env.{key}", value)]
-        for key, value in strings:
-            problem = control_character_problem(key, value)
-            if problem:
-                raise ValueError(problem)
+        refuse_control_characters(strings)
         if not self.model.startswith("/"):
             raise ValueError(
                 f"model: {self.model!r} is not an absolute path; give the "
@@ -436,10 +441,7 @@ class _UpstreamModel(_ModelBase, kw_only=True):
         strings = [(f"extra_args[{i}]", arg) for i, arg in enumerate(self.extra_args)]
         if self.quantization is not None:
             strings.append(("quantization", self.quantization))
-        for key, value in strings:
-            problem = control_character_problem(key, value)
-            if problem:
-                raise ValueError(problem)
+        refuse_control_characters(strings)
 
 
 class VllmModel(_UpstreamModel, kw_only=True):
