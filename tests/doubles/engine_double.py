@@ -35,7 +35,8 @@ def main() -> None:
     async def record(request: web.Request, handler):
         log.write(json.dumps({"method": request.method, "path": request.raw_path,
                               "probe": request.headers.get("X-Probe"),
-                              "authorization": request.headers.get("Authorization")}) + "\n")
+                              "authorization": request.headers.get("Authorization"),
+                              "body_bytes": len(await request.read())}) + "\n")
         return await handler(request)
 
     async def health(request: web.Request) -> web.Response:

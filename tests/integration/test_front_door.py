@@ -199,6 +199,27 @@ def test_a_body_over_the_size_cap_is_413(tmp_path: Path):
         assert response.status_code == 200
 
 
+def chunked(body: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\n\r\n"
+            + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+
+
+def test_a_chunked_body_that_arrives_whole_is_capped_and_passed_whole(tmp_path: Path):
+    # A body that is all there with its headers takes the fast path (no read
+    # deadline): the size cap and the byte count must hold there too.
+    with front_door(tmp_path, max_body_bytes=1 * MiB) as door:
+        answer = door.raw(chunked(b" " * (2 * MiB)))
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert b"body_too_large" in answer
+        body = json.dumps(COMPLETION).encode() + b" " * 1000
+        answer = door.raw(chunked(body))
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        completions = [r for r in door.engine_saw() if r["path"] == "/v1/completions"]
+        assert [r["body_bytes"] for r in completions] == [len(body)]
+        wait_for(lambda: "hostd_gateway_body_bytes_held 0.0" in door.metrics(), 10, "budget released")
+
+
 # ---------------------------------------------------------------- row 3: slow bodies
 
 
