@@ -3,6 +3,9 @@ route tables, API key checks, which engine metric families pass."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from hostd import backends
@@ -44,6 +47,16 @@ def test_no_backend_declares_an_internal_route_public(name: str):
     assert paths and not paths & {"/health", "/metrics", "/sleep", "/wake_up", "/flush_cache",
                                   "/get_server_info", "/server_info", "/health_generate", "/ping"}
     assert backend.metrics_prefixes
+
+
+@pytest.mark.parametrize("name", sorted(backends.BACKENDS))
+def test_docs_list_every_public_route_of_every_backend(name: str):
+    # docs/gateway.md's route table is what users read; it must say what the
+    # gateway does, route for route (a backend change fails here until the doc follows).
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith(f"| {name} | "))
+    listed = re.findall(r"`([A-Z]+) ([^`]+)`", row)
+    assert listed == list(backends.BACKENDS[name].public_routes)
 
 
 def test_route_table_matches_one_segment_per_name_and_knows_methods():
