@@ -13,6 +13,7 @@ answer naming the problem and changes nothing.
     <- {"ok": true, "drained": false, "remaining": 2, "state": "draining"}
     -> {"verb": "resume"}  (optionally "outcome": "done")    -> {"verb": "status"}
     -> {"verb": "switch", "slot": "next"}   (overlap reload: new requests to engine-next.sock)
+    -> {"verb": "switch", "slot": "main", "outcome": "done"}   (and back: the overlap reload ended)
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ class Drain(msgspec.Struct, tag_field="verb", tag="drain", forbid_unknown_fields
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
+# How a reload ended, for the gateway's reload histogram (label `outcome`):
+# the manager's end states, and `recovered` for its crash recovery. A fixed
+# set, so a peer cannot grow the label's series without bound.
+Outcome = Literal["done", "rolled-back", "failed", "cancelled", "recovered"]
+
+
 class Resume(msgspec.Struct, tag_field="verb", tag="resume", forbid_unknown_fields=True):
-    # How the reload that drained ended, for the gateway's reload histogram
-    # (label `outcome`); unset: the state the resume leads to.
-    outcome: Optional[Annotated[str, msgspec.Meta(pattern="^[a-z][a-z-]{0,31}$")]] = None
+    # Unset (a resume by hand): the label is the state the resume leads to.
+    outcome: Optional[Outcome] = None
 
 
 class Status(msgspec.Struct, tag_field="verb", tag="status", forbid_unknown_fields=True):
@@ -53,6 +59,8 @@ class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fiel
     already running stay on their engine. A slot name, never a path."""
 
     slot: Literal["main", "next"]
+    # Switching back to main ends an overlap reload: how it ended (as Resume).
+    outcome: Optional[Outcome] = None
 
 
 Request = Union[Drain, Resume, Status, Switch]

@@ -14,7 +14,7 @@ series never mix.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -54,11 +54,13 @@ class Metrics:
             "hostd_gateway_admission_wait_seconds", "Time a request waited for admission (queue mode) "
             "before it was admitted or refused", buckets=REQUEST_BUCKETS, registry=r)
         self.reload_duration = Histogram(
-            "hostd_gateway_reload_duration_seconds", "From a reload's drain to its resume, by outcome",
+            "hostd_gateway_reload_duration_seconds", "A reload as the gateway sees it: from the drain (restart) "
+            "or the switch to the second engine (overlap) to the resume or the switch back, by outcome",
             ["outcome"], buckets=RELOAD_BUCKETS, registry=r)
         self.reload_unavailable = Histogram(
             "hostd_gateway_reload_unavailable_seconds", "Per reload: seconds new requests were answered 503, "
-            "from the drain until serving again", buckets=RELOAD_BUCKETS, registry=r)
+            "from its start until serving again after its end (0 for an overlap reload that never stopped "
+            "serving)", buckets=(0,) + RELOAD_BUCKETS, registry=r)
 
     def set_state(self, current: str, states: Iterable[str]) -> None:
         for s in states:
@@ -66,6 +68,52 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReloadClock:
+    """One reload as the gateway sees it, for the two reload histograms.
+
+    begin() at the drain (restart strategy) or the switch to the second
+    engine (overlap), end(outcome) at the resume or the switch back;
+    serving(bool) at every state change in between. Seconds not serving are
+    summed from begin() until serving again after end(), so a restart's 503
+    window and an overlap's zero are measured the same way."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.started: Optional[float] = None
+        self.ended = False
+        self.down_since: Optional[float] = None
+        self.unavailable = 0.0
+
+    def begin(self, now: float, serving: bool) -> None:
+        if self.started is not None and not self.ended:
+            return  # a second drain within one reload (a retry) is the same reload
+        self.started, self.ended, self.unavailable = now, False, 0.0
+        self.down_since = None if serving else now
+
+    def serving(self, now: float, serving: bool) -> None:
+        if self.started is None:
+            return
+        if serving and self.down_since is not None:
+            self.unavailable += now - self.down_since
+            self.down_since = None
+            if self.ended:
+                self._close()
+        elif not serving and self.down_since is None:
+            self.down_since = now
+
+    def end(self, now: float, outcome: str) -> None:
+        if self.started is None or self.ended:
+            return  # a resume without a reload (by hand, or after a gateway restart)
+        self.metrics.reload_duration.labels(outcome).observe(now - self.started)
+        self.ended = True
+        if self.down_since is None:
+            self._close()
+
+    def _close(self) -> None:
+        self.metrics.reload_unavailable.observe(self.unavailable)
+        self.started, self.ended = None, False
 
 
 def engine_families(text: str, prefixes: tuple[str, ...]) -> str:

@@ -48,7 +48,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from hostd import backends, forward, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.gateway import control, keys, limits, routes
-from hostd.gateway.metrics import Metrics, engine_families
+from hostd.gateway.metrics import Metrics, ReloadClock, engine_families
 from hostd.gateway.state import HELD, Admission, State
 
 log = logging.getLogger("hostd.gateway")
@@ -86,8 +86,7 @@ class Gateway:
             "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: self.budget.used),
         })
         self._last_status = ""
-        self._reload_started: Optional[float] = None  # loop time of the drain that began a reload
-        self._reload_resumed = False
+        self.reload_clock = ReloadClock(self.metrics)
         self.stream_error = {"message": f"model {name}'s engine stopped mid-stream",
                              "type": "engine_error", "code": "engine_down"}
 
@@ -294,38 +293,33 @@ class Gateway:
 
     # ------------------------------------------------------------ reloads, as the control socket sees them
 
-    def _state_changed(self, old: State, new: State) -> None:
-        now = asyncio.get_running_loop().time()
-        if new == State.DRAINING and old == State.SERVING and self._reload_started is None:
-            self._reload_started, self._reload_resumed = now, False
-        elif new == State.SERVING and self._reload_started is not None and self._reload_resumed:
-            self.metrics.reload_unavailable.observe(now - self._reload_started)
-            self._reload_started = None
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
 
-    def _reload_ended(self, outcome: str) -> None:
-        if self._reload_started is None:
-            return
-        now = asyncio.get_running_loop().time()
-        self.metrics.reload_duration.labels(outcome).observe(now - self._reload_started)
-        self._reload_resumed = True
-        if self.admission.state == State.SERVING:
-            self.metrics.reload_unavailable.observe(now - self._reload_started)
-            self._reload_started = None
+    def _state_changed(self, old: State, new: State) -> None:
+        self.reload_clock.serving(self._now(), new == State.SERVING)
 
     # ------------------------------------------------------------ control
 
     async def control(self, request: control.Request) -> dict:
         if isinstance(request, control.Drain):
             self.metrics.drains.inc()
+            self.reload_clock.begin(self._now(), serving=False)  # a drain answers 503 from now on
             log.info("drain requested (timeout %.1f s), %d in flight", request.timeout, self.admission.in_flight)
             result = await self.admission.drain(request.timeout)
             log.info("drain %s", "complete" if result["drained"] else f"timed out, {result['remaining']} still running")
         elif isinstance(request, control.Resume):
             result = await self.admission.resume(await self.engine_ok())
-            self._reload_ended(request.outcome or result["state"])
+            self.reload_clock.end(self._now(), request.outcome or result["state"])
             log.info("resumed: %s", result["state"])
         elif isinstance(request, control.Switch):
+            moved = request.slot != self.slot
             result = {**await self.switch(request.slot), "slot": self.slot}
+            # An overlap reload runs from the switch to the second engine to the switch back.
+            if moved and request.slot != "main":
+                self.reload_clock.begin(self._now(), serving=self.admission.state == State.SERVING)
+            elif request.slot == "main" and (moved or request.outcome):
+                self.reload_clock.end(self._now(), request.outcome or "done")
         else:
             result = {**self.admission.snapshot(), "slot": self.slot}
         self._report()

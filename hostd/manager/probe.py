@@ -52,12 +52,17 @@ class Probe:
     async def drain(self, timeout: float) -> dict:
         return await control.call_async(paths.control_socket(self.name), "drain", timeout=timeout)
 
-    async def resume(self) -> dict:
-        return await control.call_async(paths.control_socket(self.name), "resume")
+    async def resume(self, outcome: Optional[str] = None) -> dict:
+        """Serve again after a drain; OUTCOME (how the reload ended) labels
+        the gateway's reload histogram."""
+        return await control.call_async(paths.control_socket(self.name), "resume",
+                                        **({"outcome": outcome} if outcome else {}))
 
-    async def switch(self, slot: str) -> dict:
-        """New requests to the engine in SLOT (an overlap reload)."""
-        return await control.call_async(paths.control_socket(self.name), "switch", slot=slot)
+    async def switch(self, slot: str, outcome: Optional[str] = None) -> dict:
+        """New requests to the engine in SLOT (an overlap reload); OUTCOME when
+        switching back to main ends the reload (as for resume)."""
+        return await control.call_async(paths.control_socket(self.name), "switch", slot=slot,
+                                        **({"outcome": outcome} if outcome else {}))
 
     async def gateway_status(self) -> Optional[dict]:
         try:

@@ -62,7 +62,7 @@ async def recover(model: Model, intent: dict) -> str:
         await _leave_one_engine(model, outcome, where)
     elif outcome != "restored":
         try:
-            await probe.resume()
+            await probe.resume("recovered")
         except Exception as exc:  # the gateway may be down; it starts serving on its own then
             log.warning("recovery: resuming %s: %s", name, exc, extra=where)
     model.records.drop_intent(name)
@@ -83,7 +83,7 @@ async def _leave_one_engine(model: Model, outcome: str, where: dict) -> None:
     main_answers = await model.probe.engine_health() is not None
     if outcome != "restored" and main_answers:
         try:
-            await model.probe.switch("main")
+            await model.probe.switch("main", "recovered")
         except Exception as exc:  # a gateway that is down starts on main by itself
             log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc, extra=where)
     if outcome == "restored" or main_answers:

@@ -383,7 +383,7 @@ class Reload:
             try:
                 self.restore()
                 if not isinstance(exc, Interrupted):
-                    await self.model.probe.resume()
+                    await self.model.probe.resume("cancelled" if isinstance(exc, Cancelled) else "failed")
             except Exception as again:  # logged for operators
                 log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
             raise
@@ -408,22 +408,23 @@ class Reload:
             return self._end(State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED, str(exc))
         await self._replace_main(self._resume, "the gateway did not resume")
 
-    async def _resume(self) -> None:
+    async def _resume(self, outcome: str) -> None:
         """restart: the drained gateway serves again."""
         self.op.enter(Stage.RESUME)
-        await self.model.probe.resume()
+        await self.model.probe.resume(outcome)
 
-    async def _hand_back(self) -> None:
+    async def _hand_back(self, outcome: str) -> None:
         """overlap: new requests go to the main engine again; the next one stops."""
         self.op.enter(Stage.RESUME)
-        await self.model.probe.switch("main")
+        await self.model.probe.switch("main", outcome)
         self.op.enter(Stage.RETIRE)
         await self.retire_next()
 
     async def _replace_main(self, hand_back, hand_back_failed: str) -> None:
         """Restart the main engine with the target config and verify it, then
         HAND_BACK the gateway to it and commit; on failure roll back (the main
-        engine back on the previous config), then HAND_BACK."""
+        engine back on the previous config), then HAND_BACK. HAND_BACK(outcome)
+        tells the gateway how the reload ended, for its reload histogram."""
         op = self.op
         try:
             op.enter(Stage.RESTART)
@@ -440,7 +441,7 @@ class Reload:
             op.enter(Stage.ROLLBACK)
             try:
                 await self.rollback(cause)
-                await hand_back()
+                await hand_back(State.ROLLED_BACK.value)
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 # restart: the gateway stays paused, nothing safe to serve;
@@ -457,7 +458,7 @@ class Reload:
             log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
                      op.id, op.model, not_retained)
         try:
-            await hand_back()
+            await hand_back(State.DONE.value)
         except Exception as exc:  # the engine runs the target: commit, but say so
             op.enter(Stage.COMMIT)
             await self.commit()

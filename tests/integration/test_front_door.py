@@ -311,15 +311,57 @@ def test_gateway_counters_survive_an_engine_restart(door: FrontDoor):
     assert 'hostd_gateway_request_duration_seconds_count{status="200"} 3.0' in door.metrics()
 
 
-def test_a_reload_is_measured_from_drain_to_serving(door: FrontDoor):
+def histogram(text: str, name: str) -> dict[str, float]:
+    """NAME's series in TEXT: '_count{...}' / '_sum' / '_bucket{le="0.0"}' -> value."""
+    return {line.split()[0][len(name):]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith(name)}
+
+
+def test_a_restart_reload_is_measured_from_drain_to_serving_by_outcome(door: FrontDoor):
     door.tree.control("drain", timeout=5)
     time.sleep(0.3)
-    door.tree.control("resume")
+    door.tree.control("resume", outcome="rolled-back")
     text = door.metrics()
-    assert 'hostd_gateway_reload_duration_seconds_count{outcome="serving"} 1.0' in text
-    assert "hostd_gateway_reload_unavailable_seconds_count 1.0" in text
-    line = next(l for l in text.splitlines() if l.startswith("hostd_gateway_reload_unavailable_seconds_sum"))
-    assert 0.3 <= float(line.split()[1]) < 5
+    assert histogram(text, "hostd_gateway_reload_duration_seconds")['_count{outcome="rolled-back"}'] == 1
+    unavailable = histogram(text, "hostd_gateway_reload_unavailable_seconds")
+    assert unavailable["_count"] == 1 and 0.3 <= unavailable["_sum"] < 5
+    door.tree.control("drain", timeout=5)
+    door.tree.control("resume")  # by hand, no outcome: labelled with the state it led to
+    assert histogram(door.metrics(), "hostd_gateway_reload_duration_seconds")['_count{outcome="serving"}'] == 1
+
+
+def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(door: FrontDoor):
+    # A second engine double on engine-next.sock, as model-engine-next@NAME is.
+    next_socket = door.tree.runtime_dir / "engine-next.sock"
+    out = open(door.tree.root / "engine-next-double.log", "ab")
+    second = subprocess.Popen([sys.executable, str(DOUBLE), str(next_socket), "--log", str(door.engine_log)],
+                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: door.tree._connectable(next_socket), 30, "second engine double", second)
+        assert door.tree.control("switch", slot="next")["slot"] == "next"
+        time.sleep(0.3)
+        assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+        assert door.tree.control("switch", slot="main", outcome="done")["slot"] == "main"
+    finally:
+        second.terminate()
+        second.wait(10)
+    text = door.metrics()
+    duration = histogram(text, "hostd_gateway_reload_duration_seconds")
+    assert duration['_count{outcome="done"}'] == 1 and 0.3 <= duration['_sum{outcome="done"}'] < 5
+    unavailable = histogram(text, "hostd_gateway_reload_unavailable_seconds")
+    assert unavailable["_count"] == 1 and unavailable["_sum"] == 0
+    assert unavailable['_bucket{le="0.0"}'] == 1  # the overlap's zero has a bucket of its own
+
+
+def test_a_reload_outcome_outside_the_known_set_is_refused_and_changes_nothing(door: FrontDoor):
+    from hostd.gateway import control
+
+    door.tree.control("drain", timeout=5)
+    with pytest.raises(control.ControlError, match="outcome"):
+        door.tree.control("resume", outcome="x" * 20)  # a label is one of the manager's end states
+    assert door.tree.control("status")["state"] == "paused"
+    door.tree.control("resume", outcome="done")
+    assert histogram(door.metrics(), "hostd_gateway_reload_duration_seconds")['_count{outcome="done"}'] == 1
 
 
 def test_client_disconnect_mid_stream_is_counted_and_frees_admission(door: FrontDoor):

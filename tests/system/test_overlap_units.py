@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -91,6 +92,11 @@ def test_overlap_reload_under_streaming_load_refuses_nothing_and_loses_nothing(h
     assert health["limits"]["max_num_seqs"] == 3
     journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
     assert "(strategy overlap: room for a second engine" in journal
+    # The gateway measured it as a reload that never answered 503 (the module's first).
+    metrics = httpx.get(host.base_url + "/metrics", timeout=30).text
+    assert 'hostd_gateway_reload_duration_seconds_count{outcome="done"} 1.0' in metrics
+    assert "hostd_gateway_reload_unavailable_seconds_count 1.0" in metrics
+    assert "hostd_gateway_reload_unavailable_seconds_sum 0.0" in metrics
 
 
 def test_a_failing_overlap_reload_refuses_nothing_and_the_old_engine_keeps_serving(host):

@@ -126,6 +126,7 @@ class FakeProbe:
         self.slot = "main"  # where the gateway sends new requests
         self.no_room: Optional[str] = None  # what overlap_problem answers
         self.calls: list[str] = []
+        self.outcomes: list[str | None] = []  # what each resume or switch told the gateway
         self.drain_result = {"drained": True, "remaining": 0}
         self.drain_hangs = False
         self.resume_fails = False
@@ -158,8 +159,9 @@ class FakeProbe:
     async def overlap_problem(self, cfg, pid: int) -> Optional[str]:
         return self.no_room
 
-    async def switch(self, slot: str) -> dict:
+    async def switch(self, slot: str, outcome: str | None = None) -> dict:
         self.calls.append(f"switch {slot}")
+        self.outcomes.append(outcome)
         if self.get_engine(slot) is None:
             raise OSError(f"the engine in slot {slot} does not answer /health; not switching")
         self.slot = slot
@@ -174,8 +176,9 @@ class FakeProbe:
             await asyncio.Event().wait()
         return self.drain_result
 
-    async def resume(self) -> dict:
+    async def resume(self, outcome: str | None = None) -> dict:
         self.calls.append("resume")
+        self.outcomes.append(outcome)
         if self.resume_fails:
             raise OSError("control socket: connection refused")
         return {}

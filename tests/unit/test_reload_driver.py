@@ -45,6 +45,7 @@ def test_done_writes_the_dropin_restarts_once_verifies_resumes_and_commits(world
     assert world.probe.engine["max_num_seqs"] == 4
     calls = world.probe.calls
     assert calls.index("drain") < calls.index("verify") < calls.index("resume") == len(calls) - 1
+    assert world.probe.outcomes == ["done"]  # the gateway's reload histogram is labelled with it
     assert world.restarts() == 1
     assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
@@ -84,7 +85,7 @@ def test_an_engine_that_cannot_start_rolls_back_to_the_previous_config(world):
     assert op.state == R.State.ROLLED_BACK and op.restored
     assert not world.dropin.exists()  # as before the reload
     assert world.restarts() == 2 and world.probe.engine["max_num_seqs"] == 8
-    assert world.probe.calls[-1] == "resume"
+    assert world.probe.calls[-1] == "resume" and world.probe.outcomes == ["rolled-back"]
     assert world.records.intent("tiny") is None and world.records.committed("tiny") is None
 
 
@@ -121,6 +122,7 @@ def test_a_drain_timeout_restores_the_dropin_resumes_and_restarts_nothing(world)
     assert op.state == R.State.FAILED and "3 request(s) still running" in op.error
     assert op.restored and not world.dropin.exists()
     assert world.probe.calls[-1] == "resume" and world.restarts() == 0
+    assert world.probe.outcomes == ["failed"]
     assert world.records.intent("tiny") is None
 
 
@@ -141,7 +143,7 @@ def test_cancel_during_the_drain_restores_and_resumes(world):
     op = run(world.reload({"max_num_seqs": 4}, during=cancel))
     assert op.state == R.State.CANCELLED and op.restored
     assert not world.dropin.exists() and world.restarts() == 0
-    assert world.probe.calls[-1] == "resume"
+    assert world.probe.calls[-1] == "resume" and world.probe.outcomes == ["cancelled"]
 
 
 def test_a_stop_during_the_drain_interrupts_restores_and_does_not_resume(world):
@@ -243,6 +245,7 @@ def test_recovery_drains_then_restarts_an_engine_that_runs_neither(world):
     assert not world.dropin.exists() and world.restarts() == 1
     assert world.probe.calls.index("drain") < len(world.probe.calls) - 1
     assert world.probe.engine["max_num_seqs"] == 8 and world.probe.calls[-1] == "resume"
+    assert world.probe.outcomes[-1] == "recovered"
 
 
 def test_recovery_does_not_restart_an_engine_that_will_not_drain(world):

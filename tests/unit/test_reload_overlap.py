@@ -45,6 +45,7 @@ def test_overlap_never_drains_hands_traffic_to_the_next_engine_and_back(world):
     calls = world.probe.calls
     assert "drain" not in calls and "resume" not in calls
     assert calls.index("verify next") < calls.index("switch next") < calls.index("verify") < calls.index("switch main")
+    assert world.probe.outcomes == [None, "done"]  # switching back ends the reload for the gateway
     assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
     assert world.probe.slot == "main" and world.probe.next_engine is None  # one engine left
     assert world.probe.engine["max_num_seqs"] == 4
