@@ -59,6 +59,23 @@ def test_docs_list_every_public_route_of_every_backend(name: str):
     assert listed == list(backends.BACKENDS[name].public_routes)
 
 
+def test_docs_give_the_schemas_default_for_every_limit():
+    from hostd.config.schema import GatewayConfig
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    limits = doc.split("## Limits", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", limits, re.M))
+    defaults = GatewayConfig()
+    shown = {}
+    for key in rows:
+        value = getattr(defaults, key)
+        shown[key] = f"{value:g} s" if isinstance(value, float) else \
+            f"{value >> 20} MiB" if value % (1 << 20) == 0 else str(value)
+    assert {k: v.strip() for k, v in rows.items()} == shown
+    assert set(rows) == {"max_connections", "header_timeout", "idle_timeout", "body_timeout",
+                         "max_body_bytes", "body_bytes_in_flight"}
+
+
 def test_route_table_matches_one_segment_per_name_and_knows_methods():
     table = routes.Table(backends.BACKENDS["builtin"].public_routes)
     assert table.match("GET", "/v1/models/tiny")[0].template == "/v1/models/{model}"
