@@ -76,6 +76,22 @@ def test_docs_give_the_schemas_default_for_every_limit():
                          "max_body_bytes", "body_bytes_in_flight"}
 
 
+def test_docs_list_every_gateway_metric_with_its_type_and_labels():
+    from hostd.gateway.metrics import Metrics
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    listed = set(re.findall(r"^\| `(hostd_gateway_[a-z_]+(?:\{[a-z_]+\})?)` \| ([a-z]+) \|", doc, re.M))
+    gauges = {name: ("", lambda: 0) for name in ("hostd_gateway_in_flight", "hostd_gateway_queued",
+                                                  "hostd_gateway_connections", "hostd_gateway_body_bytes_held")}
+    metrics = Metrics(gauges)
+    labels = {m._name: m._labelnames for m in vars(metrics).values() if hasattr(m, "_labelnames")}
+    exported = set()
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exported.add((name + "".join(f"{{{k}}}" for k in labels.get(family.name, ())), family.type))
+    assert listed == exported
+
+
 def test_route_table_matches_one_segment_per_name_and_knows_methods():
     table = routes.Table(backends.BACKENDS["builtin"].public_routes)
     assert table.match("GET", "/v1/models/tiny")[0].template == "/v1/models/{model}"
