@@ -68,8 +68,6 @@ REFUSED_FLAGS = {
     "--speculative-draft-model-path": "SGLang refuses speculative decoding with the weight cache",
     "--enable-memory-saver": "sleep mode releases weights that live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
-    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
-                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
     **REPLICA_FLAGS,
 }
 

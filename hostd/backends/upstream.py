@@ -34,6 +34,13 @@ ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # Flags hostd itself sets on the upstream command lines. Giving one again in
 # extra_args would make the weights and the engine disagree with hostd's
 # units (another socket, another port, another layout), so it is refused.
+# Refused in extra_args and engine_extra_args whether or not the weight cache
+# holds the weights: they break hostd's own reload, not the cache.
+COMMON_REFUSED_FLAGS = {
+    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
+                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
+}
+
 COMMON_OWNED_FLAGS = {
     "--tensor-parallel-size": "tensor_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",
@@ -182,7 +189,7 @@ def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str
             )
     for where in ("extra_args", "engine_extra_args"):
         args = getattr(cfg, where)
-        for flag, why in refused_flags.items():
+        for flag, why in {**COMMON_REFUSED_FLAGS, **refused_flags}.items():
             if has_flag(args, flag, aliases=aliases):
                 problems.append(f"{where}: {flag} is refused: {why}")
         for flag, key in {**COMMON_OWNED_FLAGS, **owned_flags}.items():

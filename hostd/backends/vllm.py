@@ -95,8 +95,6 @@ REFUSED_FLAGS = {
     "--speculative-config": "speculative decoding adds draft daemons hostd does not supervise",
     "--enable-sleep-mode": "sleep mode offloads weights, and zero_copy weights live in the daemon",
     "--cpu-offload-gb": "CPU weight offload moves weights out of the daemon's GPU allocations",
-    "--api-key": "the manager's checks carry no key, so every reload would roll back; set "
-                 "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
     **REPLICA_FLAGS,
 }
 

@@ -213,6 +213,10 @@ REFUSALS = [
     ("sglang", {"extra_args": ["--cpu-offload-gb=4"]}, "--cpu-offload-gb is refused"),
     ("vllm", {"extra_args": ["--api-key", "sk-1"]}, "--api-key is refused: the manager's checks carry no key"),
     ("sglang", {"extra_args": ["--api-key=sk-1"]}, "set gateway.api_keys"),
+    # Without the weight cache too: a key on the engine breaks every reload's check, cache or not.
+    ("vllm", {"weight_cache": "off", "engine_extra_args": ["--api-key", "sk-1"]},
+     "engine_extra_args: --api-key is refused: the manager's checks carry no key"),
+    ("sglang", {"weight_cache": "off", "extra_args": ["--api-key", "sk-1"]}, "extra_args: --api-key is refused"),
     ("vllm", {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}, "env.PYTORCH_CUDA_ALLOC_CONF"),
     ("sglang", {"env": {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}}, "env.PYTORCH_ALLOC_CONF"),
     ("vllm", {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}, "pipeline_parallel_size: 2"),

@@ -76,7 +76,7 @@ VALUES = {
 
 def checked_flags(module) -> list[str]:
     return sorted(set(module.REFUSED_FLAGS) | set(module.OWNED_FLAGS) | set(module.EDITABLE_FLAGS.values())
-                  | set(upstream.COMMON_OWNED_FLAGS))
+                  | set(upstream.COMMON_OWNED_FLAGS) | set(upstream.COMMON_REFUSED_FLAGS))
 
 
 # (backend, a flag hostd refuses, owns or keeps editable, a value it takes):
