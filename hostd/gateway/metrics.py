@@ -89,6 +89,9 @@ class ReloadClock:
     def begin(self, now: float, serving: bool) -> None:
         if self.started is not None and not self.ended:
             return  # a second drain within one reload (a retry) is the same reload
+        if self.started is not None:  # the last one ended not serving and never served again
+            self.unavailable += now - self.down_since if self.down_since is not None else 0.0
+            self._close()
         self.started, self.ended, self.unavailable = now, False, 0.0
         self.down_since = None if serving else now
 

@@ -132,3 +132,43 @@ def test_only_the_engines_own_metric_families_pass():
         'vllm:num_requests_running{model_name="m"} 2.0\n'
     )
     assert engine_families(text, ("sglang:",)) == ""
+
+
+def test_the_reload_clock_counts_unavailable_time_until_serving_again():
+    from hostd.gateway.metrics import Metrics, ReloadClock
+
+    def observed(metrics: Metrics) -> list[tuple[str, float]]:
+        text = metrics.exposition().decode()
+        return sorted((line.split()[0], float(line.split()[1])) for line in text.splitlines()
+                      if line.startswith("hostd_gateway_reload_") and ("_sum" in line or "_count" in line))
+
+    metrics = Metrics({})
+    clock = ReloadClock(metrics)
+    clock.begin(10.0, serving=False)       # a drain: 503 from now
+    clock.begin(11.0, serving=False)       # a second drain in the same reload changes nothing
+    clock.serving(14.0, serving=True)      # resumed
+    clock.end(14.0, "done")
+    assert observed(metrics) == [
+        ('hostd_gateway_reload_duration_seconds_count{outcome="done"}', 1.0),
+        ('hostd_gateway_reload_duration_seconds_sum{outcome="done"}', 4.0),
+        ("hostd_gateway_reload_unavailable_seconds_count", 1.0),
+        ("hostd_gateway_reload_unavailable_seconds_sum", 4.0),
+    ]
+    metrics = Metrics({})
+    clock = ReloadClock(metrics)
+    clock.begin(0.0, serving=True)         # an overlap: serving throughout
+    clock.serving(2.0, serving=False)      # but the engine went down for a second
+    clock.serving(3.0, serving=True)
+    clock.end(5.0, "rolled-back")
+    clock.begin(6.0, serving=False)        # a restart reload that resumes into engine-down...
+    clock.serving(6.5, serving=False)
+    clock.end(8.0, "failed")               # ...is counted until the next reload begins
+    clock.begin(9.0, serving=True)
+    assert observed(metrics) == [
+        ('hostd_gateway_reload_duration_seconds_count{outcome="failed"}', 1.0),
+        ('hostd_gateway_reload_duration_seconds_count{outcome="rolled-back"}', 1.0),
+        ('hostd_gateway_reload_duration_seconds_sum{outcome="failed"}', 2.0),
+        ('hostd_gateway_reload_duration_seconds_sum{outcome="rolled-back"}', 5.0),
+        ("hostd_gateway_reload_unavailable_seconds_count", 2.0),
+        ("hostd_gateway_reload_unavailable_seconds_sum", 4.0),
+    ]
