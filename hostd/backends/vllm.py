@@ -283,6 +283,9 @@ class VllmBackend(upstream.UpstreamBackend):
                     "weight cache daemon, which gets extra_args too) exits on it; move it to "
                     "engine_extra_args"
                 )
+        if cfg.env.get("VLLM_API_KEY"):
+            # vLLM reads its key from this variable when --api-key is absent.
+            problems.append(f"env.VLLM_API_KEY: {upstream.COMMON_REFUSED_FLAGS['--api-key']}")
         return problems
 
     def install_refusals(self, cfg) -> list[str]:

@@ -217,6 +217,7 @@ REFUSALS = [
     ("vllm", {"weight_cache": "off", "engine_extra_args": ["--api-key", "sk-1"]},
      "engine_extra_args: --api-key is refused: the manager's checks carry no key"),
     ("sglang", {"weight_cache": "off", "extra_args": ["--api-key", "sk-1"]}, "extra_args: --api-key is refused"),
+    ("vllm", {"env": {"VLLM_API_KEY": "sk-1"}}, "env.VLLM_API_KEY: the manager's checks carry no key"),
     ("vllm", {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}, "env.PYTORCH_CUDA_ALLOC_CONF"),
     ("sglang", {"env": {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}}, "env.PYTORCH_ALLOC_CONF"),
     ("vllm", {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}, "pipeline_parallel_size: 2"),
