@@ -86,11 +86,17 @@ class ReloadClock:
         self.down_since: Optional[float] = None
         self.unavailable = 0.0
 
-    def begin(self, now: float, serving: bool) -> None:
-        if self.started is not None and not self.ended:
-            return  # a second drain within one reload (a retry) is the same reload
-        if self.started is not None:  # the last one ended not serving and never served again
-            self.unavailable += now - self.down_since if self.down_since is not None else 0.0
+    def begin(self, now: float, serving: bool, retry: bool = False) -> None:
+        """A reload starts; RETRY: a second drain while the gateway is still
+        drained, which is the same reload."""
+        if self.started is not None:
+            if retry and not self.ended:
+                return
+            # One left open: it never ended (a switch back that was refused, a
+            # drain nobody resumed), or it ended not serving and never served
+            # since. Its unavailable time counts; a duration it never had does not.
+            if self.down_since is not None:
+                self.unavailable += now - self.down_since
             self._close()
         self.started, self.ended, self.unavailable = now, False, 0.0
         self.down_since = None if serving else now

@@ -238,30 +238,38 @@ class Gateway:
         def first_byte(code: int) -> None:
             self.metrics.ttfb.labels(str(code)).observe(loop.time() - admitted)
 
+        slot = self.slot  # the engine this request goes to, whatever a switch does meanwhile
         try:
             response = await forward.forward(
-                self.session, target, request, body, drop=self.drop_headers,
+                self.sessions[slot], target, request, body, drop=self.drop_headers,
                 on_start=first_byte, on_chunk=self._count_bytes, stream_error=self.stream_error,
             )
             gone = request.transport is None or request.transport.is_closing()
             status = CLIENT_CLOSED if gone else str(response.status)
             return response
         except forward.Unreachable as exc:
-            log.warning("engine unreachable: %s", exc)
-            await self.admission.engine_lost()
+            log.warning("engine unreachable (%s slot): %s", slot, exc)
+            await self._engine_lost(slot)
             status = "503"
             return self.unavailable("engine-down")
         except forward.Broken as exc:
             # The engine died mid-response: the client's library reports an
             # error; stop admitting new requests until it is healthy again.
             self.metrics.errors.inc()
-            log.warning("engine failed mid-response: %s", exc)
-            await self.admission.engine_lost()
+            log.warning("engine failed mid-response (%s slot): %s", slot, exc)
+            await self._engine_lost(slot)
             status = str(exc.response.status)
             return exc.response
         finally:
             self.metrics.duration.labels(status).observe(loop.time() - admitted)
             await self.admission.done()
+
+    async def _engine_lost(self, slot: str) -> None:
+        """Stop admitting when the engine new requests go to is gone; one that
+        failed on the engine a switch left (an overlap reload restarting it)
+        says nothing about the one that serves."""
+        if slot == self.slot:
+            await self.admission.engine_lost()
 
     def _count_bytes(self, n: int) -> None:
         self.admission.counters.proxied_bytes += n
@@ -304,7 +312,8 @@ class Gateway:
     async def control(self, request: control.Request) -> dict:
         if isinstance(request, control.Drain):
             self.metrics.drains.inc()
-            self.reload_clock.begin(self._now(), serving=False)  # a drain answers 503 from now on
+            # A drain answers 503 from now on; one while already drained is the same reload's.
+            self.reload_clock.begin(self._now(), serving=False, retry=self.admission.state in HELD)
             log.info("drain requested (timeout %.1f s), %d in flight", request.timeout, self.admission.in_flight)
             result = await self.admission.drain(request.timeout)
             log.info("drain %s", "complete" if result["drained"] else f"timed out, {result['remaining']} still running")
@@ -313,13 +322,15 @@ class Gateway:
             self.reload_clock.end(self._now(), request.outcome or result["state"])
             log.info("resumed: %s", result["state"])
         elif isinstance(request, control.Switch):
+            if request.outcome is not None and request.slot != "main":
+                raise control.ControlError("outcome ends a reload: it goes with the switch back to main")
             moved = request.slot != self.slot
             result = {**await self.switch(request.slot), "slot": self.slot}
             # An overlap reload runs from the switch to the second engine to the switch back.
             if moved and request.slot != "main":
                 self.reload_clock.begin(self._now(), serving=self.admission.state == State.SERVING)
-            elif request.slot == "main" and (moved or request.outcome):
-                self.reload_clock.end(self._now(), request.outcome or "done")
+            elif moved or request.outcome:
+                self.reload_clock.end(self._now(), request.outcome or result["state"])
         else:
             result = {**self.admission.snapshot(), "slot": self.slot}
         self._report()

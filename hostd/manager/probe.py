@@ -61,8 +61,19 @@ class Probe:
     async def switch(self, slot: str, outcome: Optional[str] = None) -> dict:
         """New requests to the engine in SLOT (an overlap reload); OUTCOME when
         switching back to main ends the reload (as for resume)."""
-        return await control.call_async(paths.control_socket(self.name), "switch", slot=slot,
-                                        **({"outcome": outcome} if outcome else {}))
+        path = paths.control_socket(self.name)
+        if not outcome:
+            return await control.call_async(path, "switch", slot=slot)
+        try:
+            return await control.call_async(path, "switch", slot=slot, outcome=outcome)
+        except control.ControlError as exc:
+            # A gateway started before `switch` took an outcome (an upgraded
+            # hostd, models not restarted) refuses the field: the switch
+            # matters, the metric label does not.
+            if "unknown field `outcome`" not in str(exc):
+                raise
+            log.info("the gateway of %s predates switch outcomes; switching without one", self.name)
+            return await control.call_async(path, "switch", slot=slot)
 
     async def gateway_status(self) -> Optional[dict]:
         try:

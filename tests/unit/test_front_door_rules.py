@@ -145,7 +145,7 @@ def test_the_reload_clock_counts_unavailable_time_until_serving_again():
     metrics = Metrics({})
     clock = ReloadClock(metrics)
     clock.begin(10.0, serving=False)       # a drain: 503 from now
-    clock.begin(11.0, serving=False)       # a second drain in the same reload changes nothing
+    clock.begin(11.0, serving=False, retry=True)  # a second drain while drained: the same reload
     clock.serving(14.0, serving=True)      # resumed
     clock.end(14.0, "done")
     assert observed(metrics) == [
@@ -163,12 +163,76 @@ def test_the_reload_clock_counts_unavailable_time_until_serving_again():
     clock.begin(6.0, serving=False)        # a restart reload that resumes into engine-down...
     clock.serving(6.5, serving=False)
     clock.end(8.0, "failed")               # ...is counted until the next reload begins
-    clock.begin(9.0, serving=True)
+    clock.begin(9.0, serving=True)         # an overlap whose switch back is refused: never ends...
+    clock.begin(100.0, serving=False)      # ...and a later reload's drain starts afresh
+    clock.serving(110.0, serving=True)
+    clock.end(110.0, "done")
     assert observed(metrics) == [
+        ('hostd_gateway_reload_duration_seconds_count{outcome="done"}', 1.0),
         ('hostd_gateway_reload_duration_seconds_count{outcome="failed"}', 1.0),
         ('hostd_gateway_reload_duration_seconds_count{outcome="rolled-back"}', 1.0),
+        ('hostd_gateway_reload_duration_seconds_sum{outcome="done"}', 10.0),
         ('hostd_gateway_reload_duration_seconds_sum{outcome="failed"}', 2.0),
         ('hostd_gateway_reload_duration_seconds_sum{outcome="rolled-back"}', 5.0),
-        ("hostd_gateway_reload_unavailable_seconds_count", 2.0),
-        ("hostd_gateway_reload_unavailable_seconds_sum", 4.0),
+        ("hostd_gateway_reload_unavailable_seconds_count", 4.0),
+        ("hostd_gateway_reload_unavailable_seconds_sum", 14.0),  # 1 + 3 + 0 (the open one) + 10
     ]
+
+
+def body_request(body: bytes, complete: bool):
+    """A chunked POST whose BODY has arrived (COMPLETE: and its end too)."""
+    import asyncio
+    from unittest import mock
+
+    from aiohttp import streams
+    from aiohttp.test_utils import make_mocked_request
+
+    reader = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+    reader.feed_data(body)
+    if complete:
+        reader.feed_eof()
+    return make_mocked_request("POST", "/v1/completions", headers={"Transfer-Encoding": "chunked"},
+                               payload=reader)
+
+
+@pytest.mark.parametrize("size, cap, budget, expected", [
+    (1000, 1024, 4096, 1000),      # taken whole, holding its bytes
+    (4096, 1024, 1 << 20, 413),    # over the size cap
+    (2048, 4096, 1024, 503),       # over what the budget has left
+])
+def test_a_body_that_arrived_with_its_headers_keeps_the_cap_and_the_budget(size, cap, budget, expected):
+    import asyncio
+
+    from hostd.gateway import limits
+
+    async def read():
+        request = body_request(b"x" * size, complete=True)
+        assert request.content.is_eof()  # the path without a read deadline
+        held = limits.BodyBudget(budget)
+        try:
+            body = await limits.read_body(request, held, cap, timeout=5)
+        except limits.BodyRefused as exc:
+            return exc.status, held.used
+        assert held.used == len(body.data)
+        taken = len(body.data)
+        body.release()
+        return taken, held.used
+
+    result, left = asyncio.run(read())
+    assert result == expected
+    assert left == 0  # released, or never held
+
+
+def test_a_body_still_arriving_gets_its_deadline():
+    import asyncio
+
+    from hostd.gateway import limits
+
+    async def read():
+        request = body_request(b"x" * 10, complete=False)  # the end never comes
+        held = limits.BodyBudget(1024)
+        with pytest.raises(limits.BodyRefused) as refused:
+            await limits.read_body(request, held, 1024, timeout=0.2)
+        return refused.value.status, held.used
+
+    assert asyncio.run(read()) == (408, 0)
