@@ -331,14 +331,44 @@ def test_a_restart_reload_is_measured_from_drain_to_serving_by_outcome(door: Fro
     assert histogram(door.metrics(), "hostd_gateway_reload_duration_seconds")['_count{outcome="serving"}'] == 1
 
 
-def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(door: FrontDoor):
-    # A second engine double on engine-next.sock, as model-engine-next@NAME is.
+def start_next_engine(door: FrontDoor) -> subprocess.Popen:
+    """A second engine double on engine-next.sock, as model-engine-next@NAME is."""
     next_socket = door.tree.runtime_dir / "engine-next.sock"
     out = open(door.tree.root / "engine-next-double.log", "ab")
     second = subprocess.Popen([sys.executable, str(DOUBLE), str(next_socket), "--log", str(door.engine_log)],
                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    wait_for(lambda: door.tree._connectable(next_socket), 30, "second engine double", second)
+    return second
+
+
+def test_a_stream_broken_on_the_engine_a_switch_left_does_not_stop_admission(door: FrontDoor):
+    # An overlap reload restarts the old main engine while the next one serves:
+    # a request that fails on the old one must not turn new requests away.
+    second = start_next_engine(door)
     try:
-        wait_for(lambda: door.tree._connectable(next_socket), 30, "second engine double", second)
+        with httpx.stream("POST", door.base_url + "/v1/completions", timeout=30,
+                          json={**COMPLETION, "stream": True, "max_tokens": 100, "chunk_delay": 0.1}) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # running on main
+            assert door.tree.control("switch", slot="next")["slot"] == "next"
+            door.engine.kill()  # the old main engine goes away mid-stream
+            door.engine.wait(10)
+            with pytest.raises(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        assert door.tree.control("status")["state"] == "serving"
+        response = httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10)
+        assert response.status_code == 200  # served by the next engine
+        assert 'hostd_gateway_upstream_errors_total 1.0' in door.metrics()
+    finally:
+        second.terminate()
+        second.wait(10)
+        door.start_engine()  # the fixture stops it again
+
+
+def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(door: FrontDoor):
+    second = start_next_engine(door)
+    try:
         assert door.tree.control("switch", slot="next")["slot"] == "next"
         time.sleep(0.3)
         assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
