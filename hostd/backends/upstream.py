@@ -31,9 +31,6 @@ from hostd.backends.base import Backend, Command
 # start (SGLang checks both names; vLLM's IPC export fails on such storage).
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
-# Flags hostd itself sets on the upstream command lines. Giving one again in
-# extra_args would make the weights and the engine disagree with hostd's
-# units (another socket, another port, another layout), so it is refused.
 # Refused in extra_args and engine_extra_args whether or not the weight cache
 # holds the weights: they break hostd's own reload, not the cache.
 COMMON_REFUSED_FLAGS = {
@@ -41,6 +38,9 @@ COMMON_REFUSED_FLAGS = {
                  "gateway.api_keys (docs/gateway.md, API keys): the gateway checks keys before the engine",
 }
 
+# Flags hostd itself sets on the upstream command lines. Giving one again in
+# extra_args would make the weights and the engine disagree with hostd's
+# units (another socket, another port, another layout), so it is refused.
 COMMON_OWNED_FLAGS = {
     "--tensor-parallel-size": "tensor_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",

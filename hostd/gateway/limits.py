@@ -245,6 +245,14 @@ class Body:
                 )
             self.held = n
 
+    def add(self, chunk: bytes, max_bytes: int) -> None:
+        """Append CHUNK, within MAX_BYTES and the budget (BodyRefused otherwise)."""
+        size = len(self.data) + len(chunk)
+        if size > max_bytes:
+            raise BodyRefused(413, "body_too_large", f"the request body is over {max_bytes} bytes")
+        self._hold(size)
+        self.data += chunk
+
     def release(self) -> None:
         self.budget.give(self.held)
         self.held = 0
@@ -267,20 +275,12 @@ async def read_body(request: web.Request, budget: BodyBudget, max_bytes: int, ti
         if request.content.is_eof():
             # The whole body came with the headers (most API calls): take it
             # without arming a deadline, which costs a timer per request.
-            body.data += request.content.read_nowait(-1)
-            if len(body.data) > max_bytes:
-                raise BodyRefused(413, "body_too_large", f"the request body is over {max_bytes} bytes")
-            body._hold(len(body.data))
+            body.add(request.content.read_nowait(-1), max_bytes)
             return body
         try:
             async with asyncio.timeout(timeout):
                 while chunk := await request.content.readany():
-                    size = len(body.data) + len(chunk)
-                    if size > max_bytes:
-                        raise BodyRefused(413, "body_too_large",
-                                          f"the request body is over {max_bytes} bytes")
-                    body._hold(size)
-                    body.data += chunk
+                    body.add(chunk, max_bytes)
         except TimeoutError:
             raise BodyRefused(408, "body_timeout",
                               f"the request body did not arrive within {timeout:g} s") from None

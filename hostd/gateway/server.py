@@ -103,12 +103,6 @@ class Gateway:
     def engine_socket(self) -> Path:
         return self.engine_sockets[self.slot]
 
-    @property
-    def session(self) -> Optional[aiohttp.ClientSession]:
-        """The serving slot's session. A request keeps the session it started
-        on, so a switch never moves a running request."""
-        return self.sessions.get(self.slot)
-
     async def _startup(self, app: web.Application) -> None:
         for slot, path in self.engine_sockets.items():
             self.sessions[slot] = forward.session(aiohttp.UnixConnector(path=str(path), limit=0), 5)
@@ -178,10 +172,9 @@ class Gateway:
 
     async def engine_metrics(self) -> str:
         """The engine's own families (backend.metrics_prefixes), '' when it does not answer."""
-        assert self.session
         try:
-            async with self.session.get("http://engine/metrics",
-                                        timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
+            async with self.sessions[self.slot].get(
+                    "http://engine/metrics", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
                 if r.status != 200:
                     return ""
                 text = await r.text()
