@@ -12,14 +12,14 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 
 from hostd import units
 from hostd.manager import api, errors
-from hostd.manager import reload as reload_mod
 from hostd.manager.errors import admin
+from hostd.manager.operation import CANCELLABLE, Operation, State
 
-RUNNING = reload_mod.State.RUNNING
+RUNNING = State.RUNNING
 
 
 class OperationInterface(ServiceInterface):
-    def __init__(self, manager: "Manager", op: reload_mod.Operation, kind: str):
+    def __init__(self, manager: "Manager", op: Operation, kind: str):
         super().__init__(api.OPERATION)
         self.manager, self.op, self.kind = manager, op, kind
         self.path = api.operation_path(op.id)
@@ -98,7 +98,7 @@ class OperationInterface(ServiceInterface):
         op = self.op
         if op.state != RUNNING:
             raise errors.NotRunning(f"operation {op.id} already ended ({op.state.value})")
-        if self.kind != "reload" or op.stage not in reload_mod.CANCELLABLE:
+        if self.kind != "reload" or op.stage not in CANCELLABLE:
             raise errors.Busy(f"operation {op.id} is past its drain ({op.stage.value}); it cannot be cancelled now")
         op.cancel()
 

@@ -64,18 +64,16 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
+from hostd import backends, units
 from hostd import config as hostd_config
-from hostd import units
 from hostd.config import schema
 from hostd.config.atomic import write_atomic
 from hostd.manager import errors
-from hostd.manager.dropins import (  # noqa: F401  (COMMENT_LIMIT, comment_text: callers read them here too)
-    COMMENT_LIMIT, RELOAD_DROPIN, RELOAD_HEADER, ROLLBACK_DROPIN, comment_text, merge_patch,
-    previous_engine, read_text, render, restore_file, rollback_header,
+from hostd.manager.dropins import (
+    RELOAD_DROPIN, RELOAD_HEADER, ROLLBACK_DROPIN, merge_patch, previous_engine, read_text, render,
+    restore_file, rollback_header,
 )
-from hostd.manager.operation import (  # noqa: F401  (CANCELLABLE: callers read it here too)
-    CANCELLABLE, MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy,
-)
+from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy
 from hostd.manager.probe import Probe
 from hostd.manager.records import Records
 
@@ -209,16 +207,12 @@ class Reload:
             )
 
     def weights_not_retained(self) -> str:
-        from hostd import backends
-
         return backends.for_config(self.target).weights_not_retained(self.target) or ""
 
     def model_backend_refusals(self, cfg) -> list[str]:
         """The backend's refusals from the config alone; never its
         install_refusals(), which run upstream code (the engine unit checks
         those as the model's user when it starts)."""
-        from hostd import backends
-
         return backends.for_config(cfg).refusals(cfg)
 
     async def preflight(self) -> None:

@@ -29,6 +29,7 @@ from hostd.manager.probe import Probe
 from hostd.weights import client as weights_client
 from hostd.config import schema
 from hostd.manager import errors, service
+from hostd.manager import dropins
 from hostd.manager import reload as R
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -167,7 +168,7 @@ def test_a_rollback_pin_holds_the_committed_values_never_what_the_engine_reporte
     comments = [line for line in text.splitlines() if line.startswith("#")]
     comment = " ".join(line[2:] for line in comments)
     assert comment.startswith("Written by hostd's manager") and "ExecStartPre" in comment
-    assert len(comment) < R.COMMENT_LIMIT + 150 and " ... " in comment  # bounded, cut at a word
+    assert len(comment) < dropins.COMMENT_LIMIT + 150 and " ... " in comment  # bounded, cut at a word
     assert all(len(line) <= 80 for line in comments)
     assert not any(line.startswith("ExecStartPre") for line in text.splitlines())
     assert config.load_model("tiny", world.root).config.engine.max_num_seqs == 8  # the file loads
@@ -202,9 +203,9 @@ def test_a_vllm_patch_of_150000_graph_sizes_is_refused_before_anything_is_writte
 
 
 def test_comment_text_is_one_bounded_line_cut_at_a_word():
-    text = R.comment_text("a\x1bb\nc\rd\u2028e " + "word " * 200)
+    text = dropins.comment_text("a\x1bb\nc\rd\u2028e " + "word " * 200)
     assert text.startswith("a b c d e word") and text.endswith(" ...")
-    assert len(text) <= R.COMMENT_LIMIT and text.isprintable() and "wor ..." not in text
+    assert len(text) <= dropins.COMMENT_LIMIT and text.isprintable() and "wor ..." not in text
 
 
 # ------------------------------------------------------------ row 6
