@@ -83,16 +83,12 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         print("hostctl config: give a model NAME, or --check", file=sys.stderr)
-        return 2
-    # The name rule first: "../models/x" must not name a file that happens to exist.
-    problem = config.schema.model_name_problem(args.name)
-    if problem is None and not config.model_file(args.name, root).exists():
-        problem = f"no such model {args.name!r}: {config.model_file(args.name, root)} does not exist"
-    if problem is not None:
-        print(f"hostctl: {problem}", file=sys.stderr)
-        return EXIT_NO_SUCH_MODEL
+        return EXIT_USAGE
     try:
         loaded = config.load_model(args.name, root)
+    except config.NoSuchModel as exc:
+        print(f"hostctl: {exc.reason}", file=sys.stderr)
+        return EXIT_NO_SUCH_MODEL
     except config.ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1

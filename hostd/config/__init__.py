@@ -5,6 +5,7 @@ from hostd.config.atomic import write_atomic
 from hostd.config.load import (
     ConfigError,
     LoadedModel,
+    NoSuchModel,
     Problem,
     check,
     config_root,
@@ -19,6 +20,7 @@ from hostd.config.schema import editable_fields, model_name_problem
 __all__ = [
     "ConfigError",
     "LoadedModel",
+    "NoSuchModel",
     "Problem",
     "check",
     "config_root",

@@ -74,6 +74,14 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
+class NoSuchModel(ConfigError):
+    """NAME names no configured model: a name the rule refuses, or no NAME.yaml."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__([Problem(str(path), "", reason)])
+        self.reason = reason
+
+
 def dotted(path: KeyPath) -> str:
     return ".".join(path)
 
@@ -487,12 +495,13 @@ def merge_model(
     file held that data (a YamlFile from parse_yaml keeps its line numbers for
     messages). Nothing is written."""
     root = config_root(root)
-    problem = schema.model_name_problem(name)
     main = model_file(name, root)
+    # The name rule first: "../models/x" must not name a file that happens to exist.
+    problem = schema.model_name_problem(name)
     if problem:
-        raise ConfigError([Problem(str(main), "", problem)])
-    if not main.exists() and not main.is_symlink():
-        raise ConfigError([Problem(str(main), "", f"no such model: {name!r} is not configured")])
+        raise NoSuchModel(main, problem)
+    if not main.exists() and not main.is_symlink():  # a dangling link is a model whose file is broken
+        raise NoSuchModel(main, f"no such model {name!r}: {main} does not exist")
     merged = Merged()
     add_daemon_defaults(merged, root)
     problems: list[Problem] = []

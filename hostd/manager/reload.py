@@ -125,9 +125,9 @@ class Reload:
         name, patch = self.model.name, self.op.patch
         try:
             current = self.model.load()
+        except hostd_config.NoSuchModel as exc:
+            raise errors.NoSuchModel(exc.reason) from None
         except hostd_config.ConfigError as exc:
-            if not hostd_config.model_file(name, self.model.root).exists():
-                raise errors.NoSuchModel(f"no model {name!r}: /etc/hostd/models/{name}.yaml does not exist")
             raise errors.InvalidValue(f"the configuration on disk is invalid:\n{exc}")
         # "reloading": `systemctl reload model@NAME` is what called us.
         if await self.model.systemd.active_state(self.model.umbrella_unit) not in ("active", "reloading"):
