@@ -27,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Callable
 
 from hostd.config.atomic import write_atomic
 
@@ -203,8 +204,8 @@ def install(args: argparse.Namespace) -> int:
             files[link] = ("", 0)
             print(f"installed {link} -> {target}")
     state = root / "var/lib/hostd"
-    remove_stale(state / MANIFEST, files, root / args.config_dir.lstrip("/"))
     config = root / args.config_dir.lstrip("/")
+    remove_stale(state / MANIFEST, files, config)
     (config / "models").mkdir(parents=True, exist_ok=True)
     example = data_dir("packaging").parent / "etc" / "hostd.yaml"
     if not (config / "hostd.yaml").exists() and example.is_file():
@@ -222,34 +223,34 @@ def install(args: argparse.Namespace) -> int:
     return 0
 
 
+def remove_listed(names: list[str], keep: Callable[[Path], bool], why: str = "") -> None:
+    """Remove each file or link NAMES lists that is there, except those KEEP says."""
+    for name in names:
+        path = Path(name)
+        if keep(path) or not (path.exists() or path.is_symlink()):
+            continue
+        path.unlink()
+        print(f"removed {path}{why}")
+
+
 def remove_stale(manifest: Path, planned: dict, config: Path) -> None:
     """Remove what an earlier install wrote and this one does not (an upgrade
     from a version that used other directories); configuration stays."""
-    if not manifest.exists():
-        return
-    for name in manifest.read_text().split():
-        path = Path(name)
-        if path in planned or path.parent == config or not (path.exists() or path.is_symlink()):
-            continue
-        path.unlink()
-        print(f"removed {path} (no longer installed there)")
+    if manifest.exists():
+        remove_listed(manifest.read_text().split(), lambda path: path in planned or path.parent == config,
+                      " (no longer installed there)")
 
 
 def uninstall(args: argparse.Namespace) -> int:
     root = Path(args.root)
+    config = root / args.config_dir.lstrip("/")
     manifest = root / "var/lib/hostd" / MANIFEST
     listed = manifest.read_text().split() if manifest.exists() else [str(p) for p in planned_files(args)]
-    for name in listed:
-        path = Path(name)
-        if path.parent == root / args.config_dir.lstrip("/") and not args.purge:
-            continue
-        if path.exists() or path.is_symlink():
-            path.unlink()
-            print(f"removed {path}")
+    remove_listed(listed, lambda path: path.parent == config and not args.purge)
     manifest.unlink(missing_ok=True)
     if args.purge:
-        shutil.rmtree(root / args.config_dir.lstrip("/"), ignore_errors=True)
-        print(f"removed {root / args.config_dir.lstrip('/')}")
+        shutil.rmtree(config, ignore_errors=True)
+        print(f"removed {config}")
     if args.root == "/" and systemd_running() and not args.no_reload:
         run_tool("systemctl", "daemon-reload")
     return 0

@@ -160,9 +160,8 @@ class GatewayConfig(_Strict):
     def __post_init__(self) -> None:
         if self.api_keys is not None and not self.api_keys.startswith("/"):
             raise ValueError(f"api_keys: {self.api_keys!r} is not an absolute path to a keys file")
-        problem = self.api_keys and control_character_problem("api_keys", self.api_keys)
-        if problem:
-            raise ValueError(problem)  # it reaches a unit file (LoadCredential=)
+        # It reaches a unit file (LoadCredential=).
+        refuse_control_characters([("api_keys", self.api_keys)] if self.api_keys else [])
 
 
 class ReloadConfig(_Strict):

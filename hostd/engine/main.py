@@ -178,7 +178,9 @@ def serve(args: argparse.Namespace, cfg) -> int:
         sock=sock,
         on_ready=ready,
         on_status=status,
-        health_info=lambda: {**health, "memory": memory.snapshot()},  # for the overlap preflight
+        # On CPU the overlap preflight compares the engine's memory with the
+        # host's (memory.py); on a GPU it asks NVML, and /health reads nothing.
+        health_info=(lambda: {**health, "memory": memory.snapshot()}) if cfg.device == "cpu" else (lambda: health),
         log=log,
     )
 
