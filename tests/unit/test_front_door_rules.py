@@ -3,14 +3,21 @@ route tables, API key checks, which engine metric families pass."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
+from aiohttp import streams
+from aiohttp.test_utils import make_mocked_request
 
 from hostd import backends
-from hostd.gateway import keys, routes
-from hostd.gateway.metrics import engine_families
+from hostd.config.schema import GatewayConfig
+from hostd.gateway import keys, limits, routes
+from hostd.gateway.metrics import Metrics, ReloadClock, engine_families
+
+GATEWAY_DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
 
 
 @pytest.mark.parametrize("target, path", [
@@ -53,18 +60,16 @@ def test_no_backend_declares_an_internal_route_public(name: str):
 def test_docs_list_every_public_route_of_every_backend(name: str):
     # docs/gateway.md's route table is what users read; it must say what the
     # gateway does, route for route (a backend change fails here until the doc follows).
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    doc = GATEWAY_DOC.read_text()
     row = next(line for line in doc.splitlines() if line.startswith(f"| {name} | "))
     listed = re.findall(r"`([A-Z]+) ([^`]+)`", row)
     assert listed == list(backends.BACKENDS[name].public_routes)
 
 
 def test_docs_give_the_schemas_default_for_every_limit():
-    from hostd.config.schema import GatewayConfig
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
-    limits = doc.split("## Limits", 1)[1].split("\n## ", 1)[0]
-    rows = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", limits, re.M))
+    doc = GATEWAY_DOC.read_text()
+    section = doc.split("## Limits", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", section, re.M))
     defaults = GatewayConfig()
     shown = {}
     for key in rows:
@@ -77,9 +82,7 @@ def test_docs_give_the_schemas_default_for_every_limit():
 
 
 def test_docs_list_every_gateway_metric_with_its_type_and_labels():
-    from hostd.gateway.metrics import Metrics
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    doc = GATEWAY_DOC.read_text()
     listed = set(re.findall(r"^\| `(hostd_gateway_[a-z_]+(?:\{[a-z_]+\})?)` \| ([a-z]+) \|", doc, re.M))
     gauges = {name: ("", lambda: 0) for name in ("hostd_gateway_in_flight", "hostd_gateway_queued",
                                                   "hostd_gateway_connections", "hostd_gateway_body_bytes_held")}
@@ -135,8 +138,6 @@ def test_only_the_engines_own_metric_families_pass():
 
 
 def test_the_reload_clock_counts_unavailable_time_until_serving_again():
-    from hostd.gateway.metrics import Metrics, ReloadClock
-
     def observed(metrics: Metrics) -> list[tuple[str, float]]:
         text = metrics.exposition().decode()
         return sorted((line.split()[0], float(line.split()[1])) for line in text.splitlines()
@@ -181,12 +182,6 @@ def test_the_reload_clock_counts_unavailable_time_until_serving_again():
 
 def body_request(body: bytes, complete: bool):
     """A chunked POST whose BODY has arrived (COMPLETE: and its end too)."""
-    import asyncio
-    from unittest import mock
-
-    from aiohttp import streams
-    from aiohttp.test_utils import make_mocked_request
-
     reader = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
     reader.feed_data(body)
     if complete:
@@ -201,10 +196,6 @@ def body_request(body: bytes, complete: bool):
     (2048, 4096, 1024, 503),       # over what the budget has left
 ])
 def test_a_body_that_arrived_with_its_headers_keeps_the_cap_and_the_budget(size, cap, budget, expected):
-    import asyncio
-
-    from hostd.gateway import limits
-
     async def read():
         request = body_request(b"x" * size, complete=True)
         assert request.content.is_eof()  # the path without a read deadline
@@ -224,10 +215,6 @@ def test_a_body_that_arrived_with_its_headers_keeps_the_cap_and_the_budget(size,
 
 
 def test_a_body_still_arriving_gets_its_deadline():
-    import asyncio
-
-    from hostd.gateway import limits
-
     async def read():
         request = body_request(b"x" * 10, complete=False)  # the end never comes
         held = limits.BodyBudget(1024)
