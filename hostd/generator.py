@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hostd import backends, config, units
+from hostd import backends, config, nvml, units
 
 DROPIN = "50-hostd.conf"
 UNIT_DIR_ENV = "HOSTD_UNIT_DIR"
@@ -67,16 +67,8 @@ def nvml_minor_numbers(indices: list[int]) -> list[int]:
     GPUs in PCI bus order; the units set CUDA_DEVICE_ORDER=PCI_BUS_ID so that
     CUDA's indices (the config's `gpus`) count the same way. The minor number
     need not equal the index (it follows the driver's probe order)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return [
-            pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByIndex(i))
-            for i in indices
-        ]
-    finally:
-        pynvml.nvmlShutdown()
+    with nvml.session() as pynvml:
+        return [pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
 
 
 def gpu_lines(name: str, cfg) -> list[str]:

@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from hostd import nvml
 from hostd.backends.base import Backend, Command
 
 # Variables that make PyTorch's allocator hand out expandable segments. CUDA
@@ -261,21 +262,14 @@ def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tu
 def nvml_uuids(indices: list[int]) -> dict[int, str]:
     """{GPU index: NVML UUID ('GPU-...')} for INDICES; empty without NVML."""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no driver library (CPU hosts, containers without GPUs)
+        with nvml.session() as pynvml:
+            found = {}
+            for index in indices:
+                uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+                found[index] = uuid.decode() if isinstance(uuid, bytes) else uuid
+            return found
+    except Exception:  # no driver library (CPU hosts, containers without GPUs), or no such GPU
         return {}
-    try:
-        found = {}
-        for index in indices:
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
-            found[index] = uuid.decode() if isinstance(uuid, bytes) else uuid
-        return found
-    except Exception:
-        return {}
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import aiohttp
 import msgspec
 
-from hostd import backends, paths, sockets, units
+from hostd import backends, nvml, paths, sockets, units
 from hostd.gateway import control
 from hostd.weights import client as weights_client
 
@@ -185,19 +185,13 @@ class Probe:
         per-process figure where NVML sees our PIDs; inside a container they
         are another namespace's, so then it is the device's used memory less
         the daemon's share. RuntimeError when NVML cannot be read."""
+        status = None
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as exc:
-            raise RuntimeError(f"NVML unavailable ({exc})") from None
-        try:
-            status = None
-            try:
-                status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
-            except (OSError, weights_client.WeightsRefused):
-                pass
-            held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+            status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
+        except (OSError, weights_client.WeightsRefused):
+            pass
+        held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+        with nvml.session() as pynvml:
             out = []
             for index in cfg.gpus:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -210,8 +204,6 @@ class Probe:
                     engine = max(0, info.used - daemon)
                 out.append(GpuMemory(index, info.total, info.free, engine, daemon))
             return out
-        finally:
-            pynvml.nvmlShutdown()
 
     async def overlap_problem(self, cfg, engine_pid: int) -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
