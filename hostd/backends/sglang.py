@@ -192,13 +192,14 @@ class SglangBackend(upstream.UpstreamBackend):
         return args
 
     def refusals(self, cfg) -> list[str]:
+        retained = self.retains_weights(cfg)  # reads the checkpoint's config.json: once
         problems = upstream.common_refusals(
             cfg,
             owned_flags=OWNED_FLAGS,
-            refused_flags=REFUSED_FLAGS if self.retains_weights(cfg) else REPLICA_FLAGS,
+            refused_flags=REFUSED_FLAGS if retained else REPLICA_FLAGS,
             editable_flags={flag: key for key, flag in EDITABLE_FLAGS.items()},
             aliases=ALIASES,
-            retained=self.retains_weights(cfg),
+            retained=retained,
         )
         for variable in (SOCKET_TEMPLATE_VARIABLE, READY_TEMPLATE_VARIABLE):
             if variable in cfg.env:
