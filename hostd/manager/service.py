@@ -33,8 +33,8 @@ from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
+from hostd import backends, units
 from hostd import config as hostd_config
-from hostd import units
 from hostd.config import schema
 from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
@@ -213,8 +213,6 @@ class ModelInterface(ServiceInterface):
         return self.weights_not_retained()
 
     def weights_not_retained(self) -> str:
-        from hostd import backends
-
         loaded = self.loaded()
         if loaded is None:
             return ""
