@@ -14,11 +14,13 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hostd import sockets
-from hostd.weights import protocol, shared
+from hostd.weights import protocol
+
+if TYPE_CHECKING:  # status() serves the root manager and the upstream engine supervisors: no torch there
+    import torch
 
 
 class WeightsRefused(Exception):
@@ -61,6 +63,8 @@ def status(path: Path) -> protocol.Status:
 
 
 def attach(path: Path, expected: protocol.Fingerprint) -> Attached:
+    from hostd.weights import shared  # torch: only in the engine that maps the weights
+
     response, fds, _ = _exchange(path, protocol.AttachRequest(fingerprint=expected))
     try:
         if isinstance(response, protocol.Mismatch):
