@@ -11,7 +11,10 @@ unit's state the way machined does, from signals rather than polling.
   PropertiesChanged signals keep that copy current, and reading it costs no
   round trip. systemd flushes a unit's pending PropertiesChanged before the
   JobRemoved of its job, so the copy is current when a job ends. UnitRemoved
-  (systemd unloaded an inactive unit) marks the copy inactive.
+  (systemd unloaded an inactive unit) marks the copy inactive, except between
+  Reloading(true) and Reloading(false): a daemon-reload sends UnitRemoved for
+  every unit, running ones included, and then no PropertiesChanged for those
+  whose state did not change, so at its end every copy is read again.
 
 Unit object paths come from LoadUnit, never computed. Calls are plain
 messages: no introspection.
@@ -39,6 +42,7 @@ SETTLING = ("activating", "deactivating", "reloading")
 MATCHES = (
     f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',member='JobRemoved'",
     f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',member='UnitRemoved'",
+    f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',member='Reloading'",
     f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES}',member='PropertiesChanged',"
     f"path_namespace='{UNIT_PATHS}'",
 )
@@ -59,6 +63,8 @@ class Systemd:
         self._names: dict[str, str] = {}  # object path -> unit name
         self._units: dict[str, dict] = {}  # unit name -> its properties, kept current
         self._changed: dict[str, asyncio.Event] = {}
+        self._daemon_reloading = False  # between Reloading(true) and Reloading(false)
+        self._refresh: Optional[asyncio.Task] = None
         self.on_unit_change: Optional[Callable[[str, dict], None]] = None
 
     async def _call(self, member: str, signature: str = "", body: Optional[list] = None,
@@ -87,6 +93,8 @@ class Systemd:
             self._job_removed(*msg.body)
         elif msg.interface == MANAGER and msg.member == "UnitRemoved":
             self._unloaded(msg.body[0])
+        elif msg.interface == MANAGER and msg.member == "Reloading":
+            self._reloading(msg.body[0])
         elif msg.interface == PROPERTIES and msg.member == "PropertiesChanged":
             name = self._names.get(msg.path)
             if name is not None and name in self._units:
@@ -104,9 +112,27 @@ class Systemd:
 
     def _unloaded(self, name: str) -> None:
         """systemd unloads only inactive units; its path stays the unit's, and
-        PropertiesChanged resume when the unit is loaded again."""
-        if name in self._units:
+        PropertiesChanged resume when the unit is loaded again. A daemon-reload
+        "removes" every unit: that says nothing of its state."""
+        if name in self._units and not self._daemon_reloading:
             self._update(name, {"ActiveState": "inactive", "SubState": "dead", "MainPID": 0})
+
+    def _reloading(self, active: bool) -> None:
+        self._daemon_reloading = active
+        if not active and self._units:
+            self._refresh = asyncio.get_running_loop().create_task(self._read_again())
+
+    async def _read_again(self) -> None:
+        """After a daemon-reload: each tracked unit's properties, read anew."""
+        for name in list(self._units):
+            try:
+                values = (await self._call("GetAll", "s", [""], path=self._paths[name], interface=PROPERTIES))[0]
+            except DBusError as exc:  # gone with the reload: it is not running
+                log.debug("after daemon-reload, %s: %s", name, exc)
+                values = {}
+                self._unloaded(name)
+            if values:
+                self._update(name, {k: v.value for k, v in values.items()})
 
     def _update(self, name: str, changed: dict) -> None:
         props = self._units[name]
