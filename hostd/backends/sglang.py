@@ -37,7 +37,11 @@ QUANTIZATION_ALLOWLIST: dict[Optional[str], str] = {
     "fp8": "block-wise fp8 only (checked against config.json weight_block_size)",
 }
 
-# Editable engine key -> SGLang flag (DESIGN.md §2).
+# Editable engine key -> SGLang flag (DESIGN.md §2): one entry per field of
+# schema.SglangEngine, the flag its description names, in its order (the argv's).
+# tests/unit/test_upstream_backends.py pins it: a field in the schema alone would
+# validate, be echoed by the engine's /health, verify and report done without
+# ever reaching SGLang.
 EDITABLE_FLAGS = {
     "max_running_requests": "--max-running-requests",
     "max_prefill_tokens": "--max-prefill-tokens",
