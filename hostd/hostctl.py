@@ -384,22 +384,18 @@ def cmd_edit(args: argparse.Namespace) -> int:
         scratch.write(original)
         scratch.flush()
         subprocess.run([*shlex.split(editor), scratch.name], check=False)
-        edited = Path(scratch.name).read_text()
-    if edited == original:
+        edited = Path(scratch.name).read_bytes()
+    if edited == original.encode():
         print("hostctl: no changes", file=sys.stderr)
         return 0
     # Validate the tree as it would be with the edited drop-in, touching nothing.
     try:
-        data = config.load.parse_yaml(edited, str(target))
-        merged, problems = config.load.merge_model(args.name, root, overlay={EDIT_DROPIN: data})
-        if problems:
-            raise config.ConfigError(problems)
-        config.load.validate(merged, config.load.model_type(merged))
+        config.load_model(args.name, root, overlay=(EDIT_DROPIN, edited))
     except config.ConfigError as exc:
         print(exc, file=sys.stderr)
         print(f"hostctl: not saved: {target} would be invalid", file=sys.stderr)
         return 1
-    config.write_atomic(target, edited)
+    config.write_atomic(target, edited.decode())  # UTF-8: the loader checked
     print(f"saved {target}; apply with: systemctl reload {units.umbrella(args.name)}")
     return 0
 

@@ -37,7 +37,11 @@ QUANTIZATION_ALLOWLIST: dict[Optional[str], str] = {
     "fp8": "block-wise fp8 only (checked against config.json weight_block_size)",
 }
 
-# Editable engine key -> SGLang flag (DESIGN.md §2).
+# Editable engine key -> SGLang flag (DESIGN.md §2): one entry per field of
+# schema.SglangEngine, the flag its description names, in its order (the argv's).
+# tests/unit/test_upstream_backends.py pins it: a field in the schema alone would
+# validate, be echoed by the engine's /health, verify and report done without
+# ever reaching SGLang.
 EDITABLE_FLAGS = {
     "max_running_requests": "--max-running-requests",
     "max_prefill_tokens": "--max-prefill-tokens",
@@ -219,13 +223,6 @@ class SglangBackend(upstream.UpstreamBackend):
 
     def memory_fraction(self, cfg) -> Optional[float]:
         return cfg.engine.mem_fraction_static
-
-    def limits(self, cfg) -> dict:
-        """SGLang's own names, plus max_num_seqs and max_model_len translated
-        from max_running_requests and context_length for the manager."""
-        engine = super().limits(cfg)
-        return {**engine, "max_num_seqs": engine.get("max_running_requests"),
-                "max_model_len": engine.get("context_length")}
 
     def socket_devices(self, names: list[str], cfg) -> list[str]:
         """The GPUs behind upstream socket NAMES: hostd's template names each

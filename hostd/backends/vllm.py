@@ -38,7 +38,11 @@ QUANTIZATION_ALLOWLIST: dict[Optional[str], str] = {
     # can tell the two apart from the checkpoint.
 }
 
-# Editable engine key -> vLLM flag (DESIGN.md §2).
+# Editable engine key -> vLLM flag (DESIGN.md §2): one entry per field of
+# schema.VllmEngine, the flag its description names, in its order (the argv's).
+# tests/unit/test_upstream_backends.py pins it: a field in the schema alone would
+# validate, be echoed by the engine's /health, verify and report done without
+# ever reaching vLLM.
 EDITABLE_FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",

@@ -102,11 +102,24 @@ def read_yaml(path: Path) -> YamlFile:
     """Parse one YAML file whose top level must be a mapping (empty is {})."""
     name = str(path)
     try:
-        text = read_regular_file(path, name).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError([Problem(name, "", f"not UTF-8 text ({exc.reason})")]) from None
+        content = read_regular_file(path, name)
     except OSError as exc:
         raise ConfigError([Problem(name, "", f"cannot read: {exc.strerror}")]) from None
+    return parse_file(content, name)
+
+
+def parse_file(content: bytes | str, name: str) -> YamlFile:
+    """CONTENT as the file NAME, through every rule a config file's bytes meet
+    on disk: at most MAX_FILE_BYTES, UTF-8 text, then parse_yaml's. read_yaml
+    and an overlay (a drop-in not written yet) both come here."""
+    if isinstance(content, str):
+        content = content.encode("utf-8", "surrogatepass")  # a lone surrogate: "not UTF-8" below
+    if len(content) > MAX_FILE_BYTES:
+        raise ConfigError([Problem(name, "", f"larger than {MAX_FILE_BYTES} bytes")])
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([Problem(name, "", f"not UTF-8 text ({exc.reason})")]) from None
     return parse_yaml(text, name)
 
 
@@ -458,7 +471,7 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
     for entry in sorted(directory.iterdir(), key=lambda p: p.name):
         if entry.name.startswith("."):
             continue  # editors' swap files and the atomic writer's temp files
-        if entry.name.endswith(".yaml") and entry.is_file():
+        if dropin_name_problem(entry.name) is None and entry.is_file():
             files.append(entry)
         else:
             problems.append(
@@ -474,6 +487,14 @@ def dropin_files(name: str, root: Optional[Path] = None) -> list[Path]:
     return files
 
 
+def dropin_name_problem(file_name: str) -> Optional[str]:
+    """Why FILE_NAME cannot be a drop-in that applies, or None: drop-ins are
+    NAME.d/*.yaml; hidden files (editors' swap files) are skipped."""
+    if "/" in file_name or file_name.startswith(".") or not file_name.endswith(".yaml"):
+        return f"{file_name!r} is not a drop-in file name: use a *.yaml name, not hidden, with no '/'"
+    return None
+
+
 def add_daemon_defaults(merged: Merged, root: Path) -> None:
     """The `defaults:` of hostd.yaml, under every model's own files."""
     daemon_file = root / "hostd.yaml"
@@ -484,16 +505,21 @@ def add_daemon_defaults(merged: Merged, root: Path) -> None:
             merged.add(daemon, defaults, prefix=("defaults",))
 
 
+# What a drop-in not written yet would hold: (its file name in NAME.d, its
+# content as the file's bytes or text), e.g. ("90-reload.yaml", text).
+Overlay = tuple[str, "bytes | str"]
+
+
 def merge_model(
-    name: str, root: Optional[Path] = None, overlay: Optional[dict[str, dict | YamlFile]] = None
+    name: str, root: Optional[Path] = None, overlay: Optional[Overlay] = None
 ) -> tuple[Merged, list[Problem]]:
     """Read and merge every readable file of model NAME (values not validated);
     the problems of the files that could not be read come back beside it.
 
-    OVERLAY maps a drop-in file name to data that stands in for that file (or
-    joins the directory), in its lexical place: what the tree would be if the
-    file held that data (a YamlFile from parse_yaml keeps its line numbers for
-    messages). Nothing is written."""
+    OVERLAY (file name, content) stands in for that drop-in (or joins the
+    directory) in its lexical place, its content going through every rule a
+    file on disk meets (parse_file): what the tree would be if the file held
+    it. Nothing is written."""
     root = config_root(root)
     main = model_file(name, root)
     # The name rule first: "../models/x" must not name a file that happens to exist.
@@ -502,6 +528,13 @@ def merge_model(
         raise NoSuchModel(main, problem)
     if not main.exists() and not main.is_symlink():  # a dangling link is a model whose file is broken
         raise NoSuchModel(main, f"no such model {name!r}: {main} does not exist")
+    directory = dropin_dir(name, root)
+    overlay_path = None
+    if overlay is not None:
+        problem = dropin_name_problem(overlay[0])
+        if problem:
+            raise ValueError(problem)  # the caller's constant: a bug, not a config problem
+        overlay_path = directory / overlay[0]
     merged = Merged()
     add_daemon_defaults(merged, root)
     problems: list[Problem] = []
@@ -509,15 +542,11 @@ def merge_model(
         dropins = dropin_files(name, root)
     except ConfigError as exc:
         dropins, problems = [], problems + exc.problems
-    overlay = overlay or {}
-    directory = dropin_dir(name, root)
-    names = sorted({p.name for p in dropins} | set(overlay))
-    sources = [main, *(directory / n for n in names)]
-    for path in sources:
+    names = sorted({p.name for p in dropins} | ({overlay_path.name} if overlay_path else set()))
+    for path in [main, *(directory / n for n in names)]:
         try:
-            if path.name in overlay and path.parent == directory:
-                data = overlay[path.name]
-                merged.add(data if isinstance(data, YamlFile) else YamlFile(str(path), data, {}))
+            if path == overlay_path:
+                merged.add(parse_file(overlay[1], str(path)))
             else:
                 merged.add(read_yaml(path))
         except ConfigError as exc:
@@ -542,9 +571,12 @@ def model_type(merged: Merged) -> type:
     )
 
 
-def load_model(name: str, root: Optional[Path] = None) -> LoadedModel:
-    """The effective, validated config of model NAME."""
-    merged, problems = merge_model(name, root)
+def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay] = None) -> LoadedModel:
+    """The effective, validated config of model NAME; with OVERLAY (a drop-in
+    file name and content, see merge_model), what it would be if that drop-in
+    held that content. The one answer to "would this drop-in be valid": every
+    problem found is reported, the unreadable files' and the values' together."""
+    merged, problems = merge_model(name, root, overlay)
     try:
         config = validate(merged, model_type(merged))
     except ConfigError as exc:

@@ -154,7 +154,7 @@ class Reload:
         if patch:
             self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch)
             self.reload_text = render(RELOAD_DROPIN, RELOAD_HEADER, self.reload_data)
-            self.target = self.config_with(self.reload_data, patch)
+            self.target = self.config_with(self.reload_text, patch)
         else:
             self.target = current.config
         if committed is not None:
@@ -168,19 +168,20 @@ class Reload:
         # Nothing to apply when the engine answers and runs the target already.
         self.unchanged = health is not None and Probe.runs(health, msgspec.to_builtins(self.target.engine))
 
-    def config_with(self, reload_data: dict, patch: dict):
-        """The effective config if 90-reload.yaml held RELOAD_DATA, every drop-in
-        in its lexical place; a key a later drop-in overrides is refused."""
+    def config_with(self, reload_text: str, patch: dict):
+        """The effective config if 90-reload.yaml held RELOAD_TEXT (the loader's
+        answer, load_model with that overlay); a key a later drop-in overrides
+        is refused."""
         reload_file = self.model.dropins / RELOAD_DROPIN
-        merged, problems = hostd_config.load.merge_model(
-            self.model.name, self.model.root, overlay={RELOAD_DROPIN: reload_data}
-        )
-        if problems:
-            raise errors.InvalidValue("\n".join(map(str, problems)))
         try:
-            cfg = hostd_config.load.validate(merged, hostd_config.load.model_type(merged))
+            loaded = hostd_config.load_model(self.model.name, self.model.root, overlay=(RELOAD_DROPIN, reload_text))
+        except hostd_config.NoSuchModel as exc:
+            raise errors.NoSuchModel(exc.reason) from None
         except hostd_config.ConfigError as exc:
-            raise errors.InvalidValue("; ".join(f"{p.key}: {p.message}" for p in exc.problems)) from None
+            # The patch's own problems by key (the file is not written yet), any other file's in full.
+            raise errors.InvalidValue("; ".join(
+                f"{p.key}: {p.message}" if p.file == str(reload_file) else str(p) for p in exc.problems)) from None
+        cfg, merged = loaded.config, loaded.merged
         for key in patch:
             origin = merged.origin(("engine", key))
             if origin != str(reload_file):

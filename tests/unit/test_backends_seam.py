@@ -87,15 +87,6 @@ def test_memory_fraction_is_the_backends_own_field(backend, engine, fraction):
     assert backends.for_config(cfg).memory_fraction(cfg) == fraction
 
 
-def test_sglang_limits_carry_max_num_seqs_and_max_model_len_for_the_manager():
-    cfg = make("sglang", engine={"max_running_requests": 4, "context_length": 512})
-    limits = backends.for_config(cfg).limits(cfg)
-    assert limits == {**msgspec.to_builtins(cfg.engine), "max_num_seqs": 4, "max_model_len": 512}
-
-
-def test_vllm_limits_are_its_engine_section():
-    cfg = make("vllm", engine={"max_num_seqs": 4})
-    assert backends.for_config(cfg).limits(cfg) == msgspec.to_builtins(cfg.engine)
 
 
 def test_vllm_serves_on_a_unix_socket_and_sglang_on_a_loopback_port(monkeypatch, tmp_path):

@@ -120,6 +120,50 @@ def test_edit_saves_a_valid_dropin_and_refuses_an_invalid_one(tmp_path: Path, mo
     assert "systemctl reload model@tiny" in good.stdout
 
 
+def edit_writing(tmp_path: Path, content: bytes) -> subprocess.CompletedProcess:
+    """`hostctl edit tiny` with an editor that leaves CONTENT in the file."""
+    (tmp_path / "content").write_bytes(content)
+    script = tmp_path / "editor.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'content'} > \"$1\"\n")
+    script.chmod(0o755)
+    return subprocess.run(
+        [sys.executable, "-m", "hostd.hostctl", "--config-dir", str(tmp_path), "edit", "tiny"],
+        capture_output=True, text=True, env={**os.environ, "EDITOR": str(script)},
+    )
+
+
+def test_edit_refuses_what_the_loader_would_refuse_on_disk_size_and_encoding(tmp_path: Path):
+    """The edited drop-in meets the rules of a file on disk (load_model's
+    overlay): a valid YAML text over the loader's size cap, or not UTF-8, would
+    leave the model's config unloadable once saved, so it is not saved."""
+    make_tree(tmp_path)
+    target = tmp_path / "models/tiny.d/95-override.yaml"
+    from hostd.config.load import MAX_FILE_BYTES
+
+    big = edit_writing(tmp_path, b"engine: {max_num_seqs: 6}\n" + b"#" * MAX_FILE_BYTES + b"\n")
+    assert big.returncode == 1 and not target.exists(), big.stderr
+    assert f"{target}: larger than {MAX_FILE_BYTES} bytes" in big.stderr
+    latin1 = edit_writing(tmp_path, "# café\nengine: {max_num_seqs: 6}\n".encode("latin-1"))
+    assert latin1.returncode == 1 and not target.exists(), latin1.stderr
+    assert f"{target}: not UTF-8 text" in latin1.stderr and "Traceback" not in latin1.stderr
+    assert config_check_ok(tmp_path)
+
+
+def test_edit_reports_its_own_problem_beside_an_unreadable_dropin(tmp_path: Path):
+    make_tree(tmp_path)
+    broken = tmp_path / "models/tiny.d/60-broken.yaml"
+    broken.write_text("engine: [\n")
+    result = edit_writing(tmp_path, b"engine:\n  max_num_seqs: 0\n")
+    target = tmp_path / "models/tiny.d/95-override.yaml"
+    assert result.returncode == 1 and not target.exists()
+    assert f"{broken}:2: malformed YAML" in result.stderr
+    assert f"{target}:2: engine.max_num_seqs: expected `int` >= 1" in result.stderr
+
+
+def config_check_ok(root: Path) -> bool:
+    return hostctl("--config-dir", str(root), "config", "--check").returncode == 0
+
+
 def test_check_reports_a_bad_dropin_value_at_its_own_line_even_when_a_later_dropin_shadows_it(tmp_path: Path):
     make_tree(tmp_path)
     bad = tmp_path / "models/tiny.d/70-badtype.yaml"

@@ -1,5 +1,6 @@
 """The reload state machine's table and the pieces of a reload that need no
-daemon: the overlay that previews 90-reload.yaml, hostctl's KEY=VALUE parsing."""
+daemon: the loader's overlay that previews 90-reload.yaml (load_model, which
+Reload.config_with asks), hostctl's KEY=VALUE parsing."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from hostd import config
-from hostd.config.load import merge_model, validate, model_type
 from hostd.hostctl import parse_assignments
+from hostd.manager import errors
+from hostd.manager import reload as R
 from hostd.manager.operation import TRANSITIONS, Operation, Stage, State
 
 
@@ -43,14 +45,46 @@ def test_overlay_previews_the_reload_dropin_in_its_lexical_place(tmp_path: Path)
     (tmp_path / "models/tiny.d").mkdir(parents=True)
     (tmp_path / "models/tiny.yaml").write_text("backend: builtin\nmodel: /m\n")
     (tmp_path / "models/tiny.d/95-override.yaml").write_text("engine: {max_model_len: 64}\n")
-    merged, problems = merge_model("tiny", tmp_path, overlay={"90-reload.yaml": {"engine": {"max_num_seqs": 3, "max_model_len": 32}}})
-    cfg = validate(merged, model_type(merged))
-    assert problems == []
-    assert cfg.engine.max_num_seqs == 3
-    assert cfg.engine.max_model_len == 64  # 95-override comes after 90-reload
-    assert merged.origin(("engine", "max_model_len")) == str(tmp_path / "models/tiny.d/95-override.yaml")
+    loaded = config.load_model("tiny", tmp_path, overlay=("90-reload.yaml", "engine: {max_num_seqs: 3, max_model_len: 32}\n"))
+    assert loaded.config.engine.max_num_seqs == 3
+    assert loaded.config.engine.max_model_len == 64  # 95-override comes after 90-reload
+    assert loaded.origin(("engine", "max_model_len")) == str(tmp_path / "models/tiny.d/95-override.yaml")
+    assert loaded.origin(("engine", "max_num_seqs")) == str(tmp_path / "models/tiny.d/90-reload.yaml")
     assert not (tmp_path / "models/tiny.d/90-reload.yaml").exists()  # nothing written
     assert config.load_model("tiny", tmp_path).config.engine.max_num_seqs == 8
+
+
+def test_an_overlay_meets_the_rules_of_a_file_on_disk_with_its_own_line(tmp_path: Path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/tiny.yaml").write_text("backend: builtin\nmodel: /m\n")
+    reload_file = f"{tmp_path}/models/tiny.d/90-reload.yaml"
+    for content, problem in [
+        ("# the patch\nengine:\n  max_num_seqs: 0\n", f"{reload_file}:3: engine.max_num_seqs: expected `int` >= 1"),
+        ("engine: {max_num_seqs: 2, max_num_seqs: 3}\n", f"{reload_file}:1: engine.max_num_seqs: duplicate key"),
+        (b"engine: {}\n# \xff\n", f"{reload_file}: not UTF-8 text"),
+        ("#" * config.load.MAX_FILE_BYTES + "\n", f"{reload_file}: larger than {config.load.MAX_FILE_BYTES} bytes"),
+    ]:
+        with pytest.raises(config.ConfigError) as caught:
+            config.load_model("tiny", tmp_path, overlay=("90-reload.yaml", content))
+        assert str(caught.value).startswith(problem), (content[:40], str(caught.value))
+    with pytest.raises(ValueError, match="not a drop-in file name"):
+        config.load_model("tiny", tmp_path, overlay=("90-reload.yml", "{}"))
+
+
+def test_config_with_reports_the_patchs_problem_beside_an_unreadable_dropin(tmp_path: Path):
+    """Reload.config_with is load_model with the overlay: the patch's value is
+    checked even when another drop-in cannot be read (the manager's cached
+    parse predates it), and both problems are named, as the loader names them."""
+    (tmp_path / "models/tiny.d").mkdir(parents=True)
+    (tmp_path / "models/tiny.yaml").write_text("backend: builtin\nmodel: /m\n")
+    broken = tmp_path / "models/tiny.d/50-broken.yaml"
+    broken.write_text("engine: [\n")
+    run = R.Reload(R.Model("tiny", tmp_path, systemd=None, probe=None), Operation(id=1, model="tiny", patch={}))
+    with pytest.raises(errors.InvalidValue) as caught:
+        run.config_with("engine:\n  max_num_seqs: 0\n", {"max_num_seqs": 0})
+    assert f"{broken}:2: malformed YAML" in str(caught.value)
+    assert "engine.max_num_seqs: expected `int` >= 1" in str(caught.value)
+    assert not (tmp_path / "models/tiny.d/90-reload.yaml").exists()
 
 
 def test_hostctl_assignments_are_yaml_scalars():

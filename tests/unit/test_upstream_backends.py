@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from hostd import backends
 from hostd.backends import sglang as sglang_backend
 from hostd.backends import upstream
+from hostd.backends import vllm as vllm_backend
 from hostd.config import schema
 
 DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
@@ -185,6 +187,55 @@ def test_sglang_tp2_every_editable_field(ckpt, home):
     bad = subprocess.run([*engine.argv, "--no-such-flag"], capture_output=True, text=True,
                          env=upstream.child_env(engine.env), timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
+
+
+def _unwrapped(info):
+    while isinstance(info, (msgspec.inspect.Metadata, msgspec.inspect.UnionType)):
+        if isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        else:
+            info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+    return info
+
+
+def _not_the_default(field) -> object:
+    """A valid value of FIELD (a schema engine field) other than its default."""
+    info = _unwrapped(field.type)
+    if isinstance(info, msgspec.inspect.BoolType):
+        return not field.default
+    if isinstance(info, msgspec.inspect.ListType):
+        return [2, 3]
+    if isinstance(info, msgspec.inspect.IntType):
+        return 3 if field.default != 3 else 4
+    if isinstance(info, msgspec.inspect.FloatType):
+        return 0.25 if field.default != 0.25 else 0.5
+    raise AssertionError(f"engine.{field.name}: no sample value for {info}; extend this test")
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_every_engine_field_of_the_schema_reaches_upstreams_command_line(backend, ckpt, home):
+    """EDITABLE_FLAGS is pinned to the schema's engine section: a field added
+    to the schema alone would validate, be echoed back by the engine's /health
+    (so verify passes) and report `done` without ever reaching upstream. Each
+    field maps to the flag its schema description names (the configuration
+    reference is generated from those), and a value other than the default
+    changes the engine's command line at that flag."""
+    module = {"vllm": vllm_backend, "sglang": sglang_backend}[backend]
+    fields = msgspec.inspect.type_info(schema.ENGINE_TYPES[backend]).fields
+    assert list(module.EDITABLE_FLAGS) == [f.name for f in fields], (
+        f"{module.__name__}.EDITABLE_FLAGS and schema.{schema.ENGINE_TYPES[backend].__name__} differ: "
+        f"only in the schema {sorted({f.name for f in fields} - set(module.EDITABLE_FLAGS))}, "
+        f"only in the table {sorted(set(module.EDITABLE_FLAGS) - {f.name for f in fields})}")
+    for field in fields:
+        named = re.match(r"--[a-z0-9-]+", field.type.extra_json_schema["description"])
+        assert named and named.group() == module.EDITABLE_FLAGS[field.name], field.name
+    default = backends.for_config(make(backend, ckpt)).engine_command("m", make(backend, ckpt)).argv
+    for field in fields:
+        value = _not_the_default(field)
+        cfg = make(backend, ckpt, engine={field.name: value})
+        argv = backends.for_config(cfg).engine_command("m", cfg).argv
+        flag = module.EDITABLE_FLAGS[field.name]
+        assert argv != default and flag in argv, (field.name, value)
 
 
 def test_sglang_templates_keep_device_uuid(ckpt, home):
