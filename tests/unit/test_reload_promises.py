@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reload_fakes import FakeProbe, World  # noqa: E402
 
 from hostd import units  # noqa: E402
-from hostd.manager import api, service  # noqa: E402
+from hostd.manager import service  # noqa: E402
 from hostd.manager.probe import Probe  # noqa: E402
 
 STRATEGIES = ("overlap", "restart")
