@@ -283,11 +283,16 @@ def test_loader_raises_only_config_error_for_any_yaml_documents(tmp_path_factory
 def test_loader_raises_only_config_error_for_any_text(tmp_path_factory, text):
     root = tmp_path_factory.mktemp("fuzz")
     (root / "models").mkdir()
-    (root / "models/m.yaml").write_text(text, encoding="utf-8", errors="surrogatepass")
+    path = root / "models/m.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
     try:
-        config.load_model("m", root)
-    except config.ConfigError:
-        pass
+        loaded = config.load_model("m", root)
+    except config.ConfigError as exc:
+        # Refused: with at least one problem, each naming the file it is in.
+        assert exc.problems and all(p.file == str(path) for p in exc.problems), exc.problems
+    else:
+        # Accepted (text that happens to be a model config): a typed config.
+        assert isinstance(loaded.config, tuple(schema.MODEL_TYPES.values())), loaded.config
 
 
 # ---------------------------------------------------------------- atomic writes
