@@ -38,6 +38,9 @@ QUESTION = "What is the capital of France?"
 
 def free_port(preferred: int) -> int:
     with socket.socket() as s:
+        # Probed as systemd's socket unit binds it (SO_REUSEADDR), so a port a
+        # caller holds for us without listening (tests/system/ports.py) is usable.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", preferred))
         except OSError:

@@ -395,6 +395,35 @@ class BuiltinModel(_ModelBase, kw_only=True):
     engine: BuiltinEngine = msgspec.field(default_factory=BuiltinEngine)
 
 
+# The quantization methods upstream knows, per backend: a `quantization:` outside
+# its backend's set is refused here, naming the key, rather than passed on (a
+# typo such as 'fp9' would otherwise reach the engine, which fails at start
+# after the weights were loaded: vLLM's ModelConfig refuses it, SGLang's parser
+# exits 2). Taken from the real parsers of the versions hostd is tested against
+# (vLLM 0.32: vllm.model_executor.layers.quantization.QUANTIZATION_METHODS;
+# SGLang 0.5.23: the choices of --quantization), recorded in tests/upstream/flags/
+# and checked against this table by tests/unit/test_config.py. Which of these the
+# weight caches can share is each backend's QUANTIZATION_ALLOWLIST
+# (hostd/backends/vllm.py, sglang.py); the rest load from disk.
+QUANTIZATION_METHODS: dict[str, frozenset[str]] = {
+    "vllm": frozenset((
+        "auto_awq", "auto_gptq", "awq", "awq_marlin", "compressed-tensors",
+        "deepseek_v4_fp8", "experts_int8", "fbgemm_fp8", "fp8", "fp8_per_block",
+        "fp8_per_channel", "fp8_per_tensor", "fp_quant", "gpt_oss_mxfp4", "gptq",
+        "gptq_marlin", "humming", "inc", "int8_per_channel_weight_only", "modelopt",
+        "modelopt_fp4", "modelopt_mixed", "modelopt_mxfp8", "moe_wna16", "mxfp4", "mxfp8",
+        "nvfp4_per_token", "online", "quark", "torchao",
+    )),
+    "sglang": frozenset((
+        "auto-round", "auto-round-int8", "awq", "awq_marlin", "bitsandbytes",
+        "compressed-tensors", "fp8", "gguf", "gptq", "gptq_marlin", "humming", "mlx_q4",
+        "mlx_q8", "modelopt", "modelopt_fp4", "modelopt_fp8", "modelopt_mixed", "modelslim",
+        "moe_wna16", "mxfp4", "mxfp8", "mxfp_w4a8", "nvfp4_online", "petit_nvfp4", "quark",
+        "quark_int4fp8_moe", "quark_mxfp4", "unquant", "w4afp8", "w8a8_fp8", "w8a8_int8",
+    )),
+}
+
+
 class _UpstreamModel(_ModelBase, kw_only=True):
     device: Annotated[
         Literal["cuda", "cpu"],
@@ -441,6 +470,13 @@ class _UpstreamModel(_ModelBase, kw_only=True):
         if self.quantization is not None:
             strings.append(("quantization", self.quantization))
         refuse_control_characters(strings)
+        methods = QUANTIZATION_METHODS[self.backend]
+        if self.quantization is not None and self.quantization not in methods:
+            raise ValueError(
+                f"quantization: {self.quantization!r} is not a quantization method {self.backend} knows, "
+                f"so its engine would refuse to start; use one of {', '.join(sorted(methods))}, "
+                "or leave quantization unset for an unquantized checkpoint"
+            )
 
 
 class VllmModel(_UpstreamModel, kw_only=True):

@@ -4,9 +4,15 @@ tests/upstream/generate_flags.py from vLLM's and SGLang's own parsers).
 
 So a double accepts exactly the option strings the upstream version it
 imitates accepts, and rejects the rest as argparse does (exit 2,
-"unrecognized arguments"). It does not copy upstream's leniencies ('_' for
-'-'); rejecting more than upstream is safe for a double, accepting more is
-not. Values are kept as strings; a double converts the few it reads.
+"unrecognized arguments"). It checks each value as upstream's parser does
+while parsing, by what the fixture recorded of upstream's own type function
+and choices (tests/upstream/parser_dump.py): an int, a float, a JSON
+document, one of the choices, with nargs. A value upstream's parser refuses
+is refused here too (exit 2, "invalid int value", "invalid choice"). It does
+not copy upstream's leniencies ('_' for '-', vLLM's human-readable '1k'
+integers, dotted -cc.key=value): rejecting more than upstream is safe for a
+double, accepting more is not. Values are kept as strings; a double converts
+the few it reads.
 """
 
 from __future__ import annotations
@@ -27,9 +33,28 @@ def fixture(upstream: str, version: str) -> dict:
     return json.loads(newest.read_text())
 
 
+def value_type(spec: dict):
+    """An argparse type that refuses what upstream's type function refuses
+    (SPEC's recorded kind and words) and returns the string unchanged; None
+    when upstream takes any string (or checks it in a way not recorded)."""
+    kind = spec.get("type")
+    if kind not in ("int", "float", "json"):
+        return None
+    words = set(spec.get("words") or ())
+    parse = {"int": int, "float": float, "json": json.loads}[kind]
+
+    def check(value: str) -> str:
+        if value not in words:
+            parse(value)  # ValueError -> argparse: "invalid int value: 'abc'", exit 2
+        return value
+
+    check.__name__ = kind
+    return check
+
+
 def add_flags(parser: argparse.ArgumentParser, options: dict) -> None:
-    """Add every option string of OPTIONS ({option: {dest, takes_value, nargs}})
-    to PARSER, grouped by dest as upstream declares them."""
+    """Add every option string of OPTIONS ({option: {dest, takes_value, nargs,
+    type, choices}}) to PARSER, grouped by dest as upstream declares them."""
     by_dest: dict[str, list[tuple[str, dict]]] = {}
     for option, spec in options.items():
         by_dest.setdefault(spec["dest"], []).append((option, spec))
@@ -44,6 +69,12 @@ def add_flags(parser: argparse.ArgumentParser, options: dict) -> None:
             if negations:
                 parser.add_argument(*negations, dest=dest, action="store_false", default=None)
         if valued:
-            nargs = valued[0][1]["nargs"]
-            kwargs = {"nargs": nargs} if nargs not in (None, "None") else {}
+            spec = valued[0][1]
+            kwargs: dict = {}
+            if spec["nargs"] not in (None, "None"):
+                kwargs["nargs"] = spec["nargs"]
+            if value_type(spec) is not None:
+                kwargs["type"] = value_type(spec)
+            if spec.get("choices") is not None:
+                kwargs["choices"] = spec["choices"]
             parser.add_argument(*(o for o, _ in valued), dest=dest, **kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -85,6 +86,12 @@ class FrontDoor:
         raise AssertionError("no VmRSS")
 
 
+def still_open(conn: socket.socket) -> bool:
+    """CONN has neither been closed nor answered by the gateway: nothing to read yet."""
+    readable, _, _ = select.select([conn], [], [], 0)
+    return not readable
+
+
 @contextlib.contextmanager
 def front_door(tmp_path: Path, keys: str | None = None, **gateway) -> Iterator[FrontDoor]:
     """A gateway with GATEWAY settings (and KEYS as its keys file) in front of an engine double."""
@@ -120,17 +127,29 @@ COMPLETION = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
 # ---------------------------------------------------------------- row 1: paths
 
 
-@pytest.mark.parametrize("target", [
-    "/v1/../health", "/v1/%2e%2e/health", "/v1/%2E%2E/metrics", "//health", "/v1/./../health",
-    "/%68ealth", "/v1/..%2fhealth", "/v1/%2e%2e%2fmetrics", "/v1/models/../../health",
-    "/v1/../sleep", "/v1/%2e%2e/sleep", "/sleep", "/health/../sleep", "/v1/chat/../../metrics",
-])
+# Each spelling, and what the gateway answers once it has normalized it: its own
+# /health or /metrics (never the engine's), or 404 for the engine-only /sleep.
+SPELLINGS = {
+    "/v1/../health": "/health", "/v1/%2e%2e/health": "/health", "/v1/%2E%2E/metrics": "/metrics",
+    "//health": "/health", "/v1/./../health": "/health", "/%68ealth": "/health", "/v1/..%2fhealth": "/health",
+    "/v1/%2e%2e%2fmetrics": "/metrics", "/v1/models/../../health": "/health", "/v1/../sleep": "/sleep",
+    "/v1/%2e%2e/sleep": "/sleep", "/sleep": "/sleep", "/health/../sleep": "/sleep",
+    "/v1/chat/../../metrics": "/metrics",
+}
+
+
+@pytest.mark.parametrize("target", sorted(SPELLINGS))
 def test_engine_internals_are_unreachable_under_any_spelling(door: FrontDoor, target: str):
     status, body = door.get(target)
     assert b"weights_pid" not in body and b"python_gc" not in body, body
     assert not [r for r in door.engine_saw() if r["probe"] == target and r["path"] != "/v1/models"]
-    if status == 404:
-        assert json.loads(body)["error"]["code"] == "not_found"
+    route = SPELLINGS[target]
+    if route == "/health":  # the gateway's own health
+        assert status == 200 and json.loads(body) == {"model": "tiny", "state": "serving"}, (status, body)
+    elif route == "/metrics":  # the gateway's own metrics
+        assert status == 200 and b"hostd_gateway_in_flight" in body, (status, body[:200])
+    else:
+        assert status == 404 and json.loads(body)["error"]["code"] == "not_found", (status, body)
 
 
 def test_public_paths_reach_the_engine_normalized(door: FrontDoor):
@@ -228,15 +247,15 @@ def test_a_slow_body_is_not_admitted_does_not_hold_a_drain_and_gets_408(tmp_path
     with front_door(tmp_path, body_timeout=3) as door:
         conn = socket.create_connection(("127.0.0.1", door.port), timeout=10)
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-        started = time.monotonic()
         time.sleep(0.5)
         conn.sendall(b" ")
+        # Drained with nothing remaining while the body is still incomplete: a
+        # slow body held no admission (a held drain would end at its 5 s
+        # timeout with remaining 1 and drained false).
         drained = door.tree.control("drain", timeout=5)
         assert drained == {"ok": True, "drained": True, "remaining": 0, "state": "paused"}
-        assert time.monotonic() - started < 2
         door.tree.control("resume")
-        answer = conn.recv(4096)
-        assert time.monotonic() - started < 6
+        answer = conn.recv(4096)  # the gateway's body_timeout (3 s) fires inside the socket's 10 s
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_timeout"
         conn.close()
@@ -252,9 +271,10 @@ def test_silent_connections_are_capped_timed_out_and_never_block_the_control_soc
             conn = socket.create_connection(("127.0.0.1", door.port), timeout=10)
             conn.sendall(b"GET /v1/mod")
             silent.append(conn)
-        started = time.monotonic()
+        # The control socket answers while the 20 admitted connections are held:
+        # none of them has been closed yet (their header_timeout has not fired).
         assert door.tree.control("status")["state"] == "serving"
-        assert time.monotonic() - started < 1.0
+        assert all(still_open(conn) for conn in silent[:20])
         refusals = 0
         for conn in silent[20:]:
             answer = conn.recv(4096)
@@ -265,7 +285,6 @@ def test_silent_connections_are_capped_timed_out_and_never_block_the_control_soc
         for conn in silent[:20]:  # closed by the gateway after header_timeout, without an answer
             conn.settimeout(10)
             assert conn.recv(4096) == b""
-        assert time.monotonic() - started < 6
         assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
         text = door.metrics()
         assert "hostd_gateway_connections_refused_total 10.0" in text
@@ -282,9 +301,7 @@ def test_an_idle_keep_alive_connection_is_closed(tmp_path: Path):
             while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):  # the whole JSON answer
                 answer += conn.recv(65536)
             assert answer.startswith(b"HTTP/1.1 200")
-            started = time.monotonic()
-            assert conn.recv(4096) == b""
-            assert time.monotonic() - started < 5
+            assert conn.recv(4096) == b""  # closed by the gateway's 1 s idle_timeout inside the socket's 10 s
 
 
 # ---------------------------------------------------------------- metrics
@@ -303,7 +320,7 @@ def test_metrics_carry_histograms_and_only_the_engines_own_families(door: FrontD
 
 def test_gateway_counters_survive_an_engine_restart(door: FrontDoor):
     for _ in range(2):
-        httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10)
+        assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
     door.stop_engine()
     wait_for(lambda: door.tree.control("status")["state"] == "engine-down", 10, "engine down")
     door.start_engine()
@@ -325,7 +342,7 @@ def test_a_restart_reload_is_measured_from_drain_to_serving_by_outcome(door: Fro
     text = door.metrics()
     assert histogram(text, "hostd_gateway_reload_duration_seconds")['_count{outcome="rolled-back"}'] == 1
     unavailable = histogram(text, "hostd_gateway_reload_unavailable_seconds")
-    assert unavailable["_count"] == 1 and 0.3 <= unavailable["_sum"] < 5
+    assert unavailable["_count"] == 1 and unavailable["_sum"] >= 0.3  # at least the 0.3 s it was paused
     door.tree.control("drain", timeout=5)
     door.tree.control("resume")  # by hand, no outcome: labelled with the state it led to
     assert histogram(door.metrics(), "hostd_gateway_reload_duration_seconds")['_count{outcome="serving"}'] == 1
@@ -378,7 +395,7 @@ def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(do
         second.wait(10)
     text = door.metrics()
     duration = histogram(text, "hostd_gateway_reload_duration_seconds")
-    assert duration['_count{outcome="done"}'] == 1 and 0.3 <= duration['_sum{outcome="done"}'] < 5
+    assert duration['_count{outcome="done"}'] == 1 and duration['_sum{outcome="done"}'] >= 0.3  # the 0.3 s on next
     unavailable = histogram(text, "hostd_gateway_reload_unavailable_seconds")
     assert unavailable["_count"] == 1 and unavailable["_sum"] == 0
     assert unavailable['_bucket{le="0.0"}'] == 1  # the overlap's zero has a bucket of its own

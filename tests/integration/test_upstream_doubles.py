@@ -149,9 +149,9 @@ def test_sglang_drain_is_cut_at_hostds_deadline(short_root, checkpoint, trees):
 
     threading.Thread(target=slow_request, daemon=True).start()
     time.sleep(0.5)
-    started = time.monotonic()
+    # The request lasts 60 s: an engine that ends inside the 30 s wait was cut,
+    # and hostd's log says it did the cutting.
     assert engine.stop(timeout=30) == 0
-    assert time.monotonic() - started < 10
     assert "still running after" in engine.log()
 
 
@@ -171,9 +171,10 @@ def test_sglang_engine_is_ready_while_its_generating_health_is_slow(short_root, 
     tree = tree_for(short_root, checkpoint, "sglang", env={"HOSTD_TEST_HEALTH_SECONDS": "15"})
     trees.append(tree)
     tree.start_weights(timeout=60)
-    started = time.monotonic()
+    # A /health that takes 15 s never answers inside hostd's 10 s probe
+    # timeout (UpstreamBackend.health_timeout): a start that probed it would
+    # never become ready.
     tree.start_engine(timeout=40)
-    assert time.monotonic() - started < 30
     with tree.http(timeout=30) as http:
         assert http.get("/health").status_code == 200
 

@@ -406,9 +406,11 @@ class SystemdContainer:
             if state == "running":
                 return state
             if state == "degraded":
+                # A unit failed during boot: every test after it would run on a
+                # broken machine, so the boot fails and names the units.
                 failed = self.run(["systemctl", "--failed", "--no-legend", "--full"], check=False).stdout
-                log.warning("%s booted degraded; failed units:\n%s", self.machine, failed)
-                return state
+                raise ContainerError(f"container {self.machine} booted degraded; failed units:\n{failed}"
+                                     f"--- nspawn log ---\n{self.log_text()}")
             if state in ("maintenance", "stopping"):
                 break
             time.sleep(0.1)

@@ -3,17 +3,15 @@ not PID 1 here, so the demo boots its own throwaway container)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 
 from conftest import CHECKOUT, require_container_support
+from ports import reserved_port
 
 
 def test_readme_main_job_serves_a_model_under_systemd():
     require_container_support()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_port()  # held while the demo's container binds it (ports.py)
     result = subprocess.run(
         ["bash", "packaging/demo.sh", "--port", str(port)],
         cwd=CHECKOUT, capture_output=True, text=True, timeout=1200,

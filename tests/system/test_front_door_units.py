@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_model_units import free_port, prepare_model
+from ports import reserved_port
+from test_model_units import prepare_model
 
 KEY = "sk-system-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -22,7 +23,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = free_port()
+    port = reserved_port()
     container = systemd_container
     container.write_file("/etc/hostd/keys/tiny", f"# keys of model tiny\n{KEY}\n", mode=0o600)
     # The restart strategy: this test pins the 503 window of a drained reload

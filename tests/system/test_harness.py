@@ -43,7 +43,7 @@ ExecStart={python} {script} %i
 
 def test_boots_systemd_on_a_volatile_root(systemd_container: SystemdContainer) -> None:
     c = systemd_container
-    assert c.system_state in ("running", "degraded")
+    assert c.system_state == "running"  # a degraded boot is a ContainerError
     assert c.read_file("/proc/1/comm").strip() == "systemd"
     assert c.run(["findmnt", "-no", "FSTYPE", "/"]).stdout.strip() == "tmpfs"
     assert c.systemctl("is-active", "hostd-test.target").stdout.strip() == "active"

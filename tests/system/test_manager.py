@@ -21,14 +21,15 @@ import openai
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_model_units import free_port, greedy, main_pid, prepare_model, stat, status_code
+from ports import reserved_port
+from test_model_units import greedy, main_pid, prepare_model, stat, status_code
 
 DROPINS = "/etc/hostd/models/tiny.d"
 
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = free_port()
+    port = reserved_port()
     # This module tests the restart strategy (drain, restart, resume) and its
     # recovery; test_overlap.py tests the default, overlap.
     prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}", reload="{strategy: restart}")
@@ -382,9 +383,17 @@ def test_cancel_during_drain_restores_and_resumes_without_restart(served):
     wait_for(lambda: status_code(host) == 200, timeout=30, what="serving again")
 
 
+def invocation(host: SystemdContainer, unit: str) -> dict[str, str]:
+    """UNIT's InvocationID, NRestarts and MainPID: a new start changes the first."""
+    out = host.systemctl("show", "-p", "InvocationID", "-p", "NRestarts", "-p", "MainPID", unit).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
 def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served):
     host = served
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+    everything = ("model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service")
+    before = {unit: invocation(host, unit) for unit in everything}
 
     with ThreadPoolExecutor(4) as pool:
         long_streams(host, pool, 4)  # cut off by the stop: expected here
@@ -397,8 +406,13 @@ def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served):
     assert "interrupted" in op_property(host, path, "Error")
     assert op_property(host, path, "Restored") is True
     assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
-    everything = ("model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service")
     wait_for(lambda: set(host.systemctl("is-active", *everything, check=False).stdout.split()) == {"inactive"},
-             timeout=120, what="everything stopped")  # and nothing started again
-    time.sleep(3)
-    assert set(host.systemctl("is-active", *everything, check=False).stdout.split()) == {"inactive"}
+             timeout=120, what="everything stopped")
+    # Nothing started again after the stop: each unit's last invocation is
+    # still the one that ran before it (a start, or a restart by the
+    # interrupted reload, would show a new InvocationID), it has no main
+    # process, and systemd restarted none of them on its own.
+    for unit in everything:
+        after = invocation(host, unit)
+        assert after["MainPID"] == "0" and after["NRestarts"] == before[unit]["NRestarts"], (unit, after)
+        assert after["InvocationID"] in (before[unit]["InvocationID"], ""), (unit, before[unit], after)

@@ -20,16 +20,17 @@ import openai
 import pytest
 
 from container import SystemdContainer, wait_for
+from ports import reserved_port
 
 MODEL = "tiny"
 UNITS = ("model-weights@tiny.service", "model-engine@tiny.service", "model@tiny.service")
 PROMPT = "Once upon a time there was a model"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports held for the test process (ports.py: no bind-then-release race with
+# other runs on the shared host network). free_port: the old name, for
+# branches that still import it.
+free_port = reserved_port
 
 
 def prepare_model(container: SystemdContainer, port: int, **yaml_extra: str) -> None:
@@ -51,7 +52,7 @@ def prepare_model(container: SystemdContainer, port: int, **yaml_extra: str) -> 
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = free_port()
+    port = reserved_port()
     prepare_model(systemd_container, port)
     systemd_container.base_url = f"http://127.0.0.1:{port}"
     return systemd_container

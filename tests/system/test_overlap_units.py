@@ -19,8 +19,9 @@ import openai
 import pytest
 
 from container import SystemdContainer, wait_for
+from ports import reserved_port
 from test_manager import DROPINS, hostctl, last_operation, model_state, op_property, read_file
-from test_model_units import free_port, main_pid, prepare_model, status_code
+from test_model_units import main_pid, prepare_model, status_code
 
 MAIN = "model-engine@tiny.service"
 NEXT = "model-engine-next@tiny.service"
@@ -28,7 +29,7 @@ NEXT = "model-engine-next@tiny.service"
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = free_port()
+    port = reserved_port()
     prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
     systemd_container.base_url = f"http://127.0.0.1:{port}"
     systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
@@ -77,9 +78,30 @@ def active(host: SystemdContainer, unit: str) -> str:
     return host.systemctl("is-active", unit, check=False).stdout.strip()
 
 
+def running_limits(host: SystemdContainer) -> dict:
+    return json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
+                                "http://engine/health"]).stdout)["limits"]
+
+
+def another_max_num_seqs(host: SystemdContainer) -> int:
+    """A max_num_seqs the engine does not run now, whatever ran before this
+    test: a reload to the running value ends 'unchanged' and proves nothing."""
+    current = running_limits(host)["max_num_seqs"]
+    return next(n for n in (3, 2, 5) if n != current)
+
+
+def gateway_metrics(host: SystemdContainer) -> dict[str, float]:
+    """The gateway's metric lines, 'name{labels}' -> value."""
+    text = httpx.get(host.base_url + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def test_overlap_reload_under_streaming_load_refuses_nothing_and_loses_nothing(host):
     engine_pid, weights_pid = main_pid(host, MAIN), main_pid(host, "model-weights@tiny.service")
-    result, counts = under_load(host, lambda: hostctl(host, "reload", "tiny", "max_num_seqs=3"))
+    target = another_max_num_seqs(host)
+    metrics_before = gateway_metrics(host)
+    result, counts = under_load(host, lambda: hostctl(host, "reload", "tiny", f"max_num_seqs={target}"))
     assert result.returncode == 0, result.stderr
     assert "reload of tiny: done (strategy overlap, weights reused)" in result.stdout
     assert counts["refused"] == 0 and counts["lost"] == 0 and counts["completed"] > 0, counts
@@ -87,16 +109,19 @@ def test_overlap_reload_under_streaming_load_refuses_nothing_and_loses_nothing(h
     assert op_property(host, path, "Strategy") == "overlap"
     assert main_pid(host, MAIN) != engine_pid and main_pid(host, "model-weights@tiny.service") == weights_pid
     assert active(host, NEXT) == "inactive"  # one engine at rest
-    health = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
-                                  "http://engine/health"]).stdout)
-    assert health["limits"]["max_num_seqs"] == 3
+    assert running_limits(host)["max_num_seqs"] == target
     journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
     assert "(strategy overlap: room for a second engine" in journal
-    # The gateway measured it as a reload that never answered 503 (the module's first).
-    metrics = httpx.get(host.base_url + "/metrics", timeout=30).text
-    assert 'hostd_gateway_reload_duration_seconds_count{outcome="done"} 1.0' in metrics
-    assert "hostd_gateway_reload_unavailable_seconds_count 1.0" in metrics
-    assert "hostd_gateway_reload_unavailable_seconds_sum 0.0" in metrics
+    # The gateway measured one more reload, one that never answered 503
+    # (counted from before it, whatever this module ran first).
+    after = gateway_metrics(host)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - metrics_before.get(name, 0.0)
+
+    assert grew('hostd_gateway_reload_duration_seconds_count{outcome="done"}') == 1
+    assert grew("hostd_gateway_reload_unavailable_seconds_count") == 1
+    assert grew("hostd_gateway_reload_unavailable_seconds_sum") == 0
 
 
 def test_a_failing_overlap_reload_refuses_nothing_and_the_old_engine_keeps_serving(host):
@@ -114,7 +139,8 @@ def test_a_failing_overlap_reload_refuses_nothing_and_the_old_engine_keeps_servi
 
 
 def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
-    path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+    path = hostctl(host, "reload", "tiny", f"max_num_seqs={another_max_num_seqs(host)}", "--no-wait",
+                   check=True).stdout.strip()
     wait_for(lambda: op_property(host, path, "Stage") in ("start-next", "switch", "restart"), timeout=120,
              what="the overlap under way")
     host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
@@ -124,8 +150,7 @@ def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
     wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
     wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=120, what="the second engine stopped")
     assert active(host, MAIN) == "active"
-    limits = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
-                                  "http://engine/health"]).stdout)["limits"]
+    limits = running_limits(host)
     on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
     assert limits["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
 
@@ -134,7 +159,9 @@ def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_so(host):
     # More than any machine has must stay free beside a second engine.
     host.write_file(f"{DROPINS}/40-reserve.yaml", "reload:\n  overlap_reserve_mib: 100000000\n")
     try:
-        result = hostctl(host, "reload", "tiny", "max_num_seqs=4")
+        # A value the engine does not run yet (the model starts with 4): alone,
+        # a reload to 4 ended 'unchanged' without choosing a strategy.
+        result = hostctl(host, "reload", "tiny", f"max_num_seqs={another_max_num_seqs(host)}")
         assert result.returncode == 0, result.stderr
         assert "reload of tiny: done (strategy restart, weights reused)" in result.stdout
         assert op_property(host, last_operation(host), "Strategy") == "restart"

@@ -5,7 +5,7 @@ The test extracts the page's shell blocks and runs them in order, as root, in
 a fresh systemd-nspawn container (systemd 252 as PID 1), with hostd installed
 from a wheel built from the checkout. Two substitutions only, both stated
 here: the wheel's path for `/path/to/hostd-checkout`, and, when port 8000 is
-taken on this machine (the container shares its network), a free port.
+taken on this machine (the container shares its network), a port held for the run.
 
 pip in the container finds packages as this machine's pip does: its
 configuration, local wheel directories, CA certificates and download cache are
@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from conftest import CHECKOUT
 from container import Bind
+from ports import reserve, reserved_port
 
 QUICKSTART = CHECKOUT / "docs" / "quickstart.md"
 PLACEHOLDER = "/path/to/hostd-checkout"
@@ -35,15 +35,6 @@ PIP_PATHS = ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/
 def shell_blocks(markdown: str) -> list[str]:
     """The page's fenced blocks without a language (the page's shell blocks)."""
     return re.findall(r"^```\n(.*?)^```$", markdown, flags=re.S | re.M)
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def build_wheel(out: Path) -> Path:
@@ -63,12 +54,8 @@ def test_quickstart_page_runs_as_written_in_a_fresh_container(make_systemd_conta
     blocks = shell_blocks(QUICKSTART.read_text())
     assert len(blocks) >= 5 and any("hostd install" in b for b in blocks)
     script = [b.replace(PLACEHOLDER, f"/wheels/{wheel.name}") for b in blocks]
-    if not port_free(8000):
-        port = socket.socket()
-        port.bind(("127.0.0.1", 0))
-        free = port.getsockname()[1]
-        port.close()
-        script = [b.replace("127.0.0.1:8000", f"127.0.0.1:{free}") for b in script]
+    if not reserve(8000):  # held for the run (ports.py), or another held port
+        script = [b.replace("127.0.0.1:8000", f"127.0.0.1:{reserved_port()}") for b in script]
 
     binds = [Bind(wheel.parent, Path("/wheels"))]
     binds += [Bind(Path(p), Path(p)) for p in PIP_PATHS if Path(p).exists()]

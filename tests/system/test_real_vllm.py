@@ -26,7 +26,8 @@ import openai
 import pytest
 
 from container import Bind, SystemdContainer, find_checkout, host_support_problem
-from test_model_units import free_port, main_pid
+from ports import reserved_port
+from test_model_units import main_pid
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "upstream"))
 from upstream_envs import VLLM_ENV, require  # noqa: E402
@@ -70,7 +71,7 @@ def host(tmp_path_factory):
         c.run([c.python, "-m", "hostd.main", "install"], timeout=120)
         c.run([c.python, f"{c.checkout}/tests/upstream/tiny_llama.py", CHECKPOINT], timeout=300)
         c.sh(f"chmod 755 {CHECKPOINT}")
-        c.port = free_port()
+        c.port = reserved_port()
         c.write_file(f"/etc/hostd/models/{NAME}.yaml", yaml_for(c.port))
         c.systemctl("daemon-reload")
         c.systemctl("start", "hostd.service", timeout=120)

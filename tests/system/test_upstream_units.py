@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_model_units import free_port, main_pid, prepare_model
+from ports import reserved_port
+from test_model_units import main_pid, prepare_model
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 CHECKPOINT = "/var/lib/hostd/checkpoints/fake"
@@ -42,13 +43,13 @@ def yaml_for(container: SystemdContainer, backend: str, port: int, extra: str = 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
     c = systemd_container
-    prepare_model(c, free_port())
+    prepare_model(c, reserved_port())
     c.run(["mkdir", "-p", CHECKPOINT])
     c.write_file(f"{CHECKPOINT}/config.json", json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     c.write_file(f"{CHECKPOINT}/model.safetensors", "not really weights")
     c.ports = {}
     for backend, (name, _, _) in BACKENDS.items():
-        c.ports[backend] = free_port()
+        c.ports[backend] = reserved_port()
         c.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(c, backend, c.ports[backend]))
     c.systemctl("daemon-reload")
     c.systemctl("start", "hostd.service", timeout=120)
@@ -115,7 +116,9 @@ def test_start_reload_keeps_upstream_weights_and_rollback_restores(host, backend
     assert result.returncode == 1, result.stdout + result.stderr
     op = last_operation(host)
     assert op["State"] == "rolled-back" and op["Restored"] is True, op
-    assert "failing on purpose" in op["Error"] or "failed" in op["Error"]
+    # The new engine's own words (the double's), not hostd's: the rollback is
+    # for the failure this test caused.
+    assert f"failing on purpose for {flag} 13" in op["Error"], op["Error"]
     assert engine_health(host, name)["engine_config"][field] == 7
     assert weights_status(host, name)["upstream_socket_inodes"] == before["upstream_socket_inodes"]
     assert completion(host, backend)
@@ -144,7 +147,7 @@ REFUSALS = [
                          ids=[f"{b}-{w}" for b, _, _, w in REFUSALS])
 def test_unsupported_settings_are_refused_before_upstream_starts(host, backend, extra, env, words):
     name = f"bad{backend[:2]}"
-    host.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(host, backend, free_port(), extra, env))
+    host.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(host, backend, reserved_port(), extra, env))
     host.systemctl("daemon-reload")
     since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
     try:

@@ -94,6 +94,9 @@ def during(host: SystemdContainer, *command: str, settle: float = 0.5) -> Poller
 
 def test_the_manager_starts_on_demand_for_systemctl_reload_and_hostctl(host):
     serving(host)
+    # Whatever ran before in this container (a module order, a -k selection),
+    # the manager is not running now: only D-Bus activation can start it.
+    host.systemctl("stop", "hostd.service", timeout=120)
     assert host.systemctl("is-active", "hostd.service", check=False).stdout.strip() == "inactive"
     poller = during(host, "systemctl", "reload", "model@tiny.service")
     assert set(poller.outcomes) <= {"200", "503"}, poller.outcomes

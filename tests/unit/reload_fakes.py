@@ -7,7 +7,10 @@ GetAll, {Start,Stop,Restart}Unit with a JobRemoved after the unit's
 PropertiesChanged. It counts every message sent, so a test can say how many
 round trips a reload costs. FakeProbe stands for the gateway, engine and
 weight daemon: the engine "runs" whatever the config on disk says when it is
-restarted, unless the test makes its start fail.
+restarted, unless the test makes its start fail; it asks the model's backend
+whether a second engine may run (Backend.overlap_refusal), as the real probe
+does, so an upstream model is never driven through an overlap the product
+refuses.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Optional
 import msgspec
 from dbus_fast import Message, Variant
 
-from hostd import config, units
+from hostd import backends, config, units
 from hostd.manager import recovery
 from hostd.manager import reload as R
 from hostd.manager.probe import Probe, VerifyFailed
@@ -157,7 +160,10 @@ class FakeProbe:
         return None
 
     async def overlap_problem(self, cfg, pid: int) -> Optional[str]:
-        return self.no_room
+        """The backend's own refusal first, as Probe.overlap_problem asks it
+        (vLLM and SGLang engines cannot run twice); then NO_ROOM, which stands
+        for the memory preflight."""
+        return backends.for_config(cfg).overlap_refusal(cfg) or self.no_room
 
     async def switch(self, slot: str, outcome: str | None = None) -> dict:
         self.calls.append(f"switch {slot}")

@@ -283,11 +283,16 @@ def test_loader_raises_only_config_error_for_any_yaml_documents(tmp_path_factory
 def test_loader_raises_only_config_error_for_any_text(tmp_path_factory, text):
     root = tmp_path_factory.mktemp("fuzz")
     (root / "models").mkdir()
-    (root / "models/m.yaml").write_text(text, encoding="utf-8", errors="surrogatepass")
+    path = root / "models/m.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
     try:
-        config.load_model("m", root)
-    except config.ConfigError:
-        pass
+        loaded = config.load_model("m", root)
+    except config.ConfigError as exc:
+        # Refused: with at least one problem, each naming the file it is in.
+        assert exc.problems and all(p.file == str(path) for p in exc.problems), exc.problems
+    else:
+        # Accepted (text that happens to be a model config): a typed config.
+        assert isinstance(loaded.config, tuple(schema.MODEL_TYPES.values())), loaded.config
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -315,3 +320,39 @@ def test_shipped_example_config_is_valid():
     example = Path(__file__).resolve().parents[2] / "etc"
     assert config.check(example) == []
     assert config.list_models(example) == ["tiny"]
+
+
+# ---------------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("backend, method", [("vllm", "fp9"), ("vllm", "FP8"), ("sglang", "fp8_per_block")])
+def test_a_quantization_the_backend_does_not_know_is_refused_naming_the_key(tmp_path: Path, backend, method):
+    bad = write(tmp_path, "models/q.yaml", f"backend: {backend}\nmodel: /m\nquantization: {method}\n")
+    [problem] = problems_of(tmp_path, "q")
+    assert (problem.file, problem.key) == (str(bad), "quantization")
+    assert f"{method!r} is not a quantization method {backend} knows" in problem.message
+    assert "fp8" in problem.message  # the methods it does know
+
+
+@pytest.mark.parametrize("backend, method", [("vllm", "fp8"), ("vllm", "gptq"), ("sglang", "awq")])
+def test_a_quantization_the_backend_knows_loads(tmp_path: Path, backend, method):
+    write(tmp_path, "models/q.yaml", f"backend: {backend}\nmodel: /m\nquantization: {method}\n")
+    assert config.load_model("q", tmp_path).config.quantization == method
+
+
+@pytest.mark.parametrize("backend, fixture", [("vllm", "vllm-0.32.0"), ("sglang", "sglang-0.5.23")])
+def test_the_quantization_tables_are_upstreams_methods(backend, fixture):
+    """schema.QUANTIZATION_METHODS is what the real parsers know (recorded in
+    tests/upstream/flags/ by generate_flags.py; test_contract.py checks the
+    recording against the installed parsers), and every method on a weight
+    cache allowlist is one of them."""
+    import json
+
+    from hostd.backends import sglang as sglang_backend
+    from hostd.backends import vllm as vllm_backend
+
+    flags = Path(__file__).resolve().parents[1] / "upstream" / "flags" / f"{fixture}.json"
+    methods = json.loads(flags.read_text())["quantization_methods"]
+    assert schema.QUANTIZATION_METHODS[backend] == frozenset(methods)
+    allowlist = {"vllm": vllm_backend, "sglang": sglang_backend}[backend].QUANTIZATION_ALLOWLIST
+    assert {m for m in allowlist if m} <= schema.QUANTIZATION_METHODS[backend]

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reload_fakes import MANAGER, World  # noqa: E402
 
-from hostd import units  # noqa: E402
+from hostd import backends, config, units  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 
 
@@ -71,6 +71,27 @@ def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_why(world, c
     assert (op.state, op.strategy) == (R.State.DONE, "restart")
     assert "drain" in world.probe.calls and jobs(world) == [f"restart {MAIN}"]
     assert "strategy restart: overlap does not fit, falling back to restart: a second engine needs" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_an_upstream_model_falls_back_to_restart_with_its_backends_reason(world, backend, caplog):
+    """The default strategy on a backend whose engine cannot run twice: the
+    backend's overlap_refusal, not a second engine."""
+    checkpoint = world.root.parent / "checkpoint"
+    (world.root / "models/tiny.yaml").write_text(
+        f"backend: {backend}\nmodel: {checkpoint}\nreload: {{drain_timeout: 5}}\n")
+    world.probe.engine_started()
+    cfg = config.load_model("tiny", world.root).config
+    refusal = backends.for_config(cfg).overlap_refusal(cfg)
+    assert refusal
+    with caplog.at_level("INFO", logger="hostd.manager.reload"):
+        op = run(world.reload({EDITABLE[backend]: 4}))
+    assert (op.state, op.strategy) == (R.State.DONE, "restart"), op.error
+    assert jobs(world) == [f"restart {MAIN}"] and "switch next" not in world.probe.calls
+    assert refusal in caplog.text
+
+
+EDITABLE = {"vllm": "max_num_seqs", "sglang": "max_running_requests"}
 
 
 def test_reload_strategy_restart_forces_the_restart(tmp_path: Path):

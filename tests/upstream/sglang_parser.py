@@ -6,7 +6,8 @@ parser accepts it, as `python -m sglang.launch_server` and
 `python -m sglang.srt.weight_cache.daemon` parse theirs: the daemon's own
 flags first (parse_known_args), then ServerArgs.add_cli_args' parser for the
 rest. ServerArgs' post-init checks need a GPU and are not run. `--dump`
-prints every flag of both parsers for tests/upstream/flags/.
+prints every flag of both parsers (and what value each takes:
+parser_dump.py) for tests/upstream/flags/.
 
 Only hostd's tests run this; it imports SGLang, so it never runs in hostd.
 """
@@ -44,23 +45,17 @@ def check(server, daemon, kind: str, argv: list[str]) -> dict:
     return {"ok": True}
 
 
-def flags_of(parser) -> dict:
-    entries = {}
-    for action in parser._actions:
-        if not action.option_strings or isinstance(action, argparse._HelpAction):
-            continue
-        for option in action.option_strings:
-            entries[option] = {"dest": action.dest, "takes_value": action.nargs != 0,
-                               "nargs": action.nargs if isinstance(action.nargs, (int, str, type(None))) else str(action.nargs)}
-    return dict(sorted(entries.items()))
-
-
 def main() -> int:
     server, daemon = build()
     if sys.argv[1:] == ["--dump"]:
-        daemon_flags = {**flags_of(server), **flags_of(daemon)}
+        from parser_dump import flags_of
+
+        server_flags = flags_of(server)
+        daemon_flags = {**server_flags, **flags_of(daemon)}
         json.dump({"upstream": "sglang", "version": importlib.metadata.version("sglang"),
-                   "flags": {"launch_server": flags_of(server), "weight_cache.daemon": dict(sorted(daemon_flags.items()))}},
+                   "flags": {"launch_server": server_flags, "weight_cache.daemon": dict(sorted(daemon_flags.items()))},
+                   # SGLang's parser checks --quantization against these choices itself.
+                   "quantization_methods": server_flags["--quantization"]["choices"]},
                   sys.stdout, indent=1, sort_keys=True)
         return 0
     requests = json.load(sys.stdin)

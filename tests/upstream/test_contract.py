@@ -235,3 +235,26 @@ def test_hostd_reads_every_upstream_flag_as_upstream_does(name, module, subcomma
         for option, spec in options.items():
             hit = upstream.has_flag([option], *sorted(checked), aliases=module.ALIASES)
             assert bool(hit) == (spec["dest"] in dests), (sub, option, spec["dest"], hit)
+
+
+# ---------------------------------------------------------------- the doubles' value refusals against the real parsers
+
+
+def test_the_values_the_doubles_refuse_are_refused_by_upstreams_parsers(vllm_env, sglang_env):
+    """Every command line tests/unit/test_doubles_follow_upstream.py shows a
+    double refusing (exit 2) is refused by the real parser too, with exit 2."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    try:
+        from test_doubles_follow_upstream import VALUE_REFUSALS
+    finally:
+        sys.path.pop(0)
+    vllm_lines = [argv for double, argv, _ in VALUE_REFUSALS if double == "vllm"]
+    sglang_lines = [{"kind": "daemon" if double.endswith("daemon") else "server", "argv": argv}
+                    for double, argv, _ in VALUE_REFUSALS if double != "vllm"]
+    answers = run_parser(vllm_env / "bin" / "python", "vllm_parser.py", vllm_lines) + \
+        run_parser(sglang_env / "bin" / "python", "sglang_parser.py", sglang_lines)
+    for line, answer in zip(vllm_lines + sglang_lines, answers):
+        assert not answer["ok"] and answer["code"] == 2, (line, answer)
+

@@ -4,14 +4,14 @@ Builds the parser exactly as `vllm` (vllm/entrypoints/cli/main.py) does, with
 every subcommand, and for each command line read as JSON from stdin answers
 whether vLLM accepts it: parse_args, then the subcommand's own validate(),
 nothing started. `--dump` prints instead every flag of `preload` and `serve`
-(option strings, whether it takes a value) for tests/upstream/flags/.
+(option strings, whether and what value it takes: parser_dump.py) and the
+quantization methods vLLM knows, for tests/upstream/flags/.
 
 Only hostd's tests run this; it imports vLLM, so it never runs in hostd.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.metadata
 import io
@@ -48,19 +48,20 @@ def check(parser, commands, argv: list[str]) -> dict:
     return {"ok": True}
 
 
+def quantization_methods() -> list[str]:
+    """The methods vLLM's ModelConfig takes for --quantization (its parser
+    takes any string and ModelConfig refuses the rest when the engine starts)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return sorted(QUANTIZATION_METHODS)
+
+
 def dump(subs) -> dict:
-    flags = {}
-    for name, sub in subs.items():
-        entries = {}
-        for action in sub._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
-                continue
-            takes_value = action.nargs != 0
-            for option in action.option_strings:
-                entries[option] = {"dest": action.dest, "takes_value": takes_value,
-                                   "nargs": action.nargs if isinstance(action.nargs, (int, str, type(None))) else str(action.nargs)}
-        flags[name] = dict(sorted(entries.items()))
-    return {"upstream": "vllm", "version": importlib.metadata.version("vllm"), "flags": flags}
+    from parser_dump import flags_of
+
+    flags = {name: flags_of(sub) for name, sub in subs.items()}
+    return {"upstream": "vllm", "version": importlib.metadata.version("vllm"), "flags": flags,
+            "quantization_methods": quantization_methods()}
 
 
 def main() -> int:
