@@ -75,7 +75,7 @@ from hostd.manager.dropins import (
 )
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy
 from hostd.manager.probe import Probe
-from hostd.manager.records import Records
+from hostd.manager.records import Committed, Intent, Records
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -190,15 +190,13 @@ class Reload:
                 )
         return cfg
 
-    def check_fixed_unchanged(self, committed: dict) -> None:
-        running_fixed = committed.get("fixed")
-        if running_fixed is None:
+    def check_fixed_unchanged(self, committed: Committed) -> None:
+        if not committed.fixed:  # a record of an older manager, without them
             return
-        now = msgspec.to_builtins(self.target)
-        now.pop("engine", None)
+        now = Committed.of(self.target).fixed
         # reload.* steers the manager at each reload, never the units: not fixed.
         now.pop("reload", None)
-        running_fixed = {k: v for k, v in running_fixed.items() if k != "reload"}
+        running_fixed = {k: v for k, v in committed.fixed.items() if k != "reload"}
         changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
         if changed:
             raise errors.NotEditable(
@@ -241,16 +239,16 @@ class Reload:
         self.previous_rollback = read_text(directory / ROLLBACK_DROPIN)
         self.recorded = True
         self.weights_before = await self.model.probe.weights_identity()
-        self.model.records.write_intent(self.model.name, {
-            "operation": self.op.id,
-            "strategy": self.op.strategy,
-            "patch": self.op.patch,
-            "previous_reload": self.previous_reload,
-            "previous_rollback": self.previous_rollback,
-            "previous_engine": self.running_engine,
-            "target_engine": msgspec.to_builtins(self.target.engine),
-            "weights": list(self.weights_before) if self.weights_before else None,
-        })
+        self.model.records.write_intent(self.model.name, Intent(
+            operation=self.op.id,
+            strategy=self.op.strategy,
+            patch=self.op.patch,
+            previous_reload=self.previous_reload,
+            previous_rollback=self.previous_rollback,
+            previous_engine=self.running_engine,
+            target_engine=msgspec.to_builtins(self.target.engine),
+            weights=self.weights_before,
+        ))
         if self.reload_text is not None:
             write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 

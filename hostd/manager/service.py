@@ -191,7 +191,7 @@ class ModelInterface(ServiceInterface):
         committed = self.manager.records.committed(self.model_name)
         if committed is None:
             return "{}"
-        return json.dumps({**committed, "fixed": redacted(committed.get("fixed") or {})})
+        return json.dumps(msgspec.to_builtins(msgspec.structs.replace(committed, fixed=redacted(committed.fixed))))
 
     @dbus_property(access=PropertyAccess.READ)
     def EditableFields(self) -> "as":
@@ -516,7 +516,12 @@ class Manager(ServiceInterface):
     async def recover(self) -> None:
         """End reloads a previous manager left half done (recovery.recover)."""
         for name, model in list(self.models.items()):
-            intent = self.records.intent(name)
+            try:
+                intent = self.records.intent(name)
+            except msgspec.DecodeError as exc:
+                log.error("the intent record of %s is broken (%s); it stays in %s for an operator",
+                          name, exc, self.records.intent_path(name), extra={"hostd_model": name})
+                continue
             if intent is None:
                 continue
             where = reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load)

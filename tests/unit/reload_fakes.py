@@ -23,7 +23,7 @@ from hostd import config, units
 from hostd.manager import recovery
 from hostd.manager import reload as R
 from hostd.manager.probe import Probe, VerifyFailed
-from hostd.manager.records import Records
+from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
 
 
@@ -227,7 +227,7 @@ class World:
         if not self.bus.handlers:
             await self.systemd.connect()
 
-    async def recover(self, intent: dict) -> str:
+    async def recover(self, intent: "Intent") -> str:
         await self.connect()
         return await recovery.recover(self.model(), intent)
 

@@ -19,6 +19,7 @@ from reload_fakes import World  # noqa: E402
 from hostd import units  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.records import Intent  # noqa: E402
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_done_writes_the_dropin_restarts_once_verifies_resumes_and_commits(world
     assert calls.index("drain") < calls.index("verify") < calls.index("resume") == len(calls) - 1
     assert world.probe.outcomes == ["done"]  # the gateway's reload histogram is labelled with it
     assert world.restarts() == 1
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
 
 
@@ -112,7 +113,7 @@ def test_a_verified_engine_whose_gateway_does_not_resume_is_committed_and_failed
     world.probe.resume_fails = True
     op = run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.FAILED and "did not resume" in op.error
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
 
 
@@ -209,12 +210,12 @@ def test_a_cold_reload_costs_one_loadunit_and_one_getall_per_unit(world):
 # ---------------------------------------------------------------- recovery
 
 
-def intent_of(world: World, target: dict, previous_reload=None) -> dict:
+def intent_of(world: World, target: dict, previous_reload=None) -> Intent:
     running = dict(world.probe.engine)
-    world.records.write_intent("tiny", {
-        "operation": 5, "patch": target, "previous_reload": previous_reload, "previous_rollback": None,
-        "previous_engine": running, "target_engine": {**running, **target}, "weights": [7, 8],
-    })
+    world.records.write_intent("tiny", Intent(
+        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=None,
+        previous_engine=running, target_engine={**running, **target}, weights=(7, 8),
+    ))
     world.dropin.parent.mkdir(parents=True, exist_ok=True)
     world.dropin.write_text(yaml.safe_dump({"engine": target}))
     return world.records.intent("tiny")
@@ -224,7 +225,7 @@ def test_recovery_commits_when_the_engine_runs_the_target(world):
     intent = intent_of(world, {"max_num_seqs": 4})
     world.probe.engine_started()  # the crash came after the restart
     assert run(world.recover(intent)) == "committed"
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert dropin(world) == {"engine": {"max_num_seqs": 4}}
     assert world.restarts() == 0 and world.probe.calls[-1] == "resume"
     assert world.records.intent("tiny") is None

@@ -18,6 +18,7 @@ from reload_fakes import MANAGER, World  # noqa: E402
 
 from hostd import units  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.records import Intent  # noqa: E402
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_overlap_never_drains_hands_traffic_to_the_next_engine_and_back(world):
     assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
     assert world.probe.slot == "main" and world.probe.next_engine is None  # one engine left
     assert world.probe.engine["max_num_seqs"] == 4
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
 
 
@@ -90,13 +91,13 @@ def test_a_reload_that_changes_nothing_ends_unchanged_at_once(world):
     assert op.state == R.State.UNCHANGED and jobs(world) == []
 
 
-def overlap_intent(world: World, target: dict) -> dict:
+def overlap_intent(world: World, target: dict) -> Intent:
     running = dict(world.probe.engine)
-    world.records.write_intent("tiny", {
-        "operation": 5, "strategy": "overlap", "patch": target, "previous_reload": None,
-        "previous_rollback": None, "previous_engine": running, "target_engine": {**running, **target},
-        "weights": [7, 8],
-    })
+    world.records.write_intent("tiny", Intent(
+        operation=5, strategy="overlap", patch=target, previous_reload=None,
+        previous_rollback=None, previous_engine=running, target_engine={**running, **target},
+        weights=(7, 8),
+    ))
     world.dropin.parent.mkdir(parents=True, exist_ok=True)
     world.dropin.write_text(yaml.safe_dump({"engine": target}))
     return world.records.intent("tiny")
@@ -118,7 +119,7 @@ def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
     world.probe.engine_started("main")  # main runs the target already
     world.probe.slot = "next"
     assert run(world.recover(intent)) == "committed"
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.probe.slot == "main" and world.probe.next_engine is None
     assert world.bus.sent.count(f"{MANAGER}.RestartUnit") == 0
 
