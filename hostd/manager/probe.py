@@ -46,38 +46,42 @@ class CheckedUnixConnector(aiohttp.UnixConnector):
 class Probe:
     def __init__(self, name: str):
         self.name = name
+        self.gateway_protocol: Optional[int] = None  # control.PROTOCOL of its last answer; None: not asked yet
 
     # ------------------------------------------------------------ gateway
 
-    async def drain(self, timeout: float) -> dict:
-        return await control.call_async(paths.control_socket(self.name), "drain", timeout=timeout)
+    async def _control(self, request: control.Request):
+        answer = await control.call_async(paths.control_socket(self.name), request)
+        self.gateway_protocol = answer.protocol
+        return answer
 
-    async def resume(self, outcome: Optional[str] = None) -> dict:
+    async def drain(self, timeout: float) -> control.Drained:
+        return await self._control(control.Drain(timeout=timeout))
+
+    async def resume(self, outcome: Optional[str] = None) -> control.Resumed:
         """Serve again after a drain; OUTCOME (how the reload ended) labels
         the gateway's reload histogram."""
-        return await control.call_async(paths.control_socket(self.name), "resume",
-                                        **({"outcome": outcome} if outcome else {}))
+        return await self._control(control.Resume(outcome=outcome or None))
 
-    async def switch(self, slot: str, outcome: Optional[str] = None) -> dict:
+    async def switch(self, slot: str, outcome: Optional[str] = None) -> control.GatewayStatus:
         """New requests to the engine in SLOT (an overlap reload); OUTCOME when
-        switching back to main ends the reload (as for resume)."""
-        path = paths.control_socket(self.name)
-        if not outcome:
-            return await control.call_async(path, "switch", slot=slot)
-        try:
-            return await control.call_async(path, "switch", slot=slot, outcome=outcome)
-        except control.ControlError as exc:
-            # A gateway started before `switch` took an outcome (an upgraded
-            # hostd, models not restarted) refuses the field: the switch
-            # matters, the metric label does not.
-            if "unknown field `outcome`" not in str(exc):
-                raise
-            log.info("the gateway of %s predates switch outcomes; switching without one", self.name)
-            return await control.call_async(path, "switch", slot=slot)
+        switching back to main ends the reload (as for resume).
 
-    async def gateway_status(self) -> Optional[dict]:
+        A gateway of control protocol 1 (started before an upgrade of hostd,
+        its model not restarted since) refuses an outcome with a switch: it
+        gets the switch without one. The switch matters, the metric label
+        does not."""
+        if outcome and self.gateway_protocol is None:
+            await self.gateway_status()  # learn the protocol (None again if it does not answer)
+        if outcome and self.gateway_protocol == 1:
+            log.info("the gateway of %s speaks control protocol 1 (no outcome with a switch); "
+                     "switching without one", self.name)
+            outcome = None
+        return await self._control(control.Switch(slot=slot, outcome=outcome or None))
+
+    async def gateway_status(self) -> Optional[control.GatewayStatus]:
         try:
-            return await control.call_async(paths.control_socket(self.name), "status")
+            return await self._control(control.Status())
         except (OSError, control.ControlError):
             return None
 

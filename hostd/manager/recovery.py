@@ -98,11 +98,11 @@ async def _restart_drained(model: Model) -> str:
     """Restart the engine with the config on disk, after draining what it admitted."""
     cfg = model.load().config
     try:
-        result = await model.probe.drain(cfg.reload.drain_timeout)
+        drained = (await model.probe.drain(cfg.reload.drain_timeout)).drained
     except Exception as exc:  # no gateway: nothing was admitted through it
         log.warning("recovery: draining %s: %s", model.name, exc)
-        result = {"drained": True}
-    if not result["drained"]:
+        drained = True
+    if not drained:
         log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
                   "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit)
         return "left"

@@ -254,10 +254,10 @@ class Reload:
 
     async def drain(self) -> None:
         result = await self.model.probe.drain(self.current.reload.drain_timeout)
-        if not result["drained"]:
+        if not result.drained:
             raise TimeoutError(
                 f"drain timed out after {self.current.reload.drain_timeout:g} s with "
-                f"{result['remaining']} request(s) still running; the old engine keeps serving"
+                f"{result.remaining} request(s) still running; the old engine keeps serving"
             )
 
     async def restart(self) -> None:

@@ -510,7 +510,7 @@ class Manager(ServiceInterface):
                     continue
                 status = await Probe(name).gateway_status()
                 if status:
-                    model.refresh(status["in_flight"], status["state"])
+                    model.refresh(status.in_flight, status.state)
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     async def recover(self) -> None:

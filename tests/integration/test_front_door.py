@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from hostd import sockets
+from hostd.gateway import control
 from hostd.local import ModelTree, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
@@ -232,7 +233,7 @@ def test_a_slow_body_is_not_admitted_does_not_hold_a_drain_and_gets_408(tmp_path
         time.sleep(0.5)
         conn.sendall(b" ")
         drained = door.tree.control("drain", timeout=5)
-        assert drained == {"ok": True, "drained": True, "remaining": 0, "state": "paused"}
+        assert drained == {"ok": True, "protocol": control.PROTOCOL, "drained": True, "remaining": 0, "state": "paused"}
         assert time.monotonic() - started < 2
         door.tree.control("resume")
         answer = conn.recv(4096)
@@ -385,7 +386,6 @@ def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(do
 
 
 def test_a_reload_outcome_outside_the_known_set_is_refused_and_changes_nothing(door: FrontDoor):
-    from hostd.gateway import control
 
     door.tree.control("drain", timeout=5)
     with pytest.raises(control.ControlError, match="outcome"):

@@ -20,6 +20,7 @@ import msgspec
 from dbus_fast import Message, Variant
 
 from hostd import config, units
+from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
 from hostd.manager.probe import Probe, VerifyFailed
@@ -127,7 +128,7 @@ class FakeProbe:
         self.no_room: Optional[str] = None  # what overlap_problem answers
         self.calls: list[str] = []
         self.outcomes: list[str | None] = []  # what each resume or switch told the gateway
-        self.drain_result = {"drained": True, "remaining": 0}
+        self.drain_result = control.Drained(drained=True, remaining=0, state="paused")
         self.drain_hangs = False
         self.resume_fails = False
         self.fail_next_start = False  # the engine exits with an error once started
@@ -165,7 +166,7 @@ class FakeProbe:
         if self.get_engine(slot) is None:
             raise OSError(f"the engine in slot {slot} does not answer /health; not switching")
         self.slot = slot
-        return {"slot": slot}
+        return control.GatewayStatus(state="serving", slot=slot)
 
     async def weights_identity(self):
         return (7, 8)
@@ -181,7 +182,7 @@ class FakeProbe:
         self.outcomes.append(outcome)
         if self.resume_fails:
             raise OSError("control socket: connection refused")
-        return {}
+        return control.Resumed(state="serving")
 
     async def verify_engine(self, cfg, weights_before, slot: str = "main") -> None:
         self.calls.append("verify" if slot == "main" else f"verify {slot}")

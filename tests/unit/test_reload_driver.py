@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reload_fakes import World  # noqa: E402
 
 from hostd import units  # noqa: E402
+from hostd.gateway import control  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 from hostd.manager.records import Intent  # noqa: E402
@@ -118,7 +119,7 @@ def test_a_verified_engine_whose_gateway_does_not_resume_is_committed_and_failed
 
 
 def test_a_drain_timeout_restores_the_dropin_resumes_and_restarts_nothing(world):
-    world.probe.drain_result = {"drained": False, "remaining": 3}
+    world.probe.drain_result = control.Drained(drained=False, remaining=3, state="draining")
     op = run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.FAILED and "3 request(s) still running" in op.error
     assert op.restored and not world.dropin.exists()
@@ -128,7 +129,7 @@ def test_a_drain_timeout_restores_the_dropin_resumes_and_restarts_nothing(world)
 
 
 def test_a_restore_that_fails_still_ends_the_operation(world):
-    world.probe.drain_result = {"drained": False, "remaining": 1}
+    world.probe.drain_result = control.Drained(drained=False, remaining=1, state="draining")
     world.probe.resume_fails = True
     op = run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.FAILED and op.stage == R.Stage.FINISHED
@@ -252,7 +253,7 @@ def test_recovery_drains_then_restarts_an_engine_that_runs_neither(world):
 def test_recovery_does_not_restart_an_engine_that_will_not_drain(world):
     intent = intent_of(world, {"max_num_seqs": 4})
     world.probe.engine = {"max_num_seqs": 99}  # something else entirely
-    world.probe.drain_result = {"drained": False, "remaining": 2}
+    world.probe.drain_result = control.Drained(drained=False, remaining=2, state="draining")
     assert run(world.recover(intent)) == "left"
     assert world.restarts() == 0 and not world.dropin.exists()
 

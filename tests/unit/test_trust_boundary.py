@@ -298,8 +298,8 @@ def test_root_talks_to_the_model_users_own_sockets(model_run):
     directory, serve = model_run
     serve("control.sock")
     serve("engine.sock")
-    assert control.call(directory / "control.sock", "status")["state"] == "serving"
-    assert asyncio.run(control.call_async(directory / "control.sock", "status"))["ok"]
+    assert control.call(directory / "control.sock", control.Status()).state == "serving"
+    assert asyncio.run(control.call_async(directory / "control.sock", control.Status())).ok
     assert asyncio.run(Probe("tiny").engine_health()) == {"engine_config": {}}
 
 
@@ -312,9 +312,9 @@ def test_root_refuses_a_socket_replaced_by_a_symlink(model_run, name, caplog):
         sockets.connect(directory / name)
     if name == "control.sock":
         with pytest.raises(control.ControlError, match="symbolic link"):
-            control.call(directory / name, "status")
+            control.call(directory / name, control.Status())
         with pytest.raises(OSError, match="symbolic link"):
-            asyncio.run(control.call_async(directory / name, "status"))
+            asyncio.run(control.call_async(directory / name, control.Status()))
     elif name == "engine.sock":
         assert asyncio.run(Probe("tiny").engine_health()) is None
     else:
@@ -327,7 +327,7 @@ def test_root_refuses_a_socket_not_owned_by_the_models_user(model_run):
     directory, serve = model_run
     serve("control.sock", uid=0)  # root's socket in the model's directory: not the model's
     with pytest.raises(control.ControlError, match="owned by uid 0, not 65534"):
-        control.call(directory / "control.sock", "status")
+        control.call(directory / "control.sock", control.Status())
 
 
 def test_root_refuses_a_peer_that_is_not_the_models_user(model_run):
@@ -335,7 +335,7 @@ def test_root_refuses_a_peer_that_is_not_the_models_user(model_run):
     path = serve("control.sock", uid=DAEMON)
     os.chown(path, NOBODY, NOBODY)  # the file looks right; the process behind it is not
     with pytest.raises(control.ControlError, match="the peer is pid .* of uid 1, not 65534"):
-        control.call(path, "status")
+        control.call(path, control.Status())
 
 
 def test_a_directory_others_may_write_is_refused(model_run):
@@ -343,7 +343,7 @@ def test_a_directory_others_may_write_is_refused(model_run):
     serve("control.sock")
     os.chmod(directory, 0o777)
     with pytest.raises(control.ControlError, match="another user could replace the socket"):
-        control.call(directory / "control.sock", "status")
+        control.call(directory / "control.sock", control.Status())
 
 
 # ------------------------------------------------------------ row 8 (polkit)
