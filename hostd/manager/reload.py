@@ -114,6 +114,7 @@ class Reload:
         self.current = None  # effective config before the reload
         self.target = None  # effective config after it
         self.running_engine: Optional[dict] = None
+        self.health: Optional[dict] = None  # the engine's /health as validate read it (preflight reuses it)
         self.weights_before: Optional[tuple[int, int]] = None
         self.recorded = False  # the previous files are known: restore() may write
         self.unchanged = False  # validate found nothing to apply
@@ -148,7 +149,7 @@ class Reload:
             raise errors.NotEditable(f"{why}; editable: {', '.join(editable)}")
         committed = self.model.records.committed(name)
         self.current = current.config
-        health = await self.model.probe.engine_health()
+        health = self.health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = previous_engine(current.config.backend, committed, health)
         if patch:
@@ -214,21 +215,25 @@ class Reload:
         return backends.for_config(cfg).refusals(cfg)
 
     async def preflight(self) -> None:
+        """Choose the strategy and check the memory, asking each thing once:
+        the engine's /health is validate's, and one memory reading serves the
+        overlap check and the restart's."""
         props = await self.model.systemd.properties(self.model.engine_unit)
-        pid = props.get("MainPID", 0)
-        strategy, why = await self.choose_strategy(pid)
+        memory = await self.model.probe.read_memory(self.target, props.get("MainPID", 0))
+        strategy, why = self.choose_strategy(memory)
         self.op.strategy, self.strategy_reason = strategy.value, why
         if strategy == Strategy.RESTART:
-            problem = await self.model.probe.memory_problem(self.target, pid)
+            problem = self.model.probe.memory_problem(self.target, memory)
             if problem:
                 raise errors.InsufficientMemory(problem)
 
-    async def choose_strategy(self, engine_pid: int) -> tuple[Strategy, str]:
+    def choose_strategy(self, memory) -> tuple[Strategy, str]:
         """overlap when configured, possible for the backend and there is room
-        for a second engine beside the first; else restart. Returns the reason."""
+        for a second engine beside the first (MEMORY: the preflight's reading);
+        else restart. Returns the reason."""
         if self.current.reload.strategy == Strategy.RESTART.value:
             return Strategy.RESTART, "reload.strategy is restart"
-        problem = await self.model.probe.overlap_problem(self.target, engine_pid)
+        problem = self.model.probe.overlap_problem(self.target, self.health, memory)
         if problem:
             return Strategy.RESTART, f"overlap does not fit, falling back to restart: {problem}"
         return Strategy.OVERLAP, "room for a second engine beside the serving one"

@@ -23,7 +23,7 @@ from hostd import config, units
 from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
-from hostd.manager.probe import Probe, VerifyFailed
+from hostd.manager.probe import Memory, Probe, VerifyFailed
 from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
 
@@ -154,10 +154,14 @@ class FakeProbe:
         engine = self.get_engine(slot)
         return None if engine is None else {"engine_config": engine}
 
-    async def memory_problem(self, cfg, pid: int) -> Optional[str]:
+    async def read_memory(self, cfg, pid: int) -> Memory:
+        self.calls.append("memory")
+        return Memory(None, "")
+
+    def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
         return None
 
-    async def overlap_problem(self, cfg, pid: int) -> Optional[str]:
+    def overlap_problem(self, cfg, health: Optional[dict], memory: Memory) -> Optional[str]:
         return self.no_room
 
     async def switch(self, slot: str, outcome: str | None = None) -> dict:

@@ -126,19 +126,31 @@ def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
 
 def test_the_preflight_compares_what_the_engine_reports_with_the_reserve(world, monkeypatch):
     from hostd import config
-    from hostd.manager.probe import Probe
+    from hostd.manager.probe import Memory, Probe
 
     cfg = config.load_model("tiny", world.root).config  # builtin on CPU, reserve 256 MiB
     probe = Probe("tiny")
     reported: dict = {}
-
-    async def health(slot="main"):
-        return {"memory": reported}
-
-    monkeypatch.setattr(probe, "engine_health", health)
-    assert "does not report its memory" in run(probe.overlap_problem(cfg, 1))
+    health = {"memory": reported}
+    memory = run(probe.read_memory(cfg, 1))
+    assert memory == Memory(None, "")  # on CPU: NVML is never asked
+    assert "does not report its memory" in probe.overlap_problem(cfg, health, memory)
     reported.update(anonymous=900 << 20, host_available=1000 << 20)
-    problem = run(probe.overlap_problem(cfg, 1))
+    problem = probe.overlap_problem(cfg, health, memory)
     assert "about 900 MiB" in problem and "overlap_reserve_mib=256" in problem and "1000 MiB" in problem
     reported.update(host_available=2000 << 20)
-    assert run(probe.overlap_problem(cfg, 1)) is None
+    assert probe.overlap_problem(cfg, health, memory) is None
+
+
+@pytest.mark.parametrize("strategy", ["overlap", "restart"])
+def test_a_preflight_asks_the_engine_and_the_memory_once(tmp_path, strategy):
+    world = World(tmp_path, strategy)
+    op = R.Operation(id=1, model="tiny", patch={"max_num_seqs": 4})
+
+    async def check():
+        await world.connect()
+        await R.Reload(world.model(), op).check()
+
+    run(check())
+    assert world.probe.calls == ["health", "memory"]  # validate's /health serves the overlap check too
+    assert op.strategy == strategy
