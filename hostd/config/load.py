@@ -422,6 +422,18 @@ def model_file(name: str, root: Optional[Path] = None) -> Path:
     return config_root(root) / "models" / f"{name}.yaml"
 
 
+def existing_model_file(name: str, root: Optional[Path] = None) -> Path:
+    """NAME's YAML file; NoSuchModel when NAME breaks the name rule or has none."""
+    main = model_file(name, root)
+    # The name rule first: "../models/x" must not name a file that happens to exist.
+    problem = schema.model_name_problem(name)
+    if problem:
+        raise NoSuchModel(main, problem)
+    if not main.exists() and not main.is_symlink():  # a dangling link is a model whose file is broken
+        raise NoSuchModel(main, f"no such model {name!r}: {main} does not exist")
+    return main
+
+
 def dropin_dir(name: str, root: Optional[Path] = None) -> Path:
     return config_root(root) / "models" / f"{name}.d"
 
@@ -495,13 +507,7 @@ def merge_model(
     file held that data (a YamlFile from parse_yaml keeps its line numbers for
     messages). Nothing is written."""
     root = config_root(root)
-    main = model_file(name, root)
-    # The name rule first: "../models/x" must not name a file that happens to exist.
-    problem = schema.model_name_problem(name)
-    if problem:
-        raise NoSuchModel(main, problem)
-    if not main.exists() and not main.is_symlink():  # a dangling link is a model whose file is broken
-        raise NoSuchModel(main, f"no such model {name!r}: {main} does not exist")
+    main = existing_model_file(name, root)
     merged = Merged()
     add_daemon_defaults(merged, root)
     problems: list[Problem] = []

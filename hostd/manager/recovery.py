@@ -16,11 +16,11 @@ import logging
 from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
 from hostd.manager.operation import Strategy
 from hostd.manager.records import Intent
-from hostd.manager.reload import Model
+from hostd.manager.reload import ModelHandles
 
 log = logging.getLogger("hostd.manager.reload")
 
-async def recover(model: Model, intent: Intent) -> str:
+async def recover(model: ModelHandles, intent: Intent) -> str:
     """End the reload a previous manager left half done (INTENT is its record).
     Returns what it did: committed, left (the engine runs the previous config),
     restarted, or restored (the model is stopped: files only).
@@ -70,7 +70,7 @@ async def recover(model: Model, intent: Intent) -> str:
     return outcome
 
 
-async def _restart_main(model: Model, where: dict) -> str:
+async def _restart_main(model: ModelHandles, where: dict) -> str:
     """Restart the main engine with the config on disk (overlap: no drain)."""
     try:
         await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
@@ -79,7 +79,7 @@ async def _restart_main(model: Model, where: dict) -> str:
     return "restarted"
 
 
-async def _leave_one_engine(model: Model, outcome: str, where: dict) -> None:
+async def _leave_one_engine(model: ModelHandles, outcome: str, where: dict) -> None:
     """After an overlap: the gateway back on the main engine, the next one stopped."""
     main_answers = await model.probe.engine_health() is not None
     if outcome != "restored" and main_answers:

@@ -82,10 +82,12 @@ log = logging.getLogger("hostd.manager.reload")
 # ---------------------------------------------------------------- the run
 
 
-class Model:
-    """What a reload needs to act on one model; the manager provides it (tests
-    give fakes): SYSTEMD (systemd1.Systemd), PROBE (probe.Probe), RECORDS
-    (records.Records) and LOAD, the manager's cached parse of the model's YAML."""
+class ModelHandles:
+    """The handles a reload (and a recovery) acts on one model through: its
+    units' and files' names, SYSTEMD (systemd1.Systemd), PROBE (probe.Probe),
+    RECORDS (records.Records) and LOAD, the manager's cached parse of the
+    model's YAML. The manager builds one per model (model_bus.py); tests give
+    fakes."""
 
     def __init__(self, name: str, root: Path, systemd, probe, records: Optional[Records] = None,
                  load: Optional[Callable[[], hostd_config.LoadedModel]] = None):
@@ -105,7 +107,7 @@ class Model:
 
 
 class Reload:
-    def __init__(self, model: Model, op: Operation):
+    def __init__(self, model: ModelHandles, op: Operation):
         self.model, self.op = model, op
         self.previous_reload: Optional[str] = None
         self.previous_rollback: Optional[str] = None
@@ -126,8 +128,8 @@ class Reload:
         name, patch = self.model.name, self.op.patch
         try:
             current = self.model.load()
-        except hostd_config.NoSuchModel as exc:
-            raise errors.NoSuchModel(exc.reason) from None
+        except hostd_config.NoSuchModel:
+            raise  # errors.to_dbus: NoSuchModel
         except hostd_config.ConfigError as exc:
             raise errors.InvalidValue(f"the configuration on disk is invalid:\n{exc}")
         # "reloading": `systemctl reload model@NAME` is what called us.

@@ -225,8 +225,8 @@ class World:
     def dropin(self) -> Path:
         return self.root / "models/tiny.d" / R.RELOAD_DROPIN
 
-    def model(self) -> R.Model:
-        return R.Model(self.name, self.root, self.systemd, self.probe, self.records)
+    def model(self) -> R.ModelHandles:
+        return R.ModelHandles(self.name, self.root, self.systemd, self.probe, self.records)
 
     async def connect(self) -> None:
         if not self.bus.handlers:

@@ -19,7 +19,7 @@ from reload_fakes import World  # noqa: E402
 
 from hostd import backends, units  # noqa: E402
 from hostd.config import ConfigError, Problem  # noqa: E402
-from hostd.manager import api, errors, service  # noqa: E402
+from hostd.manager import api, errors, model_bus, service  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 
 
@@ -43,7 +43,7 @@ async def manager_of(world: World) -> service.Manager:
 
 
 def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeypatch):
-    monkeypatch.setattr(service, "Probe", lambda name: world.probe)
+    monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
 
     async def go():
         manager = await manager_of(world)
@@ -136,7 +136,7 @@ def test_one_mapping_from_hostds_exceptions_to_dbus_errors():
         (errors.NotEditable("x"), "org.hostd1.Error.NotEditable"),
         (errors.Busy("x"), "org.hostd1.Error.Busy"),
         (errors.AccessDenied("x"), "org.freedesktop.DBus.Error.AccessDenied"),
-        (backends.Refused("no such backend"), "org.hostd1.Error.InvalidValue"),
+        (backends.BackendRefused("no such backend"), "org.hostd1.Error.InvalidValue"),
         (ConfigError([Problem("f", "k", "bad")]), "org.hostd1.Error.InvalidValue"),
         (RuntimeError("bug"), "org.hostd1.Error.Failed"),
     ]
@@ -159,7 +159,7 @@ def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(w
     async def go():
         manager = await manager_of(world)
         for name, expected in (("../models/tiny", "model name '../models/tiny' is not allowed: use letters"),
-                               ("ghost", f"no model 'ghost': {world.root}/models/ghost.yaml does not exist")):
+                               ("ghost", f"no such model 'ghost': {world.root}/models/ghost.yaml does not exist")):
             with pytest.raises(DBusError) as refused:
                 await call(manager.GetModel, name)
             assert refused.value.type == "org.hostd1.Error.NoSuchModel"

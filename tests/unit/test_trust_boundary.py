@@ -28,7 +28,7 @@ from hostd.gateway import control
 from hostd.manager.probe import Probe
 from hostd.weights import client as weights_client
 from hostd.config import schema
-from hostd.manager import errors, service
+from hostd.manager import authority, errors, service
 from hostd.manager import dropins
 from hostd.manager import reload as R
 
@@ -369,13 +369,11 @@ class PolkitBus:
 
 
 def require(bus: PolkitBus, action: str) -> None:
-    manager = service.Manager.__new__(service.Manager)
-    manager.bus, manager.admin_group = bus, "hostd-admin"
-    token = service.CALLER.set(":1.42")
+    token = authority.CALLER.set(":1.42")
     try:
-        asyncio.run(manager.require_admin(action))
+        asyncio.run(authority.Authority(bus, "hostd-admin").require(action))
     finally:
-        service.CALLER.reset(token)
+        authority.CALLER.reset(token)
 
 
 def test_root_is_allowed_without_asking_polkit():
