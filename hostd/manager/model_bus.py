@@ -146,6 +146,18 @@ class ModelInterface(ServiceInterface):
         return self.state
 
     @dbus_property(access=PropertyAccess.READ)
+    def ConfigProblem(self) -> "s":
+        """Why the model's config does not load, as the loader says it (one
+        problem a line: file, key, what was expected); empty when it loads.
+        Read by the manager as root, so it is the truth about a YAML that
+        its reader (e.g. hostctl as a user) may not be able to open."""
+        try:
+            self.load()
+        except hostd_config.ConfigError as exc:
+            return str(exc)
+        return ""
+
+    @dbus_property(access=PropertyAccess.READ)
     def Config(self) -> "s":
         loaded = self.loaded()
         return json.dumps(redacted(msgspec.to_builtins(loaded.config))) if loaded else "{}"

@@ -122,6 +122,21 @@ def test_properties_parse_the_yaml_only_when_a_file_changed(world, monkeypatch):
     asyncio.run(go())
 
 
+def test_config_problem_says_why_the_yaml_does_not_load_and_never_a_value(world):
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        assert model.ConfigProblem == ""
+        (world.root / "models/tiny.d").mkdir()
+        (world.root / "models/tiny.d/50-x.yaml").write_text("engine: {max_num_seqs: s3cret}\n")
+        problem = model.ConfigProblem
+        assert problem.startswith(f"{world.root}/models/tiny.d/50-x.yaml:1: engine.max_num_seqs:"), problem
+        assert "s3cret" not in problem and model.Config == "{}"
+        assert [row[0] for row in await call(manager.ListModels)] == ["tiny"]  # still listed
+
+    asyncio.run(go())
+
+
 def test_reading_running_config_creates_nothing(world):
     async def go():
         manager = await manager_of(world)
