@@ -1,5 +1,6 @@
-"""The reload of one model: an explicit state machine, one function per stage,
-and every way a reload can end, its recovery after a manager crash included.
+"""The reload of one model: one function per stage of the state machine
+(operation.py holds its states, stages and transitions) and the driver that
+runs them to every way a reload can end.
 
 Two strategies, chosen by the preflight (Operation.strategy says which, and why
 in the journal): `overlap` (the default) and `restart` (forced by
@@ -45,7 +46,7 @@ Nothing is touched before validate and preflight pass: a refusal changes no
 file, drains nothing and restarts nothing. From `record` on, the intent
 (previous drop-in content and target config) is in the manager's records
 (records.py), so a manager that dies mid-way decides on its next start
-(recover): commit if the engine runs the target config; leave an engine that
+(recovery.py): commit if the engine runs the target config; leave an engine that
 runs the previous config alone (the crash came before its restart); else
 drain, restart it with the previous config and resume. Recovery never stops an
 engine that still has admitted requests without draining it first.

@@ -52,9 +52,11 @@ def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeyp
         seen = []
         path = await manager.reload("tiny", {"max_num_seqs": 4})
         op = manager.operations[1].op
-        op.on_change = (lambda inner: lambda o: (inner(o), seen.append((o.stage.value, model.state))))(op.on_change)
+        ended = asyncio.Event()  # as a client waits: on the change that ends it
+        op.on_change = (lambda inner: lambda o: (inner(o), seen.append((o.stage.value, model.state)),
+                                                 o.state != R.State.RUNNING and ended.set()))(op.on_change)
         model.refresh(0, "draining")  # what the in-flight watch saw from the gateway mid-reload
-        await op.done_event.wait()
+        await ended.wait()
         assert path == api.operation_path(1)
         assert seen[-1] == ("finished", "serving")  # not "reloading" a moment longer
         assert ("restart", "reloading") in seen

@@ -396,13 +396,17 @@ def test_without_polkit_only_root_is_allowed_and_the_journal_says_why(caplog):
     assert "polkit is not available (org.freedesktop.DBus.Error.ServiceUnknown)" in caplog.text
 
 
-def test_the_policy_ships_the_three_actions_the_manager_asks_for():
+def test_the_policy_ships_the_actions_the_manager_asks_for_and_no_other():
+    import re
+
     from hostd.manager import api
 
-    policy = (Path(__file__).resolve().parents[2] / "packaging/org.hostd1.policy").read_text()
-    assert set(api.ACTIONS) == {"org.hostd1.reload", "org.hostd1.manage", "org.hostd1.edit"}
-    for action in api.ACTIONS:
-        assert f'<action id="{action}">' in policy
+    root = Path(__file__).resolve().parents[2]
+    policy = (root / "packaging/org.hostd1.policy").read_text()
+    assert set(re.findall(r'<action id="([^"]+)">', policy)) == set(api.ACTIONS) == {"org.hostd1.reload",
+                                                                                    "org.hostd1.manage"}
+    asked = "".join(p.read_text() for p in (root / "hostd/manager").glob("*.py"))
+    assert asked.count("@admin(api.RELOAD_ACTION)") == 3 and "@admin(api.MANAGE_ACTION)" in asked
 
 
 def test_install_puts_polkit_files_where_debians_polkitd_reads_them(tmp_path: Path):
