@@ -10,6 +10,7 @@ values. Reload asks polkit first (authority.admin).
 """
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -24,9 +25,12 @@ from hostd.manager import reload as reload_mod
 from hostd.manager.authority import admin
 from hostd.manager.operation_bus import OperationInterface
 from hostd.manager.probe import Probe
+from hostd.manager.records import Degraded
 
 if TYPE_CHECKING:
     from hostd.manager.service import Manager
+
+log = logging.getLogger("hostd.manager")
 
 GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
 
@@ -72,6 +76,9 @@ class ModelInterface(ServiceInterface):
         self.in_flight = 0
         self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
         self.active: Optional[OperationInterface] = None
+        # A failed rollback's record (records.Degraded), kept on disk: it outlives
+        # the next operation and the manager; re-read as each operation ends.
+        self.degraded: Optional[Degraded] = manager.records.degraded(name)
         self._stamp: Optional[tuple] = None
         self._loaded: Optional[hostd_config.LoadedModel] = None
         self._problem: Optional[hostd_config.ConfigError] = None
@@ -108,10 +115,16 @@ class ModelInterface(ServiceInterface):
         active = self.busy()
         if active and active.kind == "reload":
             return "reloading"
-        if self.active and self.active.op.degraded:
-            return "degraded"
         umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
         state = umbrella.get("ActiveState", "unknown")
+        if self.degraded is not None and state in ("deactivating", "inactive", "failed"):
+            # Stopped (or restarting): what was degraded is gone with it.
+            log.info("model %s: no longer degraded (its umbrella is %s)", self.model_name, state,
+                     extra={"hostd_model": self.model_name})
+            self.manager.records.clear_degraded(self.model_name)
+            self.degraded = None
+        if self.degraded is not None:
+            return "degraded"
         if state == "active":
             serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
             return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")

@@ -108,7 +108,6 @@ class Operation:
     on_change: Optional[Callable[["Operation"], None]] = None
     cancel_requested: bool = False
     interrupt_requested: bool = False  # the model is being stopped
-    degraded: bool = False
     asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
 
     def cancel(self) -> None:

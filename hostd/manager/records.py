@@ -5,8 +5,9 @@ One job: own that layout. Nothing else in hostd knows the file names.
     .manager/next-operation          the operation counter (ids survive restarts)
     .manager/NAME/reload-intent.json a reload in progress: what to restore
     .manager/NAME/committed.json     the config the engine was last verified to run
+    .manager/NAME/degraded.json      a reload whose rollback failed too: the model is degraded
 
-Each record is a msgspec Struct here (Intent, Committed): the only spelling of
+Each record is a msgspec Struct here (Intent, Committed, Degraded): the only spelling of
 its fields. Fields added later have defaults, so a record an older manager
 wrote still reads.
 
@@ -32,6 +33,7 @@ log = logging.getLogger("hostd.manager.records")
 INTENT = "reload-intent.json"
 COMMITTED = "committed.json"
 COUNTER = "next-operation"
+DEGRADED = "degraded.json"
 
 
 class Intent(msgspec.Struct, kw_only=True):
@@ -47,6 +49,17 @@ class Intent(msgspec.Struct, kw_only=True):
     target_engine: dict[str, Any] = {}  # the engine section the reload applies
     weights: Optional[tuple[int, int]] = None  # the weight daemon's (pid, socket inode) before it
     at: float = 0.0  # when it was written (time.time())
+
+
+class Degraded(msgspec.Struct, kw_only=True):
+    """A reload failed and so did its rollback: the model's State is degraded
+    (the gateway stays paused) until a reload ends done or rolled-back, or
+    the model is stopped or restarted. On disk, so that it survives the next
+    operation starting and a restart of the manager."""
+
+    operation: int  # the reload that left it so
+    cause: str  # its error
+    at: float = 0.0
 
 
 class Committed(msgspec.Struct, kw_only=True):
@@ -115,6 +128,27 @@ class Records:
     def write_committed(self, name: str, cfg) -> None:
         """CFG (a config.schema model) is what the engine was verified to run."""
         self._write(self._dir(name) / COMMITTED, _encode(Committed.of(cfg)))
+
+    # ------------------------------------------------------------ degraded
+
+    def degraded(self, name: str) -> Optional[Degraded]:
+        """Why NAME is degraded, or None. A record that does not decode still
+        says degraded: only the manager writes it, after a failed rollback."""
+        path = self._dir(name) / DEGRADED
+        text = self._read(path)
+        if not text:
+            return None
+        try:
+            return _decode(text, Degraded)
+        except msgspec.DecodeError as exc:
+            return Degraded(operation=0, cause=f"{path} does not decode: {exc}")
+
+    def write_degraded(self, name: str, record: Degraded) -> None:
+        self._write(self._dir(name) / DEGRADED, _encode(msgspec.structs.replace(record, at=time.time())))
+
+    def clear_degraded(self, name: str) -> None:
+        if self._read(self._dir(name) / DEGRADED) is not None:
+            remove_durably(self._dir(name) / DEGRADED)
 
     # ------------------------------------------------------------ operation ids
 

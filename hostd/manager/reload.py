@@ -76,7 +76,7 @@ from hostd.manager.dropins import (
 )
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy
 from hostd.manager.probe import Probe
-from hostd.manager.records import Committed, Intent, Records
+from hostd.manager.records import Committed, Degraded, Intent, Records
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -446,8 +446,10 @@ class Reload:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 # restart: the gateway stays paused, nothing safe to serve;
                 # overlap: the next engine may still serve the target config.
-                op.degraded = True
-                return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
+                error = f"{cause}; rollback failed: {again}"
+                self.model.records.write_degraded(self.model.name, Degraded(operation=op.id, cause=error))
+                return self._end(State.FAILED, error)
+            self.model.records.clear_degraded(self.model.name)  # the previous config serves again
             return self._end(State.ROLLED_BACK, cause)
         # Verified: the engine attached the same weight daemon (PID, inode),
         # which holds the weights unless the backend says they are not retained.
@@ -465,6 +467,7 @@ class Reload:
             return self._end(State.FAILED, f"the new config runs, but {hand_back_failed}: {exc}")
         op.enter(Stage.COMMIT)
         await self.commit()
+        self.model.records.clear_degraded(self.model.name)  # the target config serves
         self._end(State.DONE)
 
     async def _apply_overlap(self) -> None:

@@ -135,6 +135,7 @@ class Manager(ServiceInterface):
         if model is not None and not iface.running:
             model.forget()  # the reload may have rewritten its drop-ins
             model.gateway = None  # the operation resumed it (or says why not)
+            model.degraded = self.records.degraded(model.model_name)  # it may have left it so, or cured it
         if model is not None:
             model.refresh()
         if not iface.running:

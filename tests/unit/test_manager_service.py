@@ -21,6 +21,7 @@ from hostd import backends, units  # noqa: E402
 from hostd.config import ConfigError, Problem  # noqa: E402
 from hostd.manager import api, errors, model_bus, service  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.records import Degraded  # noqa: E402
 
 
 @pytest.fixture
@@ -68,6 +69,26 @@ def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeyp
         assert model.state == "engine-down"
         world.bus.set_state(units.umbrella("tiny"), "deactivating")
         assert model.state == "stopping"
+
+    asyncio.run(go())
+
+
+def test_degraded_outlives_the_next_operation_and_the_manager_and_ends_when_the_model_stops(world):
+    world.records.write_degraded("tiny", Degraded(operation=3, cause="engine failed; rollback failed: engine failed"))
+
+    async def go():
+        manager = await manager_of(world)  # a manager started after the failed rollback
+        model = manager.models["tiny"]
+        assert model.state == "degraded"
+        iface = manager.new_operation(model, "start", {})  # the next operation
+        manager.publish(iface)
+        assert model.state == "degraded"
+        iface.op.finish(R.State.FAILED, "start: the umbrella is active already")
+        assert model.state == "degraded"
+        world.bus.set_state(units.umbrella("tiny"), "deactivating")  # systemctl stop|restart model@tiny
+        assert model.state == "stopping" and world.records.degraded("tiny") is None
+        world.bus.set_state(units.umbrella("tiny"), "active")
+        assert model.state == "serving"
 
     asyncio.run(go())
 

@@ -104,10 +104,14 @@ def test_a_failed_reload_of_the_config_on_disk_pins_the_previous_values(world):
 def test_a_rollback_that_fails_too_leaves_the_model_degraded_and_paused(world):
     world.bus.job_results[units.engine("tiny")] = ["failed", "failed"]
     op = run(world.reload({"max_num_seqs": 4}))
-    assert op.state == R.State.FAILED and op.degraded
-    assert "rollback failed" in op.error
+    assert op.state == R.State.FAILED and "rollback failed" in op.error
+    degraded = world.records.degraded("tiny")  # on disk: it outlives the operation and the manager
+    assert (degraded.operation, degraded.cause) == (1, op.error)
     assert "resume" not in world.probe.calls  # nothing safe to serve
     assert world.restarts() == 2
+    # A reload that ends done cures it.
+    op = run(world.reload({"max_num_seqs": 5}))
+    assert op.state == R.State.DONE and world.records.degraded("tiny") is None
 
 
 def test_a_verified_engine_whose_gateway_does_not_resume_is_committed_and_failed(world):
