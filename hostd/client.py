@@ -101,6 +101,11 @@ class AsyncClient:
     async def operation(self, path: str) -> dict[str, Any]:
         return await self._properties(path, api.OPERATION)
 
+    async def config_problem(self, path: str) -> str:
+        """Why the config of the model at PATH does not load ("" when it does)."""
+        [value] = await self._call("Get", "ss", [api.MODEL, "ConfigProblem"], path=path, interface=api.PROPERTIES)
+        return value.value
+
     # ------------------------------------------------------------ acting
 
     async def wait(self, path: str, on_change: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
@@ -168,4 +173,18 @@ class Client:
         attribute = getattr(self._async, name)
         if not asyncio.iscoroutinefunction(attribute):
             return attribute
-        return lambda *a, **kw: self._loop.run_until_complete(attribute(*a, **kw))
+        return lambda *a, **kw: self._run(attribute(*a, **kw))
+
+    def _run(self, coro):
+        """Run CORO to its end; on ^C (KeyboardInterrupt) cancel it first, so
+        nothing is left pending on the loop, then let the caller say why."""
+        task = self._loop.create_task(coro)
+        try:
+            return self._loop.run_until_complete(task)
+        except KeyboardInterrupt:
+            task.cancel()
+            try:
+                self._loop.run_until_complete(task)
+            except BaseException:  # its CancelledError, or whatever it ended with
+                pass
+            raise

@@ -197,11 +197,22 @@ class Progress:
 def cmd_reload(args: argparse.Namespace) -> int:
     patch = parse_assignments(args.assignments)
     progress = Progress(args.name) if not (args.quiet or args.json) else None
+    path = result = None
     with _client() as hostd, (progress or contextlib.nullcontext()):
-        result = hostd.reload(args.name, patch, wait=not args.no_wait, on_change=progress)
-    if args.no_wait:
-        print(result["path"])
-        return 0
+        path = hostd.reload(args.name, patch, wait=False)["path"]
+        if args.no_wait:
+            print(path)
+            return 0
+        try:
+            result = {"path": path, **hostd.wait(path, on_change=progress)}
+        except KeyboardInterrupt:  # the manager runs the reload, not us: say so (importctl's way)
+            pass
+    if result is None:
+        op_id = path.rsplit("/", 1)[-1]
+        print(f"hostctl: reload {op_id} of {args.name} continues in the background; "
+              f"`hostctl cancel {op_id}` cancels it while it drains, `hostctl status {args.name}` shows how it ends",
+              file=sys.stderr)
+        return 130
     state = result["State"]
     if args.json:
         emit_json(args, result)
@@ -224,22 +235,13 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def config_problem(args: argparse.Namespace, name: str) -> str:
-    """Why model NAME's config does not load ("" when it does): read here, from
-    the files, as the generator and the manager read them."""
-    try:
-        config.load_model(name, config.config_root(args.config_dir))
-    except config.ConfigError as exc:
-        return " ".join(str(exc).split("\n")[0].split())
-    except OSError as exc:
-        return f"cannot read: {exc}"
-    return ""
-
-
 def cmd_list(args: argparse.Namespace) -> int:
+    """The manager's models and states, and why a config does not load (the
+    manager's word, Model.ConfigProblem: it reads files a user cannot)."""
     with _client() as hostd:
         models = hostd.list_models()
-    problems = {m["name"]: config_problem(args, m["name"]) for m in models}
+        # The first problem, on one line (all of them: hostctl config NAME).
+        problems = {m["name"]: " ".join(hostd.config_problem(m["path"]).split("\n")[0].split()) for m in models}
     if args.json:
         emit_json(args, [{"name": m["name"], "state": m["state"], "config_problem": problems[m["name"]]}
                          for m in models])

@@ -8,6 +8,7 @@ administrator running the daemons by hand would. Needs httpx (test extra).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -130,9 +131,18 @@ class ModelTree:
         return daemon
 
     def control(self, verb: str, **request) -> dict:
+        """One control request as JSON, whatever its fields (a test may send
+        what the manager never would, to see the gateway refuse it); the
+        answer's fields, or ControlError naming the refusal."""
+        from hostd import sockets
         from hostd.gateway import control
 
-        return control.call(self.control_socket, verb, **request)
+        with sockets.connect(self.control_socket, request.get("timeout", 0) + 30.0) as conn:
+            conn.sendall(json.dumps({"verb": verb, **request}).encode() + b"\n")
+            answer = json.loads(conn.makefile("rb").readline() or b"{}")
+        if not answer.get("ok"):
+            raise control.ControlError(answer.get("error", "the gateway closed the connection without answering"))
+        return answer
 
     @staticmethod
     def _connectable(path: Path) -> bool:

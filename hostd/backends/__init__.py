@@ -6,7 +6,7 @@ vllm.py and sglang.py the upstream ones, sharing upstream.py.
 
 from typing import Optional
 
-from hostd.backends.base import Backend, Command, Refused
+from hostd.backends.base import Backend, BackendRefused, Command
 from hostd.backends.builtin import BuiltinBackend
 from hostd.backends.sglang import SglangBackend
 from hostd.backends.vllm import VllmBackend
@@ -25,7 +25,7 @@ def refused_at_start(cfg, name: str, log, model_config: Optional[dict] = None) -
 
     try:
         for_config(cfg).check(cfg, model_config)
-    except Refused as exc:
+    except BackendRefused as exc:
         log.error("cannot serve %s: %s", name, exc)
         systemd.status(f"refused: {exc}")
         return True
@@ -36,7 +36,7 @@ def for_config(cfg) -> Backend:
     try:
         return BACKENDS[cfg.backend]()
     except KeyError:
-        raise Refused(f"backend: {cfg.backend!r} is not available in this hostd build") from None
+        raise BackendRefused(f"backend: {cfg.backend!r} is not available in this hostd build") from None
 
 
-__all__ = ["BACKENDS", "Backend", "Command", "Refused", "for_config", "refused_at_start"]
+__all__ = ["BACKENDS", "Backend", "BackendRefused", "Command", "for_config", "refused_at_start"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 
-class Refused(Exception):
+class BackendRefused(Exception):
     """The config asks for something this backend cannot do; nothing was touched."""
 
 
@@ -67,13 +67,13 @@ class Backend(abc.ABC):
         return []
 
     def check(self, cfg, model_config: Optional[dict] = None) -> None:
-        """Raise Refused naming every problem; with MODEL_CONFIG (the model's
+        """Raise BackendRefused naming every problem; with MODEL_CONFIG (the model's
         config.json) also what the engine refuses at start."""
         problems = self.refusals(cfg) + self.install_refusals(cfg)
         if model_config is not None:
             problems += self.engine_refusals(cfg, model_config)
         if problems:
-            raise Refused("; ".join(problems))
+            raise BackendRefused("; ".join(problems))
 
     # ------------------------------------------------------------ facts
 

@@ -435,6 +435,18 @@ def model_file(name: str, root: Optional[Path] = None) -> Path:
     return config_root(root) / "models" / f"{name}.yaml"
 
 
+def existing_model_file(name: str, root: Optional[Path] = None) -> Path:
+    """NAME's YAML file; NoSuchModel when NAME breaks the name rule or has none."""
+    main = model_file(name, root)
+    # The name rule first: "../models/x" must not name a file that happens to exist.
+    problem = schema.model_name_problem(name)
+    if problem:
+        raise NoSuchModel(main, problem)
+    if not main.exists() and not main.is_symlink():  # a dangling link is a model whose file is broken
+        raise NoSuchModel(main, f"no such model {name!r}: {main} does not exist")
+    return main
+
+
 def dropin_dir(name: str, root: Optional[Path] = None) -> Path:
     return config_root(root) / "models" / f"{name}.d"
 
@@ -521,13 +533,7 @@ def merge_model(
     file on disk meets (parse_file): what the tree would be if the file held
     it. Nothing is written."""
     root = config_root(root)
-    main = model_file(name, root)
-    # The name rule first: "../models/x" must not name a file that happens to exist.
-    problem = schema.model_name_problem(name)
-    if problem:
-        raise NoSuchModel(main, problem)
-    if not main.exists() and not main.is_symlink():  # a dangling link is a model whose file is broken
-        raise NoSuchModel(main, f"no such model {name!r}: {main} does not exist")
+    main = existing_model_file(name, root)
     directory = dropin_dir(name, root)
     overlay_path = None
     if overlay is not None:

@@ -247,7 +247,7 @@ class Engine:
                                 stop=stop, ignore_eos=bool(body.ignore_eos))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Job(
-            id=fmt.id_prefix + uuid.uuid4().hex, endpoint=COMPLETIONS if fmt is CompletionFormat else CHAT_COMPLETIONS,
+            id=fmt.id_prefix + uuid.uuid4().hex,
             prompt_ids=prompt_ids, params=params, stream=bool(body.stream), include_usage=include_usage,
         )
 

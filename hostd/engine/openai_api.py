@@ -177,7 +177,6 @@ class Job:
     """One validated generation request."""
 
     id: str
-    endpoint: str
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool

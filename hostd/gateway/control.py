@@ -9,22 +9,35 @@ against fixed msgspec
 types; anything else (bad JSON, an unknown verb, a wrong type) gets an error
 answer naming the problem and changes nothing.
 
+Answers are msgspec types too, one per verb (ANSWERS), all carrying `ok`
+and the gateway's PROTOCOL; a refusal is a Refusal. The clients decode them
+as those types; a field a later gateway adds is ignored by an earlier client,
+and a field an earlier gateway lacks has a default.
+
     -> {"verb": "drain", "timeout": 30}
-    <- {"ok": true, "drained": false, "remaining": 2, "state": "draining"}
-    -> {"verb": "resume"}  (optionally "outcome": "done")    -> {"verb": "status"}
+    <- {"ok": true, "protocol": 2, "drained": false, "remaining": 2, "state": "draining"}
+    -> {"verb": "resume"}  (optionally "outcome": "done")    <- Resumed
+    -> {"verb": "status"}                                    <- GatewayStatus
     -> {"verb": "switch", "slot": "next"}   (overlap reload: new requests to engine-next.sock)
     -> {"verb": "switch", "slot": "main", "outcome": "done"}   (and back: the overlap reload ended)
+    <- GatewayStatus, for either switch
+    <- {"ok": false, "protocol": 2, "error": "..."}          a refusal, for any request
+
+PROTOCOL: 1 (no `protocol` in answers): a gateway from before switch took an
+`outcome`; 2: switch takes one. The gateway and the manager ship together, but
+a model's gateway keeps running across an upgrade of hostd.service, so the
+manager asks before it sends a field an older gateway would refuse
+(manager/probe.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Awaitable, Callable, Literal, Optional, Union
+from typing import Annotated, Awaitable, Callable, Literal, Optional, Union
 
 import msgspec
 
@@ -45,7 +58,9 @@ class Drain(msgspec.Struct, tag_field="verb", tag="drain", forbid_unknown_fields
 Outcome = Literal["done", "rolled-back", "failed", "cancelled", "recovered"]
 
 
-class Resume(msgspec.Struct, tag_field="verb", tag="resume", forbid_unknown_fields=True):
+# omit_defaults: an unset outcome is not sent, so a gateway that has no such
+# field (PROTOCOL 1, for switch) takes the request.
+class Resume(msgspec.Struct, tag_field="verb", tag="resume", forbid_unknown_fields=True, omit_defaults=True):
     # Unset (a resume by hand): the label is the state the resume leads to.
     outcome: Optional[Outcome] = None
 
@@ -54,7 +69,7 @@ class Status(msgspec.Struct, tag_field="verb", tag="status", forbid_unknown_fiel
     pass
 
 
-class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fields=True):
+class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fields=True, omit_defaults=True):
     """Send new requests to the engine in SLOT (paths.ENGINE_SOCKETS); requests
     already running stay on their engine. A slot name, never a path."""
 
@@ -66,7 +81,51 @@ class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fiel
 Request = Union[Drain, Resume, Status, Switch]
 _decoder = msgspec.json.Decoder(Request)
 
-Handler = Callable[[Request], Awaitable[dict]]
+PROTOCOL = 2  # see the module docstring
+
+
+class Answer(msgspec.Struct, kw_only=True):
+    """What every answer carries. Unknown fields are ignored when decoding:
+    a later gateway may say more."""
+
+    ok: bool = True
+    protocol: int = 1  # a gateway that does not say is a protocol 1 gateway
+
+
+class Refusal(Answer, kw_only=True):
+    ok: bool = False
+    error: str = "refused"
+
+
+class Drained(Answer, kw_only=True):
+    drained: bool  # nothing in flight any more; else the timeout passed
+    remaining: int  # requests still running
+    state: str  # the gateway's state (gateway/state.py)
+
+
+class Resumed(Answer, kw_only=True):
+    state: str
+
+
+class GatewayStatus(Answer, kw_only=True):
+    """The gateway's admission counters (gateway/state.py snapshot) and slot."""
+
+    state: str
+    in_flight: int = 0
+    queued: int = 0
+    admitted: int = 0
+    completed: int = 0
+    rejected: dict[str, int] = {}
+    drains: int = 0
+    proxied_bytes: int = 0
+    since: float = 0.0
+    slot: str = "main"  # the engine slot new requests go to
+
+
+# The answer to each request.
+ANSWERS: dict[type, type] = {Drain: Drained, Resume: Resumed, Status: GatewayStatus, Switch: GatewayStatus}
+
+Handler = Callable[[Request], Awaitable[Answer]]
 
 
 class ControlError(Exception):
@@ -106,18 +165,18 @@ async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 return
             except asyncio.LimitOverrunError:
                 log.warning("control: pid %d sent a line over %d bytes; closing", pid, MAX_LINE)
-                await _answer(writer, {"ok": False, "error": f"request longer than {MAX_LINE} bytes"})
+                await _answer(writer, Refusal(error=f"request longer than {MAX_LINE} bytes"))
                 return
             try:
                 request = parse(line)
             except ControlError as exc:
                 log.warning("control: refused request from pid %d: %s", pid, exc)
-                await _answer(writer, {"ok": False, "error": str(exc)})
+                await _answer(writer, Refusal(error=str(exc)))
                 continue
             try:
-                answer = {"ok": True, **await handle(request)}
+                answer = await handle(request)
             except ControlError as exc:  # the gateway refused: it says why, nothing changed
-                answer = {"ok": False, "error": str(exc)}
+                answer = Refusal(error=str(exc))
             await _answer(writer, answer)
     except (ConnectionError, OSError):
         return
@@ -125,51 +184,53 @@ async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         writer.close()
 
 
-async def _answer(writer: asyncio.StreamWriter, answer: dict) -> None:
-    writer.write(json.dumps(answer).encode() + b"\n")
+async def _answer(writer: asyncio.StreamWriter, answer: Answer) -> None:
+    writer.write(msgspec.json.encode(msgspec.structs.replace(answer, protocol=PROTOCOL)) + b"\n")
     await writer.drain()
 
 
 # ---------------------------------------------------------------- clients
 
-
-def _request_line(verb: str, args: dict) -> bytes:
-    return json.dumps({"verb": verb, **args}).encode() + b"\n"
+_verdict = msgspec.json.Decoder(Refusal)  # ok, and the error when not
 
 
-def _answer_of(path: Path, answer: bytes) -> dict:
+def _answer_of(path: Path, request: Request, answer: bytes) -> Answer:
+    """ANSWER decoded as the answer type of REQUEST; ControlError for a
+    refusal or anything that is not such an answer."""
     if not answer:
         raise ControlError(f"{path}: the gateway closed the connection without answering")
     try:
-        data = json.loads(answer)
-    except ValueError:
-        raise ControlError(f"{path}: not a JSON answer: {answer[:200]!r}") from None
-    if not isinstance(data, dict) or not data.get("ok"):
-        raise ControlError(data.get("error", "refused") if isinstance(data, dict) else "refused")
-    return data
+        verdict = _verdict.decode(answer)
+        if not verdict.ok:
+            raise ControlError(verdict.error)
+        return msgspec.json.decode(answer, type=ANSWERS[type(request)])
+    except msgspec.DecodeError as exc:
+        raise ControlError(f"{path}: not an answer to {type(request).__name__.lower()}: {exc}: "
+                           f"{answer[:200]!r}") from None
 
 
-def call(path: Path, verb: str, **args: Any) -> dict:
-    """Send one request (ARGS are its fields) and return the answer;
-    ControlError when refused or unreachable."""
+def call(path: Path, request: Request) -> Answer:
+    """Send REQUEST and return its answer (ANSWERS); ControlError when
+    refused or unreachable."""
+    timeout = request.timeout if isinstance(request, Drain) else 0
     try:
-        with sockets.connect(path, args.get("timeout", 0) + 30.0) as conn:
-            conn.sendall(_request_line(verb, args))
+        with sockets.connect(path, timeout + 30.0) as conn:
+            conn.sendall(msgspec.json.encode(request) + b"\n")
             answer = conn.makefile("rb").readline(MAX_LINE + 1)
     except OSError as exc:
         raise ControlError(f"{path}: {exc}") from None
-    return _answer_of(path, answer)
+    return _answer_of(path, request, answer)
 
 
-async def call_async(path: Path, verb: str, **args: Any) -> dict:
+async def call_async(path: Path, request: Request) -> Answer:
     """call() for an event loop: the checked connect runs in a thread."""
     conn = await asyncio.to_thread(sockets.connect, path, 10.0)
     conn.setblocking(False)
     reader, writer = await asyncio.open_unix_connection(sock=conn, limit=MAX_LINE)
     try:
-        writer.write(_request_line(verb, args))
+        writer.write(msgspec.json.encode(request) + b"\n")
         await writer.drain()
         answer = await reader.readline()
     finally:
         writer.close()
-    return _answer_of(path, answer)
+    return _answer_of(path, request, answer)

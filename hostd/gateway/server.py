@@ -302,34 +302,34 @@ class Gateway:
 
     # ------------------------------------------------------------ control
 
-    async def control(self, request: control.Request) -> dict:
+    async def control(self, request: control.Request) -> control.Answer:
         if isinstance(request, control.Drain):
             self.metrics.drains.inc()
             # A drain answers 503 from now on; one while already drained is the same reload's.
             self.reload_clock.begin(self._now(), serving=False, retry=self.admission.state in HELD)
             log.info("drain requested (timeout %.1f s), %d in flight", request.timeout, self.admission.in_flight)
             result = await self.admission.drain(request.timeout)
-            log.info("drain %s", "complete" if result["drained"] else f"timed out, {result['remaining']} still running")
+            log.info("drain %s", "complete" if result.drained else f"timed out, {result.remaining} still running")
         elif isinstance(request, control.Resume):
             result = await self.admission.resume(await self.engine_ok())
-            self.reload_clock.end(self._now(), request.outcome or result["state"])
-            log.info("resumed: %s", result["state"])
+            self.reload_clock.end(self._now(), request.outcome or result.state)
+            log.info("resumed: %s", result.state)
         elif isinstance(request, control.Switch):
             if request.outcome is not None and request.slot != "main":
                 raise control.ControlError("outcome ends a reload: it goes with the switch back to main")
             moved = request.slot != self.slot
-            result = {**await self.switch(request.slot), "slot": self.slot}
+            result = await self.switch(request.slot)
             # An overlap reload runs from the switch to the second engine to the switch back.
             if moved and request.slot != "main":
                 self.reload_clock.begin(self._now(), serving=self.admission.state == State.SERVING)
             elif moved or request.outcome:
-                self.reload_clock.end(self._now(), request.outcome or result["state"])
+                self.reload_clock.end(self._now(), request.outcome or result.state)
         else:
-            result = {**self.admission.snapshot(), "slot": self.slot}
+            result = self.admission.snapshot(self.slot)
         self._report()
         return result
 
-    async def switch(self, slot: str) -> dict:
+    async def switch(self, slot: str) -> control.GatewayStatus:
         """New requests go to SLOT's engine from now on (an overlap reload);
         running ones finish where they are. Refused while that engine does
         not answer /health, so a switch never sends traffic into the void."""
@@ -341,7 +341,7 @@ class Gateway:
             log.info("switch: new requests go to the %s engine (%s); %d in flight stay where they are",
                      slot, self.engine_sockets[slot], self.admission.in_flight)
             self.slot = slot
-        return self.admission.snapshot()
+        return self.admission.snapshot(self.slot)
 
 
 def listener_from_config(listen: str) -> socket.socket:
@@ -389,8 +389,8 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
     public.close()  # no new connections; admitted requests finish
     gateway.connections.close()
     result = await gateway.admission.drain(stop_timeout)
-    if not result["drained"]:
-        log.warning("stopping with %d request(s) still running", result["remaining"])
+    if not result.drained:
+        log.warning("stopping with %d request(s) still running", result.remaining)
     ctl.close()
     await runner.cleanup()
     sockets.release(ctl_listener)

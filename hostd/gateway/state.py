@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from hostd.gateway.control import Drained, GatewayStatus, Resumed
+
 
 class State(str, enum.Enum):
     STARTING = "starting"
@@ -117,7 +119,7 @@ class Admission:
 
     # ------------------------------------------------------------ control
 
-    async def drain(self, timeout: float) -> dict:
+    async def drain(self, timeout: float) -> Drained:
         """Stop admitting; wait until nothing is in flight or TIMEOUT passes."""
         self.counters.drains += 1
         await self._set(State.DRAINING)
@@ -125,24 +127,27 @@ class Admission:
             async with self._changed:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.in_flight == 0), timeout)
         except asyncio.TimeoutError:
-            return {"drained": False, "remaining": self.in_flight, "state": self.state.value}
+            return Drained(drained=False, remaining=self.in_flight, state=self.state.value)
         if self.state == State.DRAINING:
             await self._set(State.PAUSED)
-        return {"drained": True, "remaining": 0, "state": self.state.value}
+        return Drained(drained=True, remaining=0, state=self.state.value)
 
-    async def resume(self, engine_healthy: bool) -> dict:
+    async def resume(self, engine_healthy: bool) -> Resumed:
         await self._set(State.SERVING if engine_healthy else State.ENGINE_DOWN)
-        return {"state": self.state.value}
+        return Resumed(state=self.state.value)
 
-    def snapshot(self) -> dict:
-        return {
-            "state": self.state.value,
-            "in_flight": self.in_flight,
-            "queued": self.queued,
-            "admitted": self.counters.admitted,
-            "completed": self.counters.completed,
-            "rejected": dict(self.counters.rejected),
-            "drains": self.counters.drains,
-            "proxied_bytes": self.counters.proxied_bytes,
-            "since": self.changed_at,
-        }
+    def snapshot(self, slot: str) -> GatewayStatus:
+        """The counters, as the control socket's status answers them; SLOT is
+        where new requests go (the gateway's, not the admission's)."""
+        return GatewayStatus(
+            state=self.state.value,
+            in_flight=self.in_flight,
+            queued=self.queued,
+            admitted=self.counters.admitted,
+            completed=self.counters.completed,
+            rejected=dict(self.counters.rejected),
+            drains=self.counters.drains,
+            proxied_bytes=self.counters.proxied_bytes,
+            since=self.changed_at,
+            slot=slot,
+        )

@@ -1,5 +1,16 @@
-"""The manager (hostd.service, org.hostd1): service.py is the D-Bus surface
-(describe and dispatch), reload.py the reload state machine and its crash
-recovery, records.py its records on disk, errors.py its refusals and their
-D-Bus errors, api.py the names it shares with clients, systemd1.py its
-systemd client, probe.py how it looks at a model's processes."""
+"""The manager (hostd.service, org.hostd1), one room per job:
+
+    service.py       the org.hostd1.Manager object: discovery, verbs, operations on the bus
+    model_bus.py     one org.hostd1.Model object per model
+    operation_bus.py one org.hostd1.Operation object per operation
+    authority.py     who may call a mutating method (the caller's uid, polkit, @admin)
+    errors.py        its refusals and the one mapping to D-Bus errors
+    api.py           the names it shares with clients
+    operation.py     a reload's states, stages and allowed transitions
+    reload.py        the reload's stages and their driver (both strategies)
+    recovery.py      the end of a reload a crashed manager left half done
+    dropins.py       the drop-in files a reload writes
+    records.py       its records on disk (intent, committed config, operation ids)
+    probe.py         how it looks at and steers a model's gateway, engine, weights and GPUs
+    systemd1.py      its systemd client
+"""

@@ -26,6 +26,7 @@ from hostd import config as hostd_config
 from hostd.config import schema
 from hostd.config.atomic import remove_durably, write_atomic
 from hostd.manager import errors
+from hostd.manager.records import Committed
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -92,14 +93,14 @@ def comment_text(message: str, limit: int = COMMENT_LIMIT) -> str:
     return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
 
 
-def previous_engine(backend: str, committed: Optional[dict], health: Optional[dict]) -> Optional[dict]:
+def previous_engine(backend: str, committed: Optional[Committed], health: Optional[dict]) -> Optional[dict]:
     """The engine section a rollback brings back, as values root computed: the
-    last committed section (records.py, written by root after a verify), else
+    last COMMITTED section (records.py, written by root after a verify), else
     (nothing committed yet) the section the engine reports, only if it is a
     valid engine section of BACKEND, re-rendered from the schema's type. Text
     the engine sent is never written as such; None when neither is usable."""
     engine_type = schema.ENGINE_TYPES[backend]
-    for source in ((committed or {}).get("engine"), (health or {}).get("engine_config")):
+    for source in (committed.engine if committed else None, (health or {}).get("engine_config")):
         if source is None:
             continue
         try:

@@ -2,15 +2,13 @@
 
 One job: the manager's exception family (Refused and its kinds) and the one
 table that turns hostd's exceptions into D-Bus errors (org.hostd1.Error.*).
-Methods raise; the `replies` decorator maps; `admin` checks the caller first.
-A refusal changes nothing: it is raised before any file, unit or gateway is
-touched.
+Methods raise; the `replies` decorator maps (authority.admin, which checks
+the caller first, maps through it too). A refusal changes nothing: it is
+raised before any file, unit or gateway is touched.
 
-Authorization (authorize): root may do everything without asking, as
-systemd's services let privileged callers; anyone else is allowed what polkit
-allows them (CheckAuthorization of the caller's bus name, no interaction):
-packaging/org.hostd1.rules allows the admin group. Where polkit is absent
-only root is allowed, and the journal says why.
+Besides its own family the manager passes on two of hostd's refusals: the
+config loader's (ConfigError; NoSuchModel for a name that is no model) and
+a backend's (backends.BackendRefused).
 """
 
 from __future__ import annotations
@@ -18,11 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 
-from dbus_fast import Message, MessageType, Variant
 from dbus_fast.errors import DBusError
 
 from hostd import backends
-from hostd.config import ConfigError
+from hostd import config as hostd_config
 from hostd.manager import api
 
 log = logging.getLogger("hostd.manager")
@@ -62,13 +59,21 @@ class AccessDenied(Refused):
     error_name = api.ACCESS_DENIED
 
 
+# hostd's refusals from outside the manager that reach a caller as they are
+# (InvalidValue, or NoSuchModel for the loader's NoSuchModel): expected, so
+# not logged as failures.
+PASSED_ON = (hostd_config.ConfigError, backends.BackendRefused)
+
+
 def to_dbus(exc: BaseException) -> DBusError:
     """The D-Bus error a caller sees for EXC (the one mapping)."""
     if isinstance(exc, DBusError):
         return exc
     if isinstance(exc, Refused):
         return DBusError(exc.error_name or api.error_name(exc.kind), str(exc))
-    if isinstance(exc, (backends.Refused, ConfigError)):  # what no engine could serve / a bad file
+    if isinstance(exc, hostd_config.NoSuchModel):  # the loader's name rule, or no NAME.yaml
+        return DBusError(api.error_name(NoSuchModel.kind), str(exc.reason))
+    if isinstance(exc, PASSED_ON):  # a bad file / what no engine could serve
         return DBusError(api.error_name(InvalidValue.kind), str(exc))
     return DBusError(api.error_name("Failed"), f"unexpected error: {exc}")
 
@@ -86,57 +91,8 @@ def replies(fn):
         except Refused as exc:
             raise to_dbus(exc) from None
         except Exception as exc:
-            if not isinstance(exc, (backends.Refused, ConfigError)):
+            if not isinstance(exc, PASSED_ON):
                 log.exception("%s failed", fn.__name__)
             raise to_dbus(exc) from None
 
     return wrapper
-
-
-POLKIT = ("org.freedesktop.PolicyKit1", "/org/freedesktop/PolicyKit1/Authority",
-          "org.freedesktop.PolicyKit1.Authority")
-# The errors that mean no polkit answers on this bus (not a "no").
-POLKIT_ABSENT = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner",
-                 "org.freedesktop.DBus.Error.Spawn.")
-
-
-async def authorize(bus, sender: str, uid: int, action: str, admin_group: str) -> None:
-    """Raise AccessDenied unless the caller SENDER (uid UID) may do ACTION."""
-    if uid == 0:
-        return
-    what = api.ACTIONS[action]
-    reply = await bus.call(Message(
-        destination=POLKIT[0], path=POLKIT[1], interface=POLKIT[2], member="CheckAuthorization",
-        signature="(sa{sv})sa{ss}us",
-        body=[["system-bus-name", {"name": Variant("s", sender)}], action, {}, 0, ""],
-    ))
-    if reply.message_type == MessageType.ERROR:
-        if reply.error_name.startswith(POLKIT_ABSENT):
-            log.warning("uid %d may not %s: polkit is not available (%s), so only root is allowed; "
-                        "install polkitd to let the %r group", uid, what, reply.error_name, admin_group)
-            raise AccessDenied(f"access denied: uid {uid} may not {what}: polkit is not running on this "
-                               f"host, so only root may (install polkitd to allow the {admin_group!r} group)")
-        log.error("polkit could not decide on %s for uid %d: %s %s", action, uid, reply.error_name, reply.body)
-        raise AccessDenied(f"access denied: polkit could not decide on {action}: {reply.error_name}")
-    authorized, _challenge, _details = reply.body[0]
-    if not authorized:
-        raise AccessDenied(f"access denied: uid {uid} is not authorized to {what} (polkit action {action}): "
-                           f"only root and members of {admin_group!r} are")
-
-
-def admin(action):
-    """A mutating method that needs polkit ACTION (api.ACTIONS); the
-    interface's `manager` asks (require_admin). Bare @admin means
-    api.MANAGE_ACTION."""
-    if callable(action):
-        return admin(api.MANAGE_ACTION)(action)
-
-    def decorate(fn):
-        @functools.wraps(fn)
-        async def wrapper(self, *args, **kwargs):
-            await self.manager.require_admin(action)
-            return await fn(self, *args, **kwargs)
-
-        return replies(wrapper)
-
-    return decorate

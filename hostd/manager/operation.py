@@ -106,10 +106,8 @@ class Operation:
     finished: float = 0.0
     notes: list[str] = field(default_factory=list)
     on_change: Optional[Callable[["Operation"], None]] = None
-    done_event: asyncio.Event = field(default_factory=asyncio.Event)
     cancel_requested: bool = False
     interrupt_requested: bool = False  # the model is being stopped
-    degraded: bool = False
     asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
 
     def cancel(self) -> None:
@@ -143,7 +141,6 @@ class Operation:
                    "hostd_stage": "finished", "message_id": MESSAGE_IDS[state.value]},
         )
         self._changed()
-        self.done_event.set()
 
     def _changed(self) -> None:
         if self.on_change:

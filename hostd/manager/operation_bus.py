@@ -2,7 +2,7 @@
 (/org/hostd1/operation/<id>): read-only properties that follow the reload's
 Operation (reload.py, operation.py) with PropertiesChanged, and Cancel.
 
-Trust: anyone on the bus may read; Cancel asks polkit first (errors.admin),
+Trust: anyone on the bus may read; Cancel asks polkit first (authority.admin),
 as every mutating method of the manager does (service.py).
 """
 
@@ -12,16 +12,18 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 
 from hostd import units
 from hostd.manager import api, errors
-from hostd.manager.errors import admin
+from hostd.manager.authority import admin
 from hostd.manager.operation import CANCELLABLE, Operation, State
 
 RUNNING = State.RUNNING
 
 
 class OperationInterface(ServiceInterface):
-    def __init__(self, manager: "Manager", op: Operation, kind: str):
+    def __init__(self, op: Operation, kind: str, systemd, authority):
+        """SYSTEMD (systemd1.Systemd) for the engine's STATUS=, AUTHORITY
+        (authority.Authority) for Cancel."""
         super().__init__(api.OPERATION)
-        self.manager, self.op, self.kind = manager, op, kind
+        self.op, self.kind, self.systemd, self.authority = op, kind, systemd, authority
         self.path = api.operation_path(op.id)
 
     @dbus_property(access=PropertyAccess.READ)
@@ -89,7 +91,7 @@ class OperationInterface(ServiceInterface):
         return self.engine_status()
 
     def engine_status(self) -> str:
-        props = self.manager.systemd.cached(units.engine(self.op.model)) or {}
+        props = self.systemd.cached(units.engine(self.op.model)) or {}
         return str(props.get("StatusText", ""))
 
     @method()

@@ -46,38 +46,42 @@ class CheckedUnixConnector(aiohttp.UnixConnector):
 class Probe:
     def __init__(self, name: str):
         self.name = name
+        self.gateway_protocol: Optional[int] = None  # control.PROTOCOL of its last answer; None: not asked yet
 
     # ------------------------------------------------------------ gateway
 
-    async def drain(self, timeout: float) -> dict:
-        return await control.call_async(paths.control_socket(self.name), "drain", timeout=timeout)
+    async def _control(self, request: control.Request):
+        answer = await control.call_async(paths.control_socket(self.name), request)
+        self.gateway_protocol = answer.protocol
+        return answer
 
-    async def resume(self, outcome: Optional[str] = None) -> dict:
+    async def drain(self, timeout: float) -> control.Drained:
+        return await self._control(control.Drain(timeout=timeout))
+
+    async def resume(self, outcome: Optional[str] = None) -> control.Resumed:
         """Serve again after a drain; OUTCOME (how the reload ended) labels
         the gateway's reload histogram."""
-        return await control.call_async(paths.control_socket(self.name), "resume",
-                                        **({"outcome": outcome} if outcome else {}))
+        return await self._control(control.Resume(outcome=outcome or None))
 
-    async def switch(self, slot: str, outcome: Optional[str] = None) -> dict:
+    async def switch(self, slot: str, outcome: Optional[str] = None) -> control.GatewayStatus:
         """New requests to the engine in SLOT (an overlap reload); OUTCOME when
-        switching back to main ends the reload (as for resume)."""
-        path = paths.control_socket(self.name)
-        if not outcome:
-            return await control.call_async(path, "switch", slot=slot)
-        try:
-            return await control.call_async(path, "switch", slot=slot, outcome=outcome)
-        except control.ControlError as exc:
-            # A gateway started before `switch` took an outcome (an upgraded
-            # hostd, models not restarted) refuses the field: the switch
-            # matters, the metric label does not.
-            if "unknown field `outcome`" not in str(exc):
-                raise
-            log.info("the gateway of %s predates switch outcomes; switching without one", self.name)
-            return await control.call_async(path, "switch", slot=slot)
+        switching back to main ends the reload (as for resume).
 
-    async def gateway_status(self) -> Optional[dict]:
+        A gateway of control protocol 1 (started before an upgrade of hostd,
+        its model not restarted since) refuses an outcome with a switch: it
+        gets the switch without one. The switch matters, the metric label
+        does not."""
+        if outcome and self.gateway_protocol is None:
+            await self.gateway_status()  # learn the protocol (None again if it does not answer)
+        if outcome and self.gateway_protocol == 1:
+            log.info("the gateway of %s speaks control protocol 1 (no outcome with a switch); "
+                     "switching without one", self.name)
+            outcome = None
+        return await self._control(control.Switch(slot=slot, outcome=outcome or None))
+
+    async def gateway_status(self) -> Optional[control.GatewayStatus]:
         try:
-            return await control.call_async(paths.control_socket(self.name), "status")
+            return await self._control(control.Status())
         except (OSError, control.ControlError):
             return None
 
@@ -150,8 +154,19 @@ class Probe:
 
     # ------------------------------------------------------------ preflight
 
-    async def memory_problem(self, cfg, engine_pid: int) -> Optional[str]:
-        """Why the new engine would not fit on its GPUs, or None.
+    async def read_memory(self, cfg, engine_pid: int) -> "Memory":
+        """The one memory reading a preflight weighs (memory_problem and
+        overlap_problem): NVML's view of CFG's GPUs when its engine uses any."""
+        if not backends.for_config(cfg).uses_gpu(cfg):
+            return Memory(None, "")
+        try:
+            return Memory(await self.gpu_memory(cfg, engine_pid), "")
+        except RuntimeError as exc:  # no driver library here
+            return Memory(None, str(exc))
+
+    def memory_problem(self, cfg, memory: "Memory") -> Optional[str]:
+        """Why the new engine would not fit on its GPUs (MEMORY, read_memory),
+        or None.
 
         Memory the new engine may use = free now + what the old engine holds
         (it is stopped first). The old engine's share comes from NVML's
@@ -159,16 +174,11 @@ class Probe:
         PIDs are another namespace's, so then it falls back to the device:
         used - the weight daemon's share. vLLM and SGLang size their pools as a
         fraction of the whole GPU that includes the daemon-held weights."""
-        backend = backends.for_config(cfg)
-        if not backend.uses_gpu(cfg):
+        if memory.unreadable:  # verify and rollback still guard
+            log.warning("GPU preflight skipped for %s: %s", self.name, memory.unreadable)
             return None
-        fraction = backend.memory_fraction(cfg)
-        try:
-            gpus = await self.gpu_memory(cfg, engine_pid)
-        except RuntimeError as exc:  # no driver library here: verify and rollback still guard
-            log.warning("GPU preflight skipped for %s: %s", self.name, exc)
-            return None
-        for gpu in gpus:
+        fraction = backends.for_config(cfg).memory_fraction(cfg)
+        for gpu in memory.gpus or ():
             available = gpu.free + gpu.engine
             need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20)
             if need > available:
@@ -205,8 +215,10 @@ class Probe:
                 out.append(GpuMemory(index, info.total, info.free, engine, daemon))
             return out
 
-    async def overlap_problem(self, cfg, engine_pid: int) -> Optional[str]:
+    def overlap_problem(self, cfg, health: Optional[dict], memory: "Memory") -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
+        HEALTH is the serving engine's /health answer (the one validate read),
+        MEMORY the preflight's reading (read_memory): nothing is asked again.
 
         The second engine needs what the serving one uses beyond the shared
         weights (its footprint), and reload.overlap_reserve_mib must stay free
@@ -221,8 +233,8 @@ class Probe:
             return refusal
         reserve = cfg.reload.overlap_reserve_mib << 20
         if backend.uses_gpu(cfg):
-            return await self._overlap_gpu(cfg, engine_pid, reserve)
-        reported = ((await self.engine_health()) or {}).get("memory") or {}
+            return self._overlap_gpu(cfg, memory, reserve)
+        reported = (health or {}).get("memory") or {}
         if "anonymous" not in reported or "host_available" not in reported:
             return "the engine does not report its memory on /health (hostd/memory.py)"
         footprint, available = reported["anonymous"], reported["host_available"]
@@ -234,12 +246,11 @@ class Probe:
             )
         return None
 
-    async def _overlap_gpu(self, cfg, engine_pid: int, reserve: int) -> Optional[str]:
-        try:
-            gpus = await self.gpu_memory(cfg, engine_pid)
-        except RuntimeError as exc:
-            return f"cannot read GPU memory: {exc}"
-        for gpu in gpus:
+    @staticmethod
+    def _overlap_gpu(cfg, memory: "Memory", reserve: int) -> Optional[str]:
+        if memory.unreadable:
+            return f"cannot read GPU memory: {memory.unreadable}"
+        for gpu in memory.gpus or ():
             if gpu.engine + reserve > gpu.free:
                 return (
                     f"GPU {gpu.index}: a second engine needs about {gpu.engine >> 20} MiB and "
@@ -257,3 +268,10 @@ class GpuMemory(NamedTuple):
     free: int
     engine: int  # the serving engine's share
     daemon: int  # the weight daemon's share
+
+
+class Memory(NamedTuple):
+    """One preflight's reading (Probe.read_memory)."""
+
+    gpus: Optional[list[GpuMemory]]  # None: the engine uses no GPU, or NVML could not be read
+    unreadable: str  # why NVML could not be read; "" when it was (or was not needed)

@@ -5,6 +5,11 @@ One job: own that layout. Nothing else in hostd knows the file names.
     .manager/next-operation          the operation counter (ids survive restarts)
     .manager/NAME/reload-intent.json a reload in progress: what to restore
     .manager/NAME/committed.json     the config the engine was last verified to run
+    .manager/NAME/degraded.json      a reload whose rollback failed too: the model is degraded
+
+Each record is a msgspec Struct here (Intent, Committed, Degraded): the only spelling of
+its fields. Fields added later have defaults, so a record an older manager
+wrote still reads.
 
 Trust: the directory is root's (0700), apart from the service user's
 /var/lib/hostd/NAME, so the service user cannot forge what root acts on.
@@ -13,11 +18,10 @@ Reading never creates anything; the first write creates the directories.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -29,6 +33,48 @@ log = logging.getLogger("hostd.manager.records")
 INTENT = "reload-intent.json"
 COMMITTED = "committed.json"
 COUNTER = "next-operation"
+DEGRADED = "degraded.json"
+
+
+class Intent(msgspec.Struct, kw_only=True):
+    """A reload in progress (written at its `record` stage, dropped when it
+    ends): what recovery needs to finish or undo it after a manager crash."""
+
+    operation: int
+    strategy: str = "restart"  # operation.Strategy; older records had none and were all restarts
+    patch: dict[str, Any] = {}
+    previous_reload: Optional[str] = None  # 90-reload.yaml before the reload; None: there was none
+    previous_rollback: Optional[str] = None  # the same for 99-rollback.yaml
+    previous_engine: Optional[dict[str, Any]] = None  # the engine section a rollback brings back
+    target_engine: dict[str, Any] = {}  # the engine section the reload applies
+    weights: Optional[tuple[int, int]] = None  # the weight daemon's (pid, socket inode) before it
+    at: float = 0.0  # when it was written (time.time())
+
+
+class Degraded(msgspec.Struct, kw_only=True):
+    """A reload failed and so did its rollback: the model's State is degraded
+    (the gateway stays paused) until a reload ends done or rolled-back, or
+    the model is stopped or restarted. On disk, so that it survives the next
+    operation starting and a restart of the manager."""
+
+    operation: int  # the reload that left it so
+    cause: str  # its error
+    at: float = 0.0
+
+
+class Committed(msgspec.Struct, kw_only=True):
+    """The config the engine was last verified to run: its engine section, and
+    the rest (the fixed fields, reload.* included) apart."""
+
+    engine: dict[str, Any]
+    fixed: dict[str, Any] = {}
+    at: float = 0.0
+
+    @classmethod
+    def of(cls, cfg) -> "Committed":
+        """The record of the effective config CFG (a config.schema model)."""
+        data = msgspec.to_builtins(cfg)
+        return cls(engine=data.pop("engine"), fixed=data, at=time.time())
 
 
 class Records:
@@ -53,17 +99,18 @@ class Records:
 
     # ------------------------------------------------------------ intent
 
-    def intent(self, name: str) -> Optional[dict]:
-        """The intent record of a reload of NAME that has not ended, or None."""
+    def intent(self, name: str) -> Optional[Intent]:
+        """The intent record of a reload of NAME that has not ended, or None;
+        msgspec.DecodeError (ValidationError included) for a broken record."""
         text = self._read(self._dir(name) / INTENT)
-        return json.loads(text) if text else None
+        return _decode(text, Intent) if text else None
 
     def intent_path(self, name: str) -> Path:
         """For messages to operators only."""
         return self._dir(name) / INTENT
 
-    def write_intent(self, name: str, intent: dict) -> None:
-        self._write(self._dir(name) / INTENT, json.dumps({**intent, "at": time.time()}, indent=1))
+    def write_intent(self, name: str, intent: Intent) -> None:
+        self._write(self._dir(name) / INTENT, _encode(msgspec.structs.replace(intent, at=time.time())))
 
     def drop_intent(self, name: str) -> None:
         remove_durably(self._dir(name) / INTENT)
@@ -73,16 +120,35 @@ class Records:
     def committed_text(self, name: str) -> Optional[str]:
         return self._read(self._dir(name) / COMMITTED)
 
-    def committed(self, name: str) -> Optional[dict]:
-        """{"engine": ..., "fixed": ..., "at": ...} last verified, or None."""
+    def committed(self, name: str) -> Optional[Committed]:
+        """The config last verified to run, or None."""
         text = self.committed_text(name)
-        return json.loads(text) if text else None
+        return _decode(text, Committed) if text else None
 
     def write_committed(self, name: str, cfg) -> None:
-        data = msgspec.to_builtins(cfg)
-        engine = data.pop("engine")
-        self._write(self._dir(name) / COMMITTED,
-                    json.dumps({"engine": engine, "fixed": data, "at": time.time()}, indent=1))
+        """CFG (a config.schema model) is what the engine was verified to run."""
+        self._write(self._dir(name) / COMMITTED, _encode(Committed.of(cfg)))
+
+    # ------------------------------------------------------------ degraded
+
+    def degraded(self, name: str) -> Optional[Degraded]:
+        """Why NAME is degraded, or None. A record that does not decode still
+        says degraded: only the manager writes it, after a failed rollback."""
+        path = self._dir(name) / DEGRADED
+        text = self._read(path)
+        if not text:
+            return None
+        try:
+            return _decode(text, Degraded)
+        except msgspec.DecodeError as exc:
+            return Degraded(operation=0, cause=f"{path} does not decode: {exc}")
+
+    def write_degraded(self, name: str, record: Degraded) -> None:
+        self._write(self._dir(name) / DEGRADED, _encode(msgspec.structs.replace(record, at=time.time())))
+
+    def clear_degraded(self, name: str) -> None:
+        if self._read(self._dir(name) / DEGRADED) is not None:
+            remove_durably(self._dir(name) / DEGRADED)
 
     # ------------------------------------------------------------ operation ids
 
@@ -99,3 +165,11 @@ class Records:
         except OSError as exc:
             log.warning("cannot persist the operation counter: %s", exc)
         return op_id
+
+
+def _encode(record: msgspec.Struct) -> str:
+    return msgspec.json.format(msgspec.json.encode(record).decode(), indent=1)
+
+
+def _decode(text: str, kind: type):
+    return msgspec.json.decode(text, type=kind)

@@ -15,11 +15,12 @@ import logging
 
 from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
 from hostd.manager.operation import Strategy
-from hostd.manager.reload import Model
+from hostd.manager.records import Intent
+from hostd.manager.reload import ModelHandles
 
 log = logging.getLogger("hostd.manager.reload")
 
-async def recover(model: Model, intent: dict) -> str:
+async def recover(model: ModelHandles, intent: Intent) -> str:
     """End the reload a previous manager left half done (INTENT is its record).
     Returns what it did: committed, left (the engine runs the previous config),
     restarted, or restored (the model is stopped: files only).
@@ -30,30 +31,30 @@ async def recover(model: Model, intent: dict) -> str:
     at the end the gateway goes back to it and the second engine stops: exactly
     one engine is left."""
     name, probe, systemd = model.name, model.probe, model.systemd
-    where = {"hostd_model": name, "hostd_operation": str(intent.get("operation"))}
-    overlap = intent.get("strategy") == Strategy.OVERLAP.value
+    where = {"hostd_model": name, "hostd_operation": str(intent.operation)}
+    overlap = intent.strategy == Strategy.OVERLAP.value
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
     await systemd.settle(model.engine_unit, timeout=300)
     if overlap:
         await systemd.settle(model.next_unit, timeout=300)
     health = await probe.engine_health()
-    if health is not None and probe.runs(health, intent.get("target_engine") or {}):
-        log.info("recovery: %s runs the target of reload %s; committing", name, intent.get("operation"), extra=where)
+    if health is not None and probe.runs(health, intent.target_engine):
+        log.info("recovery: %s runs the target of reload %s; committing", name, intent.operation, extra=where)
         model.records.write_committed(name, model.load().config)
         outcome = "committed"
     else:
         directory = model.dropins
-        restore_file(directory / RELOAD_DROPIN, intent.get("previous_reload"))
-        restore_file(directory / ROLLBACK_DROPIN, intent.get("previous_rollback"))
-        previous = intent.get("previous_engine")
+        restore_file(directory / RELOAD_DROPIN, intent.previous_reload)
+        restore_file(directory / ROLLBACK_DROPIN, intent.previous_rollback)
+        previous = intent.previous_engine
         if health is not None and previous is not None and probe.runs(health, previous):
             log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",
-                     name, intent.get("operation"), extra=where)
+                     name, intent.operation, extra=where)
             outcome = "left"
         elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
             log.warning("recovery: %s does not run the target of reload %s; restarting its engine%s",
-                        name, intent.get("operation"), "" if overlap else " after a drain", extra=where)
+                        name, intent.operation, "" if overlap else " after a drain", extra=where)
             outcome = await (_restart_main(model, where) if overlap else _restart_drained(model))
         else:  # never start a stopped model
             log.info("recovery: %s is stopped; files restored", name, extra=where)
@@ -69,7 +70,7 @@ async def recover(model: Model, intent: dict) -> str:
     return outcome
 
 
-async def _restart_main(model: Model, where: dict) -> str:
+async def _restart_main(model: ModelHandles, where: dict) -> str:
     """Restart the main engine with the config on disk (overlap: no drain)."""
     try:
         await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
@@ -78,7 +79,7 @@ async def _restart_main(model: Model, where: dict) -> str:
     return "restarted"
 
 
-async def _leave_one_engine(model: Model, outcome: str, where: dict) -> None:
+async def _leave_one_engine(model: ModelHandles, outcome: str, where: dict) -> None:
     """After an overlap: the gateway back on the main engine, the next one stopped."""
     main_answers = await model.probe.engine_health() is not None
     if outcome != "restored" and main_answers:
@@ -97,11 +98,11 @@ async def _restart_drained(model: Model) -> str:
     """Restart the engine with the config on disk, after draining what it admitted."""
     cfg = model.load().config
     try:
-        result = await model.probe.drain(cfg.reload.drain_timeout)
+        drained = (await model.probe.drain(cfg.reload.drain_timeout)).drained
     except Exception as exc:  # no gateway: nothing was admitted through it
         log.warning("recovery: draining %s: %s", model.name, exc)
-        result = {"drained": True}
-    if not result["drained"]:
+        drained = True
+    if not drained:
         log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
                   "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit)
         return "left"

@@ -1,5 +1,6 @@
-"""The reload of one model: an explicit state machine, one function per stage,
-and every way a reload can end, its recovery after a manager crash included.
+"""The reload of one model: one function per stage of the state machine
+(operation.py holds its states, stages and transitions) and the driver that
+runs them to every way a reload can end.
 
 Two strategies, chosen by the preflight (Operation.strategy says which, and why
 in the journal): `overlap` (the default) and `restart` (forced by
@@ -45,7 +46,7 @@ Nothing is touched before validate and preflight pass: a refusal changes no
 file, drains nothing and restarts nothing. From `record` on, the intent
 (previous drop-in content and target config) is in the manager's records
 (records.py), so a manager that dies mid-way decides on its next start
-(recover): commit if the engine runs the target config; leave an engine that
+(recovery.py): commit if the engine runs the target config; leave an engine that
 runs the previous config alone (the crash came before its restart); else
 drain, restart it with the previous config and resume. Recovery never stops an
 engine that still has admitted requests without draining it first.
@@ -75,17 +76,19 @@ from hostd.manager.dropins import (
 )
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy
 from hostd.manager.probe import Probe
-from hostd.manager.records import Records
+from hostd.manager.records import Committed, Degraded, Intent, Records
 
 log = logging.getLogger("hostd.manager.reload")
 
 # ---------------------------------------------------------------- the run
 
 
-class Model:
-    """What a reload needs to act on one model; the manager provides it (tests
-    give fakes): SYSTEMD (systemd1.Systemd), PROBE (probe.Probe), RECORDS
-    (records.Records) and LOAD, the manager's cached parse of the model's YAML."""
+class ModelHandles:
+    """The handles a reload (and a recovery) acts on one model through: its
+    units' and files' names, SYSTEMD (systemd1.Systemd), PROBE (probe.Probe),
+    RECORDS (records.Records) and LOAD, the manager's cached parse of the
+    model's YAML. The manager builds one per model (model_bus.py); tests give
+    fakes."""
 
     def __init__(self, name: str, root: Path, systemd, probe, records: Optional[Records] = None,
                  load: Optional[Callable[[], hostd_config.LoadedModel]] = None):
@@ -105,7 +108,7 @@ class Model:
 
 
 class Reload:
-    def __init__(self, model: Model, op: Operation):
+    def __init__(self, model: ModelHandles, op: Operation):
         self.model, self.op = model, op
         self.previous_reload: Optional[str] = None
         self.previous_rollback: Optional[str] = None
@@ -114,6 +117,7 @@ class Reload:
         self.current = None  # effective config before the reload
         self.target = None  # effective config after it
         self.running_engine: Optional[dict] = None
+        self.health: Optional[dict] = None  # the engine's /health as validate read it (preflight reuses it)
         self.weights_before: Optional[tuple[int, int]] = None
         self.recorded = False  # the previous files are known: restore() may write
         self.unchanged = False  # validate found nothing to apply
@@ -125,8 +129,8 @@ class Reload:
         name, patch = self.model.name, self.op.patch
         try:
             current = self.model.load()
-        except hostd_config.NoSuchModel as exc:
-            raise errors.NoSuchModel(exc.reason) from None
+        except hostd_config.NoSuchModel:
+            raise  # errors.to_dbus: NoSuchModel
         except hostd_config.ConfigError as exc:
             raise errors.InvalidValue(f"the configuration on disk is invalid:\n{exc}")
         # "reloading": `systemctl reload model@NAME` is what called us.
@@ -148,7 +152,7 @@ class Reload:
             raise errors.NotEditable(f"{why}; editable: {', '.join(editable)}")
         committed = self.model.records.committed(name)
         self.current = current.config
-        health = await self.model.probe.engine_health()
+        health = self.health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = previous_engine(current.config.backend, committed, health)
         if patch:
@@ -191,15 +195,13 @@ class Reload:
                 )
         return cfg
 
-    def check_fixed_unchanged(self, committed: dict) -> None:
-        running_fixed = committed.get("fixed")
-        if running_fixed is None:
+    def check_fixed_unchanged(self, committed: Committed) -> None:
+        if not committed.fixed:  # a record of an older manager, without them
             return
-        now = msgspec.to_builtins(self.target)
-        now.pop("engine", None)
+        now = Committed.of(self.target).fixed
         # reload.* steers the manager at each reload, never the units: not fixed.
         now.pop("reload", None)
-        running_fixed = {k: v for k, v in running_fixed.items() if k != "reload"}
+        running_fixed = {k: v for k, v in committed.fixed.items() if k != "reload"}
         changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
         if changed:
             raise errors.NotEditable(
@@ -217,21 +219,25 @@ class Reload:
         return backends.for_config(cfg).refusals(cfg)
 
     async def preflight(self) -> None:
+        """Choose the strategy and check the memory, asking each thing once:
+        the engine's /health is validate's, and one memory reading serves the
+        overlap check and the restart's."""
         props = await self.model.systemd.properties(self.model.engine_unit)
-        pid = props.get("MainPID", 0)
-        strategy, why = await self.choose_strategy(pid)
+        memory = await self.model.probe.read_memory(self.target, props.get("MainPID", 0))
+        strategy, why = self.choose_strategy(memory)
         self.op.strategy, self.strategy_reason = strategy.value, why
         if strategy == Strategy.RESTART:
-            problem = await self.model.probe.memory_problem(self.target, pid)
+            problem = self.model.probe.memory_problem(self.target, memory)
             if problem:
                 raise errors.InsufficientMemory(problem)
 
-    async def choose_strategy(self, engine_pid: int) -> tuple[Strategy, str]:
+    def choose_strategy(self, memory) -> tuple[Strategy, str]:
         """overlap when configured, possible for the backend and there is room
-        for a second engine beside the first; else restart. Returns the reason."""
+        for a second engine beside the first (MEMORY: the preflight's reading);
+        else restart. Returns the reason."""
         if self.current.reload.strategy == Strategy.RESTART.value:
             return Strategy.RESTART, "reload.strategy is restart"
-        problem = await self.model.probe.overlap_problem(self.target, engine_pid)
+        problem = self.model.probe.overlap_problem(self.target, self.health, memory)
         if problem:
             return Strategy.RESTART, f"overlap does not fit, falling back to restart: {problem}"
         return Strategy.OVERLAP, "room for a second engine beside the serving one"
@@ -242,25 +248,25 @@ class Reload:
         self.previous_rollback = read_text(directory / ROLLBACK_DROPIN)
         self.recorded = True
         self.weights_before = await self.model.probe.weights_identity()
-        self.model.records.write_intent(self.model.name, {
-            "operation": self.op.id,
-            "strategy": self.op.strategy,
-            "patch": self.op.patch,
-            "previous_reload": self.previous_reload,
-            "previous_rollback": self.previous_rollback,
-            "previous_engine": self.running_engine,
-            "target_engine": msgspec.to_builtins(self.target.engine),
-            "weights": list(self.weights_before) if self.weights_before else None,
-        })
+        self.model.records.write_intent(self.model.name, Intent(
+            operation=self.op.id,
+            strategy=self.op.strategy,
+            patch=self.op.patch,
+            previous_reload=self.previous_reload,
+            previous_rollback=self.previous_rollback,
+            previous_engine=self.running_engine,
+            target_engine=msgspec.to_builtins(self.target.engine),
+            weights=self.weights_before,
+        ))
         if self.reload_text is not None:
             write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
     async def drain(self) -> None:
         result = await self.model.probe.drain(self.current.reload.drain_timeout)
-        if not result["drained"]:
+        if not result.drained:
             raise TimeoutError(
                 f"drain timed out after {self.current.reload.drain_timeout:g} s with "
-                f"{result['remaining']} request(s) still running; the old engine keeps serving"
+                f"{result.remaining} request(s) still running; the old engine keeps serving"
             )
 
     async def restart(self) -> None:
@@ -441,8 +447,10 @@ class Reload:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 # restart: the gateway stays paused, nothing safe to serve;
                 # overlap: the next engine may still serve the target config.
-                op.degraded = True
-                return self._end(State.FAILED, f"{cause}; rollback failed: {again}")
+                error = f"{cause}; rollback failed: {again}"
+                self.model.records.write_degraded(self.model.name, Degraded(operation=op.id, cause=error))
+                return self._end(State.FAILED, error)
+            self.model.records.clear_degraded(self.model.name)  # the previous config serves again
             return self._end(State.ROLLED_BACK, cause)
         # Verified: the engine attached the same weight daemon (PID, inode),
         # which holds the weights unless the backend says they are not retained.
@@ -460,6 +468,7 @@ class Reload:
             return self._end(State.FAILED, f"the new config runs, but {hand_back_failed}: {exc}")
         op.enter(Stage.COMMIT)
         await self.commit()
+        self.model.records.clear_degraded(self.model.name)  # the target config serves
         self._end(State.DONE)
 
     async def _apply_overlap(self) -> None:

@@ -7,7 +7,7 @@ crash live in reload.py; the records on disk in records.py; refusals and their
 D-Bus errors in errors.py; names shared with clients in api.py.
 
     /org/hostd1                     org.hostd1.Manager    verbs, OperationFinished, OperationRemoved
-    /org/hostd1/model/<name>        org.hostd1.Model      one per configured model
+    /org/hostd1/model/<name>        org.hostd1.Model      one per configured model (model_bus.py)
     /org/hostd1/operation/<id>      org.hostd1.Operation  the running ones and the last 64 finished (operation_bus.py)
 
 A model's State follows its units' PropertiesChanged signals (systemd1.py)
@@ -16,263 +16,36 @@ read from its control socket every few seconds while the model runs.
 
 Trust: anyone on the system bus may read and call (the D-Bus policy allows
 it, as systemd's does); before a mutating method the manager asks polkit
-(errors.admin, errors.authorize): root always may, the admin group by
-org.hostd1.rules, nobody else. The caller's uid comes from the bus daemon
+(authority.py, the one room that decides): root always may, the admin group
+by org.hostd1.rules, nobody else. The caller's uid comes from the bus daemon
 (GetConnectionUnixUser), never from the message.
 """
 
 import asyncio
-import contextvars
 import json
 import logging
 from pathlib import Path
 from typing import Optional
 
 import msgspec
-from dbus_fast import BusType, Message, MessageType
+from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
-from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
+from dbus_fast.service import ServiceInterface, method, signal
 
-from hostd import backends, units
 from hostd import config as hostd_config
 from hostd.config import schema
 from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
-from hostd.manager.errors import admin, replies
+from hostd.manager.authority import Authority, CallerAwareBus, admin
+from hostd.manager.errors import replies
+from hostd.manager.model_bus import GATEWAY_UP, ModelInterface
 from hostd.manager.operation_bus import OperationInterface
-from hostd.manager.probe import Probe
 from hostd.manager.records import Records
 from hostd.manager.systemd1 import Systemd
 
 log = logging.getLogger("hostd.manager")
 
-CALLER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("caller", default=None)
 IN_FLIGHT_INTERVAL = 2.0
-GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
-
-
-class CallerAwareBus(MessageBus):
-    """Makes the sender of the method call being handled available in CALLER
-    (dbus-fast does not pass it to method handlers)."""
-
-    def _make_method_handler(self, interface, method_):
-        inner = super()._make_method_handler(interface, method_)
-
-        def handler(msg, send_reply):
-            token = CALLER.set(msg.sender)
-            try:
-                return inner(msg, send_reply)
-            finally:
-                CALLER.reset(token)
-
-        return handler
-
-
-# ---------------------------------------------------------------- models
-
-
-def config_stamp(name: str, root: Path) -> tuple:
-    """What the model's parsed config depends on, cheaply: every file's mtime and size."""
-    files = [hostd_config.model_file(name, root), hostd_config.config_root(root) / "hostd.yaml"]
-    directory = hostd_config.dropin_dir(name, root)
-    try:
-        files += sorted(directory.iterdir())
-    except OSError:
-        pass
-    stamp = []
-    for path in files:
-        try:
-            st = path.stat()
-            stamp.append((path.name, st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            stamp.append((path.name, None))
-    return tuple(stamp)
-
-
-REDACTED = "<redacted>"
-
-
-def redacted(config: dict) -> dict:
-    """CONFIG with its env: values replaced by REDACTED, keys kept. Anyone on
-    the bus may read Config and RunningConfig, and env: holds secrets
-    (HF_TOKEN) of a YAML that may be 0600; root reads the files themselves."""
-    env = config.get("env")
-    return {**config, "env": dict.fromkeys(env, REDACTED)} if isinstance(env, dict) else config
-
-
-class ModelInterface(ServiceInterface):
-    def __init__(self, manager: "Manager", name: str):
-        super().__init__(api.MODEL)
-        self.manager, self.model_name = manager, name  # self.name is the interface's
-        self.path = api.model_path(name)
-        self.units = (units.umbrella(name), units.engine(name))
-        self.weights_unit = units.weights(name)  # tracked too, for its PID
-        self.state = "unknown"
-        self.in_flight = 0
-        self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
-        self.active: Optional[OperationInterface] = None
-        self._stamp: Optional[tuple] = None
-        self._loaded: Optional[hostd_config.LoadedModel] = None
-        self._problem: Optional[hostd_config.ConfigError] = None
-
-    def load(self) -> hostd_config.LoadedModel:
-        """The model's effective config, parsed again only when a file changed."""
-        stamp = config_stamp(self.model_name, self.manager.root)
-        if stamp != self._stamp:
-            self._stamp, self._loaded, self._problem = stamp, None, None
-            try:
-                self._loaded = hostd_config.load_model(self.model_name, self.manager.root)
-            except hostd_config.ConfigError as exc:
-                self._problem = exc
-        if self._problem is not None:
-            raise self._problem
-        return self._loaded
-
-    def loaded(self) -> Optional[hostd_config.LoadedModel]:
-        try:
-            return self.load()
-        except hostd_config.ConfigError:
-            return None
-
-    def forget(self) -> None:
-        self._stamp = None
-
-    def busy(self) -> Optional[OperationInterface]:
-        return self.active if self.active and self.active.running else None
-
-    def compute_state(self) -> str:
-        active = self.busy()
-        if active and active.kind == "reload":
-            return "reloading"
-        if self.active and self.active.op.degraded:
-            return "degraded"
-        umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
-        state = umbrella.get("ActiveState", "unknown")
-        if state == "active":
-            serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
-            return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
-        return {"activating": "starting", "deactivating": "stopping", "reloading": "reloading",
-                "unknown": "unknown"}.get(state, "stopped")
-
-    def refresh(self, in_flight: Optional[int] = None, gateway: Optional[str] = None) -> None:
-        if gateway is not None:
-            self.gateway = gateway
-        changed = {}
-        state = self.compute_state()
-        if state != self.state:
-            self.state = changed["State"] = state
-        if state not in GATEWAY_UP:
-            in_flight = 0
-        if in_flight is not None and in_flight != self.in_flight:
-            self.in_flight = changed["InFlight"] = in_flight
-        if changed:
-            self.emit_properties_changed(changed)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Name(self) -> "s":
-        return self.model_name
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Backend(self) -> "s":
-        loaded = self.loaded()
-        return loaded.config.backend if loaded else ""
-
-    @dbus_property(access=PropertyAccess.READ)
-    def State(self) -> "s":
-        return self.state
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Config(self) -> "s":
-        loaded = self.loaded()
-        return json.dumps(redacted(msgspec.to_builtins(loaded.config))) if loaded else "{}"
-
-    @dbus_property(access=PropertyAccess.READ)
-    def RunningConfig(self) -> "s":
-        committed = self.manager.records.committed(self.model_name)
-        if committed is None:
-            return "{}"
-        return json.dumps({**committed, "fixed": redacted(committed.get("fixed") or {})})
-
-    @dbus_property(access=PropertyAccess.READ)
-    def EditableFields(self) -> "as":
-        loaded = self.loaded()
-        return list(schema.editable_fields(loaded.config.backend)) if loaded else []
-
-    @dbus_property(access=PropertyAccess.READ)
-    def WeightsRetained(self) -> "b":
-        """Does a weight cache daemon hold the weights now, so that engine
-        restarts attach them (a reload reuses them)? False for a model whose
-        config cannot retain them (WeightsNotRetainedReason) or whose weights
-        unit is not active."""
-        active = (self.manager.systemd.cached(self.weights_unit) or {}).get("ActiveState") == "active"
-        return active and not self.weights_not_retained()
-
-    @dbus_property(access=PropertyAccess.READ)
-    def WeightsNotRetainedReason(self) -> "s":
-        """Why not, naming the setting; empty when they are retained."""
-        return self.weights_not_retained()
-
-    def weights_not_retained(self) -> str:
-        loaded = self.loaded()
-        if loaded is None:
-            return ""
-        try:
-            return backends.for_config(loaded.config).weights_not_retained(loaded.config) or ""
-        except backends.Refused:
-            return ""
-
-    @dbus_property(access=PropertyAccess.READ)
-    def ActiveOperation(self) -> "o":
-        active = self.busy()
-        return active.path if active else "/"
-
-    @dbus_property(access=PropertyAccess.READ)
-    def InFlight(self) -> "u":
-        return self.in_flight
-
-    # What a script needs without a second tool (read with Get/GetAll; they
-    # follow the units, so only State and InFlight send PropertiesChanged).
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Units(self) -> "as":
-        name = self.model_name
-        return [units.umbrella(name), units.socket(name), units.engine(name), units.weights(name),
-                units.instance(units.WEIGHTS_SOCKET, name)]
-
-    def _pid(self, unit: str) -> int:
-        return int((self.manager.systemd.cached(unit) or {}).get("MainPID", 0) or 0)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def GatewayPID(self) -> "u":
-        return self._pid(self.units[0])
-
-    @dbus_property(access=PropertyAccess.READ)
-    def EnginePID(self) -> "u":
-        return self._pid(self.units[1])
-
-    @dbus_property(access=PropertyAccess.READ)
-    def WeightsPID(self) -> "u":
-        return self._pid(self.weights_unit)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def EngineStatus(self) -> "s":
-        return str((self.manager.systemd.cached(self.units[1]) or {}).get("StatusText", ""))
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Listen(self) -> "s":
-        loaded = self.loaded()
-        return str(loaded.config.listen) if loaded else ""
-
-    @dbus_property(access=PropertyAccess.READ)
-    def LastOperation(self) -> "o":
-        """The model's latest operation, running or finished, while it is on the bus."""
-        last = self.active
-        return last.path if last is not None and last.op.id in self.manager.operations else "/"
-
-    @method()
-    @admin(api.RELOAD_ACTION)
-    async def Reload(self, patch: "a{sv}") -> "o":
-        return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
 
 
 # ---------------------------------------------------------------- manager
@@ -282,13 +55,12 @@ class Manager(ServiceInterface):
     def __init__(self, bus: MessageBus, systemd: Systemd, root: Path, records: Optional[Records] = None):
         super().__init__(api.MANAGER)
         self.bus, self.systemd, self.root = bus, systemd, root
-        self.manager = self  # for errors.admin
+        self.authority = Authority(bus)
         self.records = records or Records()
         self.models: dict[str, ModelInterface] = {}
         self.operations: dict[int, OperationInterface] = {}
         self._by_unit: dict[str, ModelInterface] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.admin_group = "hostd-admin"
         systemd.on_unit_change = self._unit_changed
 
     # ------------------------------------------------------------ plumbing
@@ -299,26 +71,13 @@ class Manager(ServiceInterface):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def require_admin(self, action: str = api.MANAGE_ACTION) -> None:
-        sender = CALLER.get()
-        if sender is None:
-            raise errors.AccessDenied("unknown caller")
-        reply = await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="GetConnectionUnixUser", signature="s", body=[sender],
-        ))
-        if reply.message_type == MessageType.ERROR:
-            raise errors.AccessDenied("cannot tell who the caller is")
-        await errors.authorize(self.bus, sender, reply.body[0], action, self.admin_group)
-
     def model(self, name: str) -> ModelInterface:
+        """The model NAME; the loader's config.NoSuchModel (its name rule, or no
+        NAME.yaml) when there is none."""
         self.discover()
         if name not in self.models:
-            problem = schema.model_name_problem(name)
-            if problem is not None:  # never a path built from it: "../models/x" names no file
-                raise errors.NoSuchModel(problem)
-            raise errors.NoSuchModel(
-                f"no model {name!r}: {hostd_config.model_file(name, self.root)} does not exist")
+            hostd_config.load.existing_model_file(name, self.root)
+            self.discover()  # the YAML appeared since
         return self.models[name]
 
     def discover(self) -> None:
@@ -358,8 +117,9 @@ class Manager(ServiceInterface):
 
     def new_operation(self, model: ModelInterface, kind: str, patch: dict) -> OperationInterface:
         """An operation, not yet visible on the bus (see publish); MODEL is busy from here on."""
-        iface = OperationInterface(self, reload_mod.Operation(
-            id=self.records.next_operation_id(), model=model.model_name, patch=patch), kind)
+        iface = OperationInterface(reload_mod.Operation(
+            id=self.records.next_operation_id(), model=model.model_name, patch=patch), kind,
+            self.systemd, self.authority)
         model.active = iface
         return iface
 
@@ -375,6 +135,7 @@ class Manager(ServiceInterface):
         if model is not None and not iface.running:
             model.forget()  # the reload may have rewritten its drop-ins
             model.gateway = None  # the operation resumed it (or says why not)
+            model.degraded = self.records.degraded(model.model_name)  # it may have left it so, or cured it
         if model is not None:
             model.refresh()
         if not iface.running:
@@ -398,7 +159,7 @@ class Manager(ServiceInterface):
         previous = model.active
         iface = self.new_operation(model, "reload", patch)
         run = reload_mod.Reload(
-            reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load), iface.op)
+            model.handles, iface.op)
         try:
             await run.check()
         except BaseException as exc:
@@ -508,20 +269,24 @@ class Manager(ServiceInterface):
             for name, model in list(self.models.items()):
                 if model.state not in GATEWAY_UP:
                     continue
-                status = await Probe(name).gateway_status()
+                status = await model.handles.probe.gateway_status()
                 if status:
-                    model.refresh(status["in_flight"], status["state"])
+                    model.refresh(status.in_flight, status.state)
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     async def recover(self) -> None:
         """End reloads a previous manager left half done (recovery.recover)."""
         for name, model in list(self.models.items()):
-            intent = self.records.intent(name)
+            try:
+                intent = self.records.intent(name)
+            except msgspec.DecodeError as exc:
+                log.error("the intent record of %s is broken (%s); it stays in %s for an operator",
+                          name, exc, self.records.intent_path(name), extra={"hostd_model": name})
+                continue
             if intent is None:
                 continue
-            where = reload_mod.Model(name, self.root, self.systemd, Probe(name), self.records, model.load)
             try:
-                outcome = await recovery.recover(where, intent)
+                outcome = await recovery.recover(model.handles, intent)
                 log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
             except Exception:
                 log.exception("recovery of %s failed; its intent record stays in %s", name,
@@ -535,7 +300,7 @@ async def serve(root: Path) -> None:
     systemd = await Systemd(bus).connect()
     manager = Manager(bus, systemd, root)
     try:
-        manager.admin_group = hostd_config.load_daemon(root).admin_group
+        manager.authority.admin_group = hostd_config.load_daemon(root).admin_group
     except hostd_config.ConfigError as exc:
         log.error("hostd.yaml: %s; using defaults", exc)
     bus.export(api.ROOT_PATH, manager)

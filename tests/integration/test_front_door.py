@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from hostd import sockets
+from hostd.gateway import control
 from hostd.local import ModelTree, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
@@ -253,7 +254,7 @@ def test_a_slow_body_is_not_admitted_does_not_hold_a_drain_and_gets_408(tmp_path
         # slow body held no admission (a held drain would end at its 5 s
         # timeout with remaining 1 and drained false).
         drained = door.tree.control("drain", timeout=5)
-        assert drained == {"ok": True, "drained": True, "remaining": 0, "state": "paused"}
+        assert drained == {"ok": True, "protocol": control.PROTOCOL, "drained": True, "remaining": 0, "state": "paused"}
         door.tree.control("resume")
         answer = conn.recv(4096)  # the gateway's body_timeout (3 s) fires inside the socket's 10 s
         assert answer.startswith(b"HTTP/1.1 408"), answer
@@ -402,7 +403,6 @@ def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(do
 
 
 def test_a_reload_outcome_outside_the_known_set_is_refused_and_changes_nothing(door: FrontDoor):
-    from hostd.gateway import control
 
     door.tree.control("drain", timeout=5)
     with pytest.raises(control.ControlError, match="outcome"):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import msgspec
 import pytest
 
 from hostd.gateway import control
@@ -93,7 +94,7 @@ def test_drain_during_32_streams_loses_nothing(served: ModelTree):
         drained = drain.result(300)
         results = [s.result(300) for s in streams]
 
-    assert drained == {"ok": True, "drained": True, "remaining": 0, "state": "paused"}
+    assert drained == {"ok": True, "protocol": control.PROTOCOL, "drained": True, "remaining": 0, "state": "paused"}
     assert all(r == {"chunks": r["chunks"], "finish": "length", "completion_tokens": max_tokens} for r in results), results
     assert all(r["chunks"] > 0 for r in results)
     for response in refused:
@@ -150,7 +151,7 @@ def test_drain_that_times_out_reports_what_still_runs_and_leaves_it_running(serv
         streams = [pool.submit(stream_chat, served, 300) for _ in range(2)]
         wait_for(lambda: served.control("status")["in_flight"] == 2, 60, "2 streams in flight")
         result = served.control("drain", timeout=0.2)
-        assert result == {"ok": True, "drained": False, "remaining": 2, "state": "draining"}
+        assert result == {"ok": True, "protocol": control.PROTOCOL, "drained": False, "remaining": 2, "state": "draining"}
         assert post_completion(served).status_code == 503
         finished = [s.result(300) for s in streams]
     assert all(r["finish"] == "length" and r["completion_tokens"] == 300 for r in finished)
@@ -174,7 +175,8 @@ def test_bad_control_input_is_refused_and_changes_nothing(served: ModelTree, lin
         conn.connect(str(served.control_socket))
         conn.sendall(line)
         answer = conn.makefile("rb").readline()
-    assert b'"ok": false' in answer and error.encode() in answer, answer
+    refusal = msgspec.json.decode(answer, type=control.Refusal)
+    assert not refusal.ok and error in refusal.error, answer
     status = served.control("status")
     assert status["state"] == "serving" and status["drains"] == 0
     assert post_completion(served).status_code == 200
@@ -204,6 +206,6 @@ def test_control_peer_with_another_uid_is_refused(served: ModelTree):
         outcome = as_other_user(drain_as_nobody)
         assert outcome.startswith("refused"), outcome
         wait_for(lambda: "uid 65534 is neither" in gateway.log(), 10, "refusal log line")
-        assert control.call(path, "status")["drains"] == 0
+        assert control.call(path, control.Status()).drains == 0
     finally:
         shutil.rmtree(open_dir)

@@ -273,8 +273,8 @@ def _gateway_drains(host: SystemdContainer) -> int:
 
 
 def _gateway_status(host: SystemdContainer) -> dict:
-    script = ("import json; from hostd.gateway import control; from pathlib import Path; "
-              "print(json.dumps(control.call(Path('/run/hostd/tiny/control.sock'), 'status')))")
+    script = ("import msgspec; from hostd.gateway import control; from pathlib import Path; "
+              "print(msgspec.json.encode(control.call(Path('/run/hostd/tiny/control.sock'), control.Status())).decode())")
     return json.loads(host.run([host.python, "-c", script]).stdout)
 
 

@@ -23,10 +23,11 @@ import msgspec
 from dbus_fast import Message, Variant
 
 from hostd import backends, config, units
+from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
-from hostd.manager.probe import Probe, VerifyFailed
-from hostd.manager.records import Records
+from hostd.manager.probe import Memory, Probe, VerifyFailed
+from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
 
 
@@ -130,7 +131,7 @@ class FakeProbe:
         self.no_room: Optional[str] = None  # what overlap_problem answers
         self.calls: list[str] = []
         self.outcomes: list[str | None] = []  # what each resume or switch told the gateway
-        self.drain_result = {"drained": True, "remaining": 0}
+        self.drain_result = control.Drained(drained=True, remaining=0, state="paused")
         self.drain_hangs = False
         self.resume_fails = False
         self.fail_next_start = False  # the engine exits with an error once started
@@ -156,10 +157,14 @@ class FakeProbe:
         engine = self.get_engine(slot)
         return None if engine is None else {"engine_config": engine}
 
-    async def memory_problem(self, cfg, pid: int) -> Optional[str]:
+    async def read_memory(self, cfg, pid: int) -> Memory:
+        self.calls.append("memory")
+        return Memory(None, "")
+
+    def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
         return None
 
-    async def overlap_problem(self, cfg, pid: int) -> Optional[str]:
+    def overlap_problem(self, cfg, health: Optional[dict], memory: Memory) -> Optional[str]:
         """The backend's own refusal first, as Probe.overlap_problem asks it
         (vLLM and SGLang engines cannot run twice); then NO_ROOM, which stands
         for the memory preflight."""
@@ -171,7 +176,7 @@ class FakeProbe:
         if self.get_engine(slot) is None:
             raise OSError(f"the engine in slot {slot} does not answer /health; not switching")
         self.slot = slot
-        return {"slot": slot}
+        return control.GatewayStatus(state="serving", slot=slot)
 
     async def weights_identity(self):
         return (7, 8)
@@ -187,7 +192,7 @@ class FakeProbe:
         self.outcomes.append(outcome)
         if self.resume_fails:
             raise OSError("control socket: connection refused")
-        return {}
+        return control.Resumed(state="serving")
 
     async def verify_engine(self, cfg, weights_before, slot: str = "main") -> None:
         self.calls.append("verify" if slot == "main" else f"verify {slot}")
@@ -226,14 +231,14 @@ class World:
     def dropin(self) -> Path:
         return self.root / "models/tiny.d" / R.RELOAD_DROPIN
 
-    def model(self) -> R.Model:
-        return R.Model(self.name, self.root, self.systemd, self.probe, self.records)
+    def model(self) -> R.ModelHandles:
+        return R.ModelHandles(self.name, self.root, self.systemd, self.probe, self.records)
 
     async def connect(self) -> None:
         if not self.bus.handlers:
             await self.systemd.connect()
 
-    async def recover(self, intent: dict) -> str:
+    async def recover(self, intent: "Intent") -> str:
         await self.connect()
         return await recovery.recover(self.model(), intent)
 

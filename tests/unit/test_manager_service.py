@@ -19,8 +19,9 @@ from reload_fakes import World  # noqa: E402
 
 from hostd import backends, units  # noqa: E402
 from hostd.config import ConfigError, Problem  # noqa: E402
-from hostd.manager import api, errors, service  # noqa: E402
+from hostd.manager import api, errors, model_bus, service  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.records import Degraded  # noqa: E402
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ async def manager_of(world: World) -> service.Manager:
 
 
 def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeypatch):
-    monkeypatch.setattr(service, "Probe", lambda name: world.probe)
+    monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
 
     async def go():
         manager = await manager_of(world)
@@ -52,9 +53,11 @@ def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeyp
         seen = []
         path = await manager.reload("tiny", {"max_num_seqs": 4})
         op = manager.operations[1].op
-        op.on_change = (lambda inner: lambda o: (inner(o), seen.append((o.stage.value, model.state))))(op.on_change)
+        ended = asyncio.Event()  # as a client waits: on the change that ends it
+        op.on_change = (lambda inner: lambda o: (inner(o), seen.append((o.stage.value, model.state)),
+                                                 o.state != R.State.RUNNING and ended.set()))(op.on_change)
         model.refresh(0, "draining")  # what the in-flight watch saw from the gateway mid-reload
-        await op.done_event.wait()
+        await ended.wait()
         assert path == api.operation_path(1)
         assert seen[-1] == ("finished", "serving")  # not "reloading" a moment longer
         assert ("restart", "reloading") in seen
@@ -66,6 +69,26 @@ def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeyp
         assert model.state == "engine-down"
         world.bus.set_state(units.umbrella("tiny"), "deactivating")
         assert model.state == "stopping"
+
+    asyncio.run(go())
+
+
+def test_degraded_outlives_the_next_operation_and_the_manager_and_ends_when_the_model_stops(world):
+    world.records.write_degraded("tiny", Degraded(operation=3, cause="engine failed; rollback failed: engine failed"))
+
+    async def go():
+        manager = await manager_of(world)  # a manager started after the failed rollback
+        model = manager.models["tiny"]
+        assert model.state == "degraded"
+        iface = manager.new_operation(model, "start", {})  # the next operation
+        manager.publish(iface)
+        assert model.state == "degraded"
+        iface.op.finish(R.State.FAILED, "start: the umbrella is active already")
+        assert model.state == "degraded"
+        world.bus.set_state(units.umbrella("tiny"), "deactivating")  # systemctl stop|restart model@tiny
+        assert model.state == "stopping" and world.records.degraded("tiny") is None
+        world.bus.set_state(units.umbrella("tiny"), "active")
+        assert model.state == "serving"
 
     asyncio.run(go())
 
@@ -122,6 +145,21 @@ def test_properties_parse_the_yaml_only_when_a_file_changed(world, monkeypatch):
     asyncio.run(go())
 
 
+def test_config_problem_says_why_the_yaml_does_not_load_and_never_a_value(world):
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        assert model.ConfigProblem == ""
+        (world.root / "models/tiny.d").mkdir()
+        (world.root / "models/tiny.d/50-x.yaml").write_text("engine: {max_num_seqs: s3cret}\n")
+        problem = model.ConfigProblem
+        assert problem.startswith(f"{world.root}/models/tiny.d/50-x.yaml:1: engine.max_num_seqs:"), problem
+        assert "s3cret" not in problem and model.Config == "{}"
+        assert [row[0] for row in await call(manager.ListModels)] == ["tiny"]  # still listed
+
+    asyncio.run(go())
+
+
 def test_reading_running_config_creates_nothing(world):
     async def go():
         manager = await manager_of(world)
@@ -136,7 +174,7 @@ def test_one_mapping_from_hostds_exceptions_to_dbus_errors():
         (errors.NotEditable("x"), "org.hostd1.Error.NotEditable"),
         (errors.Busy("x"), "org.hostd1.Error.Busy"),
         (errors.AccessDenied("x"), "org.freedesktop.DBus.Error.AccessDenied"),
-        (backends.Refused("no such backend"), "org.hostd1.Error.InvalidValue"),
+        (backends.BackendRefused("no such backend"), "org.hostd1.Error.InvalidValue"),
         (ConfigError([Problem("f", "k", "bad")]), "org.hostd1.Error.InvalidValue"),
         (RuntimeError("bug"), "org.hostd1.Error.Failed"),
     ]
@@ -159,7 +197,7 @@ def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(w
     async def go():
         manager = await manager_of(world)
         for name, expected in (("../models/tiny", "model name '../models/tiny' is not allowed: use letters"),
-                               ("ghost", f"no model 'ghost': {world.root}/models/ghost.yaml does not exist")):
+                               ("ghost", f"no such model 'ghost': {world.root}/models/ghost.yaml does not exist")):
             with pytest.raises(DBusError) as refused:
                 await call(manager.GetModel, name)
             assert refused.value.type == "org.hostd1.Error.NoSuchModel"

@@ -1,6 +1,8 @@
 """The manager against a gateway started by an older hostd (models keep
-running across an upgrade of hostd.service): its control socket refuses the
-`outcome` field of `switch`, and an overlap reload must still hand back."""
+running across an upgrade of hostd.service): a gateway of control protocol 1
+refuses the `outcome` field of `switch`, so the manager asks which protocol
+the gateway speaks before it sends one, and an overlap reload still hands
+back. The answers are decoded as the control socket's types."""
 
 from __future__ import annotations
 
@@ -8,25 +10,28 @@ import asyncio
 import json
 from pathlib import Path
 
-import pytest
-
 from hostd.gateway import control
 from hostd.manager.probe import Probe
 
 
-def switch_against(tmp_path: Path, refuse_outcome_with: str) -> tuple[object, list[dict]]:
-    """Probe.switch("main", "done") against a control socket that refuses a
-    switch with an outcome (answering REFUSE_OUTCOME_WITH) and takes one without."""
+def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "") -> tuple[object, list[dict]]:
+    """Probe.switch("main", "done") against a control socket of PROTOCOL (None:
+    its answers do not say, as protocol 1 gateways' did not), which refuses an
+    `outcome` with a switch unless PROTOCOL is 2, and every switch with
+    SWITCH_REFUSAL when set."""
     (tmp_path / "tiny").mkdir(mode=0o700)
     seen: list[dict] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = json.loads(await reader.readline())
         seen.append(request)
-        if "outcome" in request:
-            answer = {"ok": False, "error": refuse_outcome_with}
+        said = {} if protocol is None else {"protocol": protocol}
+        if request["verb"] == "switch" and switch_refusal:
+            answer = {"ok": False, "error": switch_refusal, **said}
+        elif request["verb"] == "switch" and "outcome" in request and protocol != 2:
+            answer = {"ok": False, "error": "Object contains unknown field `outcome`"}
         else:
-            answer = {"ok": True, "state": "serving", "slot": request["slot"]}
+            answer = {"ok": True, "state": "serving", "in_flight": 0, "slot": request.get("slot", "main"), **said}
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
         writer.close()
@@ -43,15 +48,35 @@ def switch_against(tmp_path: Path, refuse_outcome_with: str) -> tuple[object, li
     return asyncio.run(scenario()), seen
 
 
-def test_a_switch_back_to_an_old_gateway_is_retried_without_the_outcome(tmp_path, monkeypatch):
+def test_a_switch_back_to_a_protocol_1_gateway_goes_without_the_outcome(tmp_path, monkeypatch):
     monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
-    answer, seen = switch_against(tmp_path, "Object contains unknown field `outcome`")
-    assert answer == {"ok": True, "state": "serving", "slot": "main"}
-    assert [r.get("outcome") for r in seen] == ["done", None]  # refused, then switched without it
+    answer, seen = switch_against(tmp_path, protocol=None)
+    assert isinstance(answer, control.GatewayStatus) and (answer.slot, answer.protocol) == ("main", 1)
+    assert seen == [{"verb": "status"}, {"verb": "switch", "slot": "main"}]  # asked, then never refused
 
 
-def test_any_other_refusal_of_a_switch_is_an_error(tmp_path, monkeypatch):
+def test_a_gateway_of_this_protocol_gets_the_outcome(tmp_path, monkeypatch):
     monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
-    answer, seen = switch_against(tmp_path, "the engine in slot main does not answer /health; not switching")
+    answer, seen = switch_against(tmp_path, protocol=control.PROTOCOL)
+    assert isinstance(answer, control.GatewayStatus) and answer.slot == "main"
+    assert seen == [{"verb": "status"}, {"verb": "switch", "slot": "main", "outcome": "done"}]
+
+
+def test_any_refusal_of_a_switch_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
+    answer, seen = switch_against(tmp_path, protocol=control.PROTOCOL,
+                                  switch_refusal="the engine in slot main does not answer /health; not switching")
     assert isinstance(answer, control.ControlError) and "does not answer /health" in str(answer)
-    assert len(seen) == 1  # not retried
+    assert [r["verb"] for r in seen] == ["status", "switch"]  # not retried
+
+
+def test_answers_decode_as_the_answer_type_of_their_request(tmp_path):
+    line = b'{"ok": true, "protocol": 2, "drained": false, "remaining": 2, "state": "draining", "later": 1}'
+    answer = control._answer_of(tmp_path, control.Drain(timeout=5), line)
+    assert answer == control.Drained(drained=False, remaining=2, state="draining", protocol=2)
+    try:
+        control._answer_of(tmp_path, control.Drain(timeout=5), b'{"ok": true, "state": "paused"}')
+    except control.ControlError as exc:
+        assert "not an answer to drain" in str(exc) and "drained" in str(exc)
+    else:
+        raise AssertionError("an answer without `drained` decoded as Drained")

@@ -17,8 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reload_fakes import World  # noqa: E402
 
 from hostd import units  # noqa: E402
+from hostd.gateway import control  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.records import Intent  # noqa: E402
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def test_done_writes_the_dropin_restarts_once_verifies_resumes_and_commits(world
     assert calls.index("drain") < calls.index("verify") < calls.index("resume") == len(calls) - 1
     assert world.probe.outcomes == ["done"]  # the gateway's reload histogram is labelled with it
     assert world.restarts() == 1
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
 
 
@@ -102,22 +104,26 @@ def test_a_failed_reload_of_the_config_on_disk_pins_the_previous_values(world):
 def test_a_rollback_that_fails_too_leaves_the_model_degraded_and_paused(world):
     world.bus.job_results[units.engine("tiny")] = ["failed", "failed"]
     op = run(world.reload({"max_num_seqs": 4}))
-    assert op.state == R.State.FAILED and op.degraded
-    assert "rollback failed" in op.error
+    assert op.state == R.State.FAILED and "rollback failed" in op.error
+    degraded = world.records.degraded("tiny")  # on disk: it outlives the operation and the manager
+    assert (degraded.operation, degraded.cause) == (1, op.error)
     assert "resume" not in world.probe.calls  # nothing safe to serve
     assert world.restarts() == 2
+    # A reload that ends done cures it.
+    op = run(world.reload({"max_num_seqs": 5}))
+    assert op.state == R.State.DONE and world.records.degraded("tiny") is None
 
 
 def test_a_verified_engine_whose_gateway_does_not_resume_is_committed_and_failed(world):
     world.probe.resume_fails = True
     op = run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.FAILED and "did not resume" in op.error
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
 
 
 def test_a_drain_timeout_restores_the_dropin_resumes_and_restarts_nothing(world):
-    world.probe.drain_result = {"drained": False, "remaining": 3}
+    world.probe.drain_result = control.Drained(drained=False, remaining=3, state="draining")
     op = run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.FAILED and "3 request(s) still running" in op.error
     assert op.restored and not world.dropin.exists()
@@ -127,11 +133,11 @@ def test_a_drain_timeout_restores_the_dropin_resumes_and_restarts_nothing(world)
 
 
 def test_a_restore_that_fails_still_ends_the_operation(world):
-    world.probe.drain_result = {"drained": False, "remaining": 1}
+    world.probe.drain_result = control.Drained(drained=False, remaining=1, state="draining")
     world.probe.resume_fails = True
     op = run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.FAILED and op.stage == R.Stage.FINISHED
-    assert op.done_event.is_set() and world.restarts() == 0
+    assert op.finished > 0 and world.restarts() == 0
 
 
 def test_cancel_during_the_drain_restores_and_resumes(world):
@@ -209,12 +215,12 @@ def test_a_cold_reload_costs_one_loadunit_and_one_getall_per_unit(world):
 # ---------------------------------------------------------------- recovery
 
 
-def intent_of(world: World, target: dict, previous_reload=None) -> dict:
+def intent_of(world: World, target: dict, previous_reload=None) -> Intent:
     running = dict(world.probe.engine)
-    world.records.write_intent("tiny", {
-        "operation": 5, "patch": target, "previous_reload": previous_reload, "previous_rollback": None,
-        "previous_engine": running, "target_engine": {**running, **target}, "weights": [7, 8],
-    })
+    world.records.write_intent("tiny", Intent(
+        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=None,
+        previous_engine=running, target_engine={**running, **target}, weights=(7, 8),
+    ))
     world.dropin.parent.mkdir(parents=True, exist_ok=True)
     world.dropin.write_text(yaml.safe_dump({"engine": target}))
     return world.records.intent("tiny")
@@ -224,7 +230,7 @@ def test_recovery_commits_when_the_engine_runs_the_target(world):
     intent = intent_of(world, {"max_num_seqs": 4})
     world.probe.engine_started()  # the crash came after the restart
     assert run(world.recover(intent)) == "committed"
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert dropin(world) == {"engine": {"max_num_seqs": 4}}
     assert world.restarts() == 0 and world.probe.calls[-1] == "resume"
     assert world.records.intent("tiny") is None
@@ -251,7 +257,7 @@ def test_recovery_drains_then_restarts_an_engine_that_runs_neither(world):
 def test_recovery_does_not_restart_an_engine_that_will_not_drain(world):
     intent = intent_of(world, {"max_num_seqs": 4})
     world.probe.engine = {"max_num_seqs": 99}  # something else entirely
-    world.probe.drain_result = {"drained": False, "remaining": 2}
+    world.probe.drain_result = control.Drained(drained=False, remaining=2, state="draining")
     assert run(world.recover(intent)) == "left"
     assert world.restarts() == 0 and not world.dropin.exists()
 

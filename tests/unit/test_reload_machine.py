@@ -38,7 +38,7 @@ def test_a_transition_outside_the_table_is_a_bug():
     op.enter(Stage.DRAIN)
     op.enter(Stage.RESTORE)
     op.finish(State.CANCELLED, "cancelled")
-    assert op.stage == Stage.FINISHED and op.done_event.is_set()
+    assert op.stage == Stage.FINISHED and op.state == State.CANCELLED and op.finished > 0
 
 
 def test_overlay_previews_the_reload_dropin_in_its_lexical_place(tmp_path: Path):
@@ -79,7 +79,7 @@ def test_config_with_reports_the_patchs_problem_beside_an_unreadable_dropin(tmp_
     (tmp_path / "models/tiny.yaml").write_text("backend: builtin\nmodel: /m\n")
     broken = tmp_path / "models/tiny.d/50-broken.yaml"
     broken.write_text("engine: [\n")
-    run = R.Reload(R.Model("tiny", tmp_path, systemd=None, probe=None), Operation(id=1, model="tiny", patch={}))
+    run = R.Reload(R.ModelHandles("tiny", tmp_path, systemd=None, probe=None), Operation(id=1, model="tiny", patch={}))
     with pytest.raises(errors.InvalidValue) as caught:
         run.config_with("engine:\n  max_num_seqs: 0\n", {"max_num_seqs": 0})
     assert f"{broken}:2: malformed YAML" in str(caught.value)

@@ -18,6 +18,7 @@ from reload_fakes import MANAGER, World  # noqa: E402
 
 from hostd import backends, config, units  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.records import Intent  # noqa: E402
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_overlap_never_drains_hands_traffic_to_the_next_engine_and_back(world):
     assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
     assert world.probe.slot == "main" and world.probe.next_engine is None  # one engine left
     assert world.probe.engine["max_num_seqs"] == 4
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.records.intent("tiny") is None
 
 
@@ -111,13 +112,13 @@ def test_a_reload_that_changes_nothing_ends_unchanged_at_once(world):
     assert op.state == R.State.UNCHANGED and jobs(world) == []
 
 
-def overlap_intent(world: World, target: dict) -> dict:
+def overlap_intent(world: World, target: dict) -> Intent:
     running = dict(world.probe.engine)
-    world.records.write_intent("tiny", {
-        "operation": 5, "strategy": "overlap", "patch": target, "previous_reload": None,
-        "previous_rollback": None, "previous_engine": running, "target_engine": {**running, **target},
-        "weights": [7, 8],
-    })
+    world.records.write_intent("tiny", Intent(
+        operation=5, strategy="overlap", patch=target, previous_reload=None,
+        previous_rollback=None, previous_engine=running, target_engine={**running, **target},
+        weights=(7, 8),
+    ))
     world.dropin.parent.mkdir(parents=True, exist_ok=True)
     world.dropin.write_text(yaml.safe_dump({"engine": target}))
     return world.records.intent("tiny")
@@ -139,26 +140,38 @@ def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
     world.probe.engine_started("main")  # main runs the target already
     world.probe.slot = "next"
     assert run(world.recover(intent)) == "committed"
-    assert world.records.committed("tiny")["engine"]["max_num_seqs"] == 4
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.probe.slot == "main" and world.probe.next_engine is None
     assert world.bus.sent.count(f"{MANAGER}.RestartUnit") == 0
 
 
 def test_the_preflight_compares_what_the_engine_reports_with_the_reserve(world, monkeypatch):
     from hostd import config
-    from hostd.manager.probe import Probe
+    from hostd.manager.probe import Memory, Probe
 
     cfg = config.load_model("tiny", world.root).config  # builtin on CPU, reserve 256 MiB
     probe = Probe("tiny")
     reported: dict = {}
-
-    async def health(slot="main"):
-        return {"memory": reported}
-
-    monkeypatch.setattr(probe, "engine_health", health)
-    assert "does not report its memory" in run(probe.overlap_problem(cfg, 1))
+    health = {"memory": reported}
+    memory = run(probe.read_memory(cfg, 1))
+    assert memory == Memory(None, "")  # on CPU: NVML is never asked
+    assert "does not report its memory" in probe.overlap_problem(cfg, health, memory)
     reported.update(anonymous=900 << 20, host_available=1000 << 20)
-    problem = run(probe.overlap_problem(cfg, 1))
+    problem = probe.overlap_problem(cfg, health, memory)
     assert "about 900 MiB" in problem and "overlap_reserve_mib=256" in problem and "1000 MiB" in problem
     reported.update(host_available=2000 << 20)
-    assert run(probe.overlap_problem(cfg, 1)) is None
+    assert probe.overlap_problem(cfg, health, memory) is None
+
+
+@pytest.mark.parametrize("strategy", ["overlap", "restart"])
+def test_a_preflight_asks_the_engine_and_the_memory_once(tmp_path, strategy):
+    world = World(tmp_path, strategy)
+    op = R.Operation(id=1, model="tiny", patch={"max_num_seqs": 4})
+
+    async def check():
+        await world.connect()
+        await R.Reload(world.model(), op).check()
+
+    run(check())
+    assert world.probe.calls == ["health", "memory"]  # validate's /health serves the overlap check too
+    assert op.strategy == strategy

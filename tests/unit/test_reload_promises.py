@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reload_fakes import FakeProbe, World  # noqa: E402
 
 from hostd import units  # noqa: E402
-from hostd.manager import service  # noqa: E402
+from hostd.manager import authority, model_bus, service  # noqa: E402
 from hostd.manager.probe import Probe  # noqa: E402
 
 STRATEGIES = ("overlap", "restart")
@@ -50,8 +50,8 @@ def as_root(world: World, monkeypatch) -> None:
         return await inner(msg)
 
     monkeypatch.setattr(world.bus, "call", call)
-    monkeypatch.setattr(service, "Probe", lambda name: world.probe)
-    service.CALLER.set(":1.9")
+    monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+    authority.CALLER.set(":1.9")
 
 
 def dbus(method, *args):
@@ -143,10 +143,11 @@ def test_fixed_fields_changed_on_disk_refuse_every_reload_with_not_editable(worl
 class NvmlProbe(FakeProbe):
     """The fake probe, but the GPU preflight is hostd's own (Probe's), reading NVML."""
 
+    read_memory = Probe.read_memory
     memory_problem = Probe.memory_problem
     overlap_problem = Probe.overlap_problem
     gpu_memory = Probe.gpu_memory
-    _overlap_gpu = Probe._overlap_gpu
+    _overlap_gpu = vars(Probe)["_overlap_gpu"]  # a staticmethod, kept one
 
     def __init__(self, world: World):
         super().__init__(world)

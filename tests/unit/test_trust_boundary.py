@@ -28,7 +28,7 @@ from hostd.gateway import control
 from hostd.manager.probe import Probe
 from hostd.weights import client as weights_client
 from hostd.config import schema
-from hostd.manager import errors, service
+from hostd.manager import authority, errors, service
 from hostd.manager import dropins
 from hostd.manager import reload as R
 
@@ -299,8 +299,8 @@ def test_root_talks_to_the_model_users_own_sockets(model_run):
     directory, serve = model_run
     serve("control.sock")
     serve("engine.sock")
-    assert control.call(directory / "control.sock", "status")["state"] == "serving"
-    assert asyncio.run(control.call_async(directory / "control.sock", "status"))["ok"]
+    assert control.call(directory / "control.sock", control.Status()).state == "serving"
+    assert asyncio.run(control.call_async(directory / "control.sock", control.Status())).ok
     assert asyncio.run(Probe("tiny").engine_health()) == {"engine_config": {}}
 
 
@@ -313,9 +313,9 @@ def test_root_refuses_a_socket_replaced_by_a_symlink(model_run, name, caplog):
         sockets.connect(directory / name)
     if name == "control.sock":
         with pytest.raises(control.ControlError, match="symbolic link"):
-            control.call(directory / name, "status")
+            control.call(directory / name, control.Status())
         with pytest.raises(OSError, match="symbolic link"):
-            asyncio.run(control.call_async(directory / name, "status"))
+            asyncio.run(control.call_async(directory / name, control.Status()))
     elif name == "engine.sock":
         assert asyncio.run(Probe("tiny").engine_health()) is None
     else:
@@ -328,7 +328,7 @@ def test_root_refuses_a_socket_not_owned_by_the_models_user(model_run):
     directory, serve = model_run
     serve("control.sock", uid=0)  # root's socket in the model's directory: not the model's
     with pytest.raises(control.ControlError, match="owned by uid 0, not 65534"):
-        control.call(directory / "control.sock", "status")
+        control.call(directory / "control.sock", control.Status())
 
 
 def test_root_refuses_a_peer_that_is_not_the_models_user(model_run):
@@ -336,7 +336,7 @@ def test_root_refuses_a_peer_that_is_not_the_models_user(model_run):
     path = serve("control.sock", uid=DAEMON)
     os.chown(path, NOBODY, NOBODY)  # the file looks right; the process behind it is not
     with pytest.raises(control.ControlError, match="the peer is pid .* of uid 1, not 65534"):
-        control.call(path, "status")
+        control.call(path, control.Status())
 
 
 def test_a_directory_others_may_write_is_refused(model_run):
@@ -344,7 +344,7 @@ def test_a_directory_others_may_write_is_refused(model_run):
     serve("control.sock")
     os.chmod(directory, 0o777)
     with pytest.raises(control.ControlError, match="another user could replace the socket"):
-        control.call(directory / "control.sock", "status")
+        control.call(directory / "control.sock", control.Status())
 
 
 # ------------------------------------------------------------ row 8 (polkit)
@@ -370,13 +370,11 @@ class PolkitBus:
 
 
 def require(bus: PolkitBus, action: str) -> None:
-    manager = service.Manager.__new__(service.Manager)
-    manager.bus, manager.admin_group = bus, "hostd-admin"
-    token = service.CALLER.set(":1.42")
+    token = authority.CALLER.set(":1.42")
     try:
-        asyncio.run(manager.require_admin(action))
+        asyncio.run(authority.Authority(bus, "hostd-admin").require(action))
     finally:
-        service.CALLER.reset(token)
+        authority.CALLER.reset(token)
 
 
 def test_root_is_allowed_without_asking_polkit():
@@ -399,13 +397,17 @@ def test_without_polkit_only_root_is_allowed_and_the_journal_says_why(caplog):
     assert "polkit is not available (org.freedesktop.DBus.Error.ServiceUnknown)" in caplog.text
 
 
-def test_the_policy_ships_the_three_actions_the_manager_asks_for():
+def test_the_policy_ships_the_actions_the_manager_asks_for_and_no_other():
+    import re
+
     from hostd.manager import api
 
-    policy = (Path(__file__).resolve().parents[2] / "packaging/org.hostd1.policy").read_text()
-    assert set(api.ACTIONS) == {"org.hostd1.reload", "org.hostd1.manage", "org.hostd1.edit"}
-    for action in api.ACTIONS:
-        assert f'<action id="{action}">' in policy
+    root = Path(__file__).resolve().parents[2]
+    policy = (root / "packaging/org.hostd1.policy").read_text()
+    assert set(re.findall(r'<action id="([^"]+)">', policy)) == set(api.ACTIONS) == {"org.hostd1.reload",
+                                                                                    "org.hostd1.manage"}
+    asked = "".join(p.read_text() for p in (root / "hostd/manager").glob("*.py"))
+    assert asked.count("@admin(api.RELOAD_ACTION)") == 3 and "@admin(api.MANAGE_ACTION)" in asked
 
 
 def test_install_puts_polkit_files_where_debians_polkitd_reads_them(tmp_path: Path):

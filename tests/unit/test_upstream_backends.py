@@ -290,7 +290,7 @@ def test_refusal_names_the_setting(backend, keys, message, ckpt, home):
     backend_ = backends.for_config(cfg)
     problems = backend_.refusals(cfg) + backend_.install_refusals(cfg)
     assert any(message in p for p in problems), problems
-    with pytest.raises(backends.Refused, match="."):
+    with pytest.raises(backends.BackendRefused, match="."):
         backends.for_config(cfg).check(cfg)
 
 

@@ -1,0 +1,264 @@
+"""org.hostd1.Model: one object per configured model on the bus, as systemd's
+Unit (/org/hostd1/model/<escaped name>): read-only properties that follow the
+model's units (their PropertiesChanged, through systemd1.py) and its
+operations, and Reload. The manager (service.py) exports one per model YAML.
+
+Trust: anyone on the bus may read: Config and RunningConfig have env: values
+redacted (secrets of a YAML that may be 0600), and a config's problems are
+the loader's messages, which name files, keys and what was expected, never
+values. Reload asks polkit first (authority.admin).
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import msgspec
+from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method
+
+from hostd import backends, units
+from hostd import config as hostd_config
+from hostd.config import schema
+from hostd.manager import api
+from hostd.manager import reload as reload_mod
+from hostd.manager.authority import admin
+from hostd.manager.operation_bus import OperationInterface
+from hostd.manager.probe import Probe
+from hostd.manager.records import Degraded
+
+if TYPE_CHECKING:
+    from hostd.manager.service import Manager
+
+log = logging.getLogger("hostd.manager")
+
+GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
+
+
+def config_stamp(name: str, root: Path) -> tuple:
+    """What the model's parsed config depends on, cheaply: every file's mtime and size."""
+    files = [hostd_config.model_file(name, root), hostd_config.config_root(root) / "hostd.yaml"]
+    directory = hostd_config.dropin_dir(name, root)
+    try:
+        files += sorted(directory.iterdir())
+    except OSError:
+        pass
+    stamp = []
+    for path in files:
+        try:
+            st = path.stat()
+            stamp.append((path.name, st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            stamp.append((path.name, None))
+    return tuple(stamp)
+
+
+REDACTED = "<redacted>"
+
+
+def redacted(config: dict) -> dict:
+    """CONFIG with its env: values replaced by REDACTED, keys kept. Anyone on
+    the bus may read Config and RunningConfig, and env: holds secrets
+    (HF_TOKEN) of a YAML that may be 0600; root reads the files themselves."""
+    env = config.get("env")
+    return {**config, "env": dict.fromkeys(env, REDACTED)} if isinstance(env, dict) else config
+
+
+class ModelInterface(ServiceInterface):
+    def __init__(self, manager: "Manager", name: str):
+        super().__init__(api.MODEL)
+        self.manager, self.model_name = manager, name  # self.name is the interface's
+        self.authority = manager.authority
+        self.path = api.model_path(name)
+        self.units = (units.umbrella(name), units.engine(name))
+        self.weights_unit = units.weights(name)  # tracked too, for its PID
+        self.state = "unknown"
+        self.in_flight = 0
+        self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
+        self.active: Optional[OperationInterface] = None
+        # A failed rollback's record (records.Degraded), kept on disk: it outlives
+        # the next operation and the manager; re-read as each operation ends.
+        self.degraded: Optional[Degraded] = manager.records.degraded(name)
+        self._stamp: Optional[tuple] = None
+        self._loaded: Optional[hostd_config.LoadedModel] = None
+        self._problem: Optional[hostd_config.ConfigError] = None
+        # What a reload or a recovery acts on: built here only.
+        self.handles = reload_mod.ModelHandles(name, manager.root, manager.systemd, Probe(name),
+                                               manager.records, self.load)
+
+    def load(self) -> hostd_config.LoadedModel:
+        """The model's effective config, parsed again only when a file changed."""
+        stamp = config_stamp(self.model_name, self.manager.root)
+        if stamp != self._stamp:
+            self._stamp, self._loaded, self._problem = stamp, None, None
+            try:
+                self._loaded = hostd_config.load_model(self.model_name, self.manager.root)
+            except hostd_config.ConfigError as exc:
+                self._problem = exc
+        if self._problem is not None:
+            raise self._problem
+        return self._loaded
+
+    def loaded(self) -> Optional[hostd_config.LoadedModel]:
+        try:
+            return self.load()
+        except hostd_config.ConfigError:
+            return None
+
+    def forget(self) -> None:
+        self._stamp = None
+
+    def busy(self) -> Optional[OperationInterface]:
+        return self.active if self.active and self.active.running else None
+
+    def compute_state(self) -> str:
+        active = self.busy()
+        if active and active.kind == "reload":
+            return "reloading"
+        umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
+        state = umbrella.get("ActiveState", "unknown")
+        if self.degraded is not None and state in ("deactivating", "inactive", "failed"):
+            # Stopped (or restarting): what was degraded is gone with it.
+            log.info("model %s: no longer degraded (its umbrella is %s)", self.model_name, state,
+                     extra={"hostd_model": self.model_name})
+            self.manager.records.clear_degraded(self.model_name)
+            self.degraded = None
+        if self.degraded is not None:
+            return "degraded"
+        if state == "active":
+            serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
+            return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
+        return {"activating": "starting", "deactivating": "stopping", "reloading": "reloading",
+                "unknown": "unknown"}.get(state, "stopped")
+
+    def refresh(self, in_flight: Optional[int] = None, gateway: Optional[str] = None) -> None:
+        if gateway is not None:
+            self.gateway = gateway
+        changed = {}
+        state = self.compute_state()
+        if state != self.state:
+            self.state = changed["State"] = state
+        if state not in GATEWAY_UP:
+            in_flight = 0
+        if in_flight is not None and in_flight != self.in_flight:
+            self.in_flight = changed["InFlight"] = in_flight
+        if changed:
+            self.emit_properties_changed(changed)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Name(self) -> "s":
+        return self.model_name
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Backend(self) -> "s":
+        loaded = self.loaded()
+        return loaded.config.backend if loaded else ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return self.state
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ConfigProblem(self) -> "s":
+        """Why the model's config does not load, as the loader says it (one
+        problem a line: file, key, what was expected); empty when it loads.
+        Read by the manager as root, so it is the truth about a YAML that
+        its reader (e.g. hostctl as a user) may not be able to open."""
+        try:
+            self.load()
+        except hostd_config.ConfigError as exc:
+            return str(exc)
+        return ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Config(self) -> "s":
+        loaded = self.loaded()
+        return json.dumps(redacted(msgspec.to_builtins(loaded.config))) if loaded else "{}"
+
+    @dbus_property(access=PropertyAccess.READ)
+    def RunningConfig(self) -> "s":
+        committed = self.manager.records.committed(self.model_name)
+        if committed is None:
+            return "{}"
+        return json.dumps(msgspec.to_builtins(msgspec.structs.replace(committed, fixed=redacted(committed.fixed))))
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EditableFields(self) -> "as":
+        loaded = self.loaded()
+        return list(schema.editable_fields(loaded.config.backend)) if loaded else []
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsRetained(self) -> "b":
+        """Does a weight cache daemon hold the weights now, so that engine
+        restarts attach them (a reload reuses them)? False for a model whose
+        config cannot retain them (WeightsNotRetainedReason) or whose weights
+        unit is not active."""
+        active = (self.manager.systemd.cached(self.weights_unit) or {}).get("ActiveState") == "active"
+        return active and not self.weights_not_retained()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsNotRetainedReason(self) -> "s":
+        """Why not, naming the setting; empty when they are retained."""
+        return self.weights_not_retained()
+
+    def weights_not_retained(self) -> str:
+        loaded = self.loaded()
+        if loaded is None:
+            return ""
+        try:
+            return backends.for_config(loaded.config).weights_not_retained(loaded.config) or ""
+        except backends.BackendRefused:
+            return ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ActiveOperation(self) -> "o":
+        active = self.busy()
+        return active.path if active else "/"
+
+    @dbus_property(access=PropertyAccess.READ)
+    def InFlight(self) -> "u":
+        return self.in_flight
+
+    # What a script needs without a second tool (read with Get/GetAll; they
+    # follow the units, so only State and InFlight send PropertiesChanged).
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Units(self) -> "as":
+        name = self.model_name
+        return [units.umbrella(name), units.socket(name), units.engine(name), units.weights(name),
+                units.instance(units.WEIGHTS_SOCKET, name)]
+
+    def _pid(self, unit: str) -> int:
+        return int((self.manager.systemd.cached(unit) or {}).get("MainPID", 0) or 0)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def GatewayPID(self) -> "u":
+        return self._pid(self.units[0])
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EnginePID(self) -> "u":
+        return self._pid(self.units[1])
+
+    @dbus_property(access=PropertyAccess.READ)
+    def WeightsPID(self) -> "u":
+        return self._pid(self.weights_unit)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def EngineStatus(self) -> "s":
+        return str((self.manager.systemd.cached(self.units[1]) or {}).get("StatusText", ""))
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Listen(self) -> "s":
+        loaded = self.loaded()
+        return str(loaded.config.listen) if loaded else ""
+
+    @dbus_property(access=PropertyAccess.READ)
+    def LastOperation(self) -> "o":
+        """The model's latest operation, running or finished, while it is on the bus."""
+        last = self.active
+        return last.path if last is not None and last.op.id in self.manager.operations else "/"
+
+    @method()
+    @admin(api.RELOAD_ACTION)
+    async def Reload(self, patch: "a{sv}") -> "o":
+        return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))

@@ -1,0 +1,76 @@
+"""hostctl's commands that talk to the manager, against a fake client: `list`
+shows the manager's word on a config (it reads files a user cannot), and ^C
+while waiting for a reload says the reload goes on and how to cancel it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hostd import hostctl
+
+
+class FakeClient:
+    """hostd.client.Client as hostctl uses it; INTERRUPT_WAIT: wait raises ^C."""
+
+    def __init__(self, interrupt_wait: bool = False):
+        self.interrupt_wait = interrupt_wait
+        self.calls: list[str] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def list_models(self) -> list[dict]:
+        return [{"name": "bad", "state": "stopped", "path": "/org/hostd1/model/bad"},
+                {"name": "tiny", "state": "serving", "path": "/org/hostd1/model/tiny"}]
+
+    def config_problem(self, path: str) -> str:
+        self.calls.append(f"config_problem {path}")
+        if path.endswith("/bad"):
+            return ("/etc/hostd/models/bad.yaml:4: engine.max_num_seqs: expected `int`, got `str`\n"
+                    "/etc/hostd/models/bad.yaml:5: engine.max_model_len: expected `int`")
+        return ""
+
+    def reload(self, name: str, patch: dict, wait: bool = True, on_change=None) -> dict:
+        self.calls.append(f"reload {name} {patch} wait={wait}")
+        return {"path": "/org/hostd1/operation/7"}
+
+    def wait(self, path: str, on_change=None) -> dict:
+        self.calls.append(f"wait {path}")
+        if self.interrupt_wait:
+            raise KeyboardInterrupt
+        return {"State": "done", "Id": 7}
+
+    def cancel(self, op_id: int) -> None:
+        self.calls.append(f"cancel {op_id}")
+
+
+def test_list_shows_the_managers_config_problem_and_reads_no_file(tmp_path: Path, monkeypatch, capsys):
+    client = FakeClient()
+    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    unreadable = tmp_path / "etc"  # nothing there: hostctl must not look
+    assert hostctl.main(["--config-dir", str(unreadable), "list", "--no-legend"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["bad", "stopped", "invalid:"]
+    assert lines[0].endswith("/etc/hostd/models/bad.yaml:4: engine.max_num_seqs: expected `int`, got `str`")
+    assert lines[1].split() == ["tiny", "serving", "ok"]
+    assert client.calls == ["config_problem /org/hostd1/model/bad", "config_problem /org/hostd1/model/tiny"]
+
+
+def test_ctrl_c_while_waiting_says_the_reload_goes_on_and_how_to_cancel_it(monkeypatch, capsys):
+    client = FakeClient(interrupt_wait=True)
+    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert err == ("hostctl: reload 7 of tiny continues in the background; `hostctl cancel 7` cancels it "
+                   "while it drains, `hostctl status tiny` shows how it ends\n")
+    assert client.calls == ["reload tiny {'max_num_seqs': 4} wait=False", "wait /org/hostd1/operation/7"]  # no cancel
+
+
+def test_a_reload_waited_for_reports_its_end(monkeypatch, capsys):
+    client = FakeClient()
+    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 0
+    assert capsys.readouterr().out == "reload of tiny: done\n"
