@@ -141,10 +141,6 @@ def serve(args: argparse.Namespace, cfg) -> int:
         **info,
         "phases_s": phases.seconds,
     }
-    sock = next(iter(systemd.listen_sockets()), None)
-    unix_path = None
-    if sock is None:  # bound by server.py through hostd/sockets.py
-        unix_path = str(Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot))
 
     def ready() -> None:
         phases.mark("warm_up_and_listen")
@@ -162,8 +158,9 @@ def serve(args: argparse.Namespace, cfg) -> int:
         tokenizer,
         limits,
         served_name=cfg.served_model_name or args.name,
-        unix_path=unix_path,
-        sock=sock,
+        # Taken once warm (server.py, through hostd/sockets.py): engine.sock
+        # exists only while the engine can answer.
+        socket_path=Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot),
         on_ready=ready,
         on_status=status,
         # On CPU the overlap preflight compares the engine's memory with the

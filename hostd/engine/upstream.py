@@ -215,7 +215,6 @@ class EngineSupervisor:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stopping.set)
-        passed = systemd.listen_sockets()
         runner: Optional[web.AppRunner] = None
         listener: Optional[socket.socket] = None
         try:
@@ -237,7 +236,7 @@ class EngineSupervisor:
                           self.upstream_error())
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
-            listener = passed[0] if passed else sockets.bind_private(self.socket_path)
+            listener = sockets.acquire(self.socket_path)
             runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
             await runner.setup()
             await web.SockSite(runner, listener).start()

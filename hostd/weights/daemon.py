@@ -137,14 +137,6 @@ class WeightDaemon:
         systemd.status(self.summary())
 
 
-def acquire_socket(path: Path) -> socket.socket:
-    """systemd's socket if passed, else PATH bound by us (sockets.release ends either)."""
-    passed = systemd.listen_sockets()
-    if passed:
-        return passed[0]
-    return sockets.bind_private(path)
-
-
 def _raise_shutdown(signum, _frame):
     raise Shutdown(signal.Signals(signum).name)
 
@@ -166,7 +158,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
     try:
         with systemd.ExtendTimeout():
             daemon.load()
-        listener = acquire_socket(socket_path)
+        listener = sockets.acquire(socket_path)
         address = listener.getsockname()
         daemon.socket_inode = os.stat(address).st_ino
         log.info("serving %s on %s", args.name, address)

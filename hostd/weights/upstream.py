@@ -208,7 +208,7 @@ class Supervisor:
             ))
 
 
-def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path) -> int:
+def serve_without_cache(supervisor: Supervisor, socket_path: Path) -> int:
     """No weight cache for this model (supervisor.not_retained says why): run
     no upstream daemon, answer status on weights.sock, saying the weights are
     not retained, until stopped. The engine unit still binds to this one, so a
@@ -218,7 +218,7 @@ def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path)
     with systemd.ExtendTimeout():
         supervisor.fingerprint = supervisor.compute_fingerprint()
     supervisor.loaded_at = time.time()
-    listener = passed[0] if passed else sockets.bind_private(socket_path)
+    listener = sockets.acquire(socket_path)
     try:
         supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
         threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
@@ -247,11 +247,10 @@ def run(args, cfg, backend) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    passed = systemd.listen_sockets()
     listener = None
     try:
         if supervisor.not_retained:
-            return serve_without_cache(supervisor, passed, socket_path)
+            return serve_without_cache(supervisor, socket_path)
         supervisor.start_child()
         systemd.status(f"{cfg.backend} is loading {cfg.model}")
         with systemd.ExtendTimeout():
@@ -264,7 +263,7 @@ def run(args, cfg, backend) -> int:
             return 1
         supervisor.fingerprint = supervisor.compute_fingerprint()
         supervisor.loaded_at = time.time()
-        listener = passed[0] if passed else sockets.bind_private(socket_path)
+        listener = sockets.acquire(socket_path)
         supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
         threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
         log.info("upstream weight cache ready: %s", supervisor.status().upstream_socket_inodes)
