@@ -6,8 +6,8 @@ the one switch on the backend's name) and ask it; nobody else compares the
 name. A backend answers, for a model's config: what `hostd weights NAME` and
 `hostd engine NAME` run, what it refuses before anything is torn down, whether
 its units need the GPU devices, which fraction of a GPU its engine sizes its
-memory by, the limits its engine reports, and how long it lets admitted
-requests finish when asked to stop (its drain).
+memory by, and how long it lets admitted requests finish when asked to stop
+(its drain).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
-
-import msgspec
 
 
 class Refused(Exception):
@@ -104,12 +102,6 @@ class Backend(abc.ABC):
         """The fraction of each GPU the engine sizes its memory pool by, which
         includes the daemon-held weights; None when it sizes by need."""
         return None
-
-    def limits(self, cfg) -> dict:
-        """The engine's limits as its /health reports them: the backend's own
-        names, plus max_num_seqs and max_model_len, which the manager reads for
-        every backend."""
-        return msgspec.to_builtins(cfg.engine)
 
     @abc.abstractmethod
     def drain_seconds(self, cfg) -> float:

@@ -220,13 +220,6 @@ class SglangBackend(upstream.UpstreamBackend):
     def memory_fraction(self, cfg) -> Optional[float]:
         return cfg.engine.mem_fraction_static
 
-    def limits(self, cfg) -> dict:
-        """SGLang's own names, plus max_num_seqs and max_model_len translated
-        from max_running_requests and context_length for the manager."""
-        engine = super().limits(cfg)
-        return {**engine, "max_num_seqs": engine.get("max_running_requests"),
-                "max_model_len": engine.get("context_length")}
-
     def socket_devices(self, names: list[str], cfg) -> list[str]:
         """The GPUs behind upstream socket NAMES: hostd's template names each
         socket {device_uuid}.sock, SGLang's device UUID ('GPU-...' or 'MIG-...')."""

@@ -136,7 +136,6 @@ def serve(args: argparse.Namespace, cfg) -> int:
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = {
-        "limits": {"max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len},
         "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
         "phases_s": phases.seconds,

@@ -4,8 +4,8 @@ One job: run `vllm serve` (on a private Unix socket) or SGLang's
 `launch_server` (on a private loopback port) as this process's child, and
 serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
 unchanged (streaming included) except GET /health, which answers upstream's
-health plus hostd's contract for the manager: {"limits", "engine_config",
-"weights", "weights_not_retained", "weights_pid", "weights_socket_inode"}.
+health plus hostd's contract for the manager: {"engine_config", "weights",
+"weights_not_retained", "weights_pid", "weights_socket_inode"}.
 Without the weight cache (the backend's weights_not_retained) upstream's
 server loads from disk and "weights" is "disk".
 
@@ -180,7 +180,6 @@ class EngineSupervisor:
             "backend": self.cfg.backend,
             "upstream_health": code,
             "upstream_pid": self.proc.pid if self.proc else None,
-            "limits": self.backend.limits(self.cfg),
             "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
             "weights": "disk" if self.not_retained else "daemon",
             "weights_not_retained": self.not_retained or "",

@@ -82,11 +82,7 @@ def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, s
 
     engine = tree.start_engine(timeout=60)
     health = tree.health()
-    assert health["limits"]["max_num_seqs"] == 4
-    if backend == "sglang":
-        assert health["limits"]["max_model_len"] == 512
-        assert health["limits"]["max_running_requests"] == 4
-    assert health["engine_config"] == {**health["engine_config"], **limits}
+    assert health["engine_config"] == {**health["engine_config"], **limits}  # in the backend's own names
     assert (health["weights_pid"], health["weights_socket_inode"]) == (before.pid, before.socket_inode)
     with tree.http() as http:
         answer = http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})

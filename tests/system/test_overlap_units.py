@@ -89,7 +89,7 @@ def test_overlap_reload_under_streaming_load_refuses_nothing_and_loses_nothing(h
     assert active(host, NEXT) == "inactive"  # one engine at rest
     health = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
                                   "http://engine/health"]).stdout)
-    assert health["limits"]["max_num_seqs"] == 3
+    assert health["engine_config"]["max_num_seqs"] == 3
     journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
     assert "(strategy overlap: room for a second engine" in journal
     # The gateway measured it as a reload that never answered 503 (the module's first).
@@ -124,10 +124,10 @@ def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
     wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
     wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=120, what="the second engine stopped")
     assert active(host, MAIN) == "active"
-    limits = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
-                                  "http://engine/health"]).stdout)["limits"]
+    running = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
+                                   "http://engine/health"]).stdout)["engine_config"]
     on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
-    assert limits["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
+    assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
 
 
 def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_so(host):

@@ -3,8 +3,8 @@
 Each test pins what a caller outside hostd/backends/ gets from a Backend
 instead of comparing the backend's name: the entry points of `hostd weights
 NAME` / `hostd engine NAME`, whether the units need the GPU, the memory
-fraction the preflight sizes by, the limits an engine reports (SGLang's names
-translated there), and how the upstream supervisors talk to their children.
+fraction the preflight sizes by, and how the upstream supervisors talk to
+their children.
 """
 
 from __future__ import annotations
@@ -87,17 +87,6 @@ def test_units_need_the_gpu_unless_the_builtin_backend_runs_on_cpu(backend, keys
 def test_memory_fraction_is_the_backends_own_field(backend, engine, fraction):
     cfg = make(backend, engine=engine)
     assert backends.for_config(cfg).memory_fraction(cfg) == fraction
-
-
-def test_sglang_limits_carry_max_num_seqs_and_max_model_len_for_the_manager():
-    cfg = make("sglang", engine={"max_running_requests": 4, "context_length": 512})
-    limits = backends.for_config(cfg).limits(cfg)
-    assert limits == {**msgspec.to_builtins(cfg.engine), "max_num_seqs": 4, "max_model_len": 512}
-
-
-def test_vllm_limits_are_its_engine_section():
-    cfg = make("vllm", engine={"max_num_seqs": 4})
-    assert backends.for_config(cfg).limits(cfg) == msgspec.to_builtins(cfg.engine)
 
 
 def test_vllm_serves_on_a_unix_socket_and_sglang_on_a_loopback_port(monkeypatch, tmp_path):
