@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from hostd import sockets
-from hostd.local import ModelTree, wait_for
+from tests.local import ModelTree, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
 MiB = 1 << 20
