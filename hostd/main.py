@@ -13,8 +13,8 @@ import hostd
 # for the object NAME in MODULE; either has run(args) and may have
 # add_arguments(parser).
 SUBCOMMANDS = [
-    ("weights", "hostd.dispatch:weights", "run the weight cache of a model (its backend's daemon)"),
-    ("engine", "hostd.dispatch:engine", "run the engine of a model (its backend's server)"),
+    ("weights", "hostd.dispatch:weights", "run the weight cache daemon of a model"),
+    ("engine", "hostd.dispatch:engine", "run the engine of a model (builtin, or a vLLM/SGLang supervisor)"),
     ("gateway", "hostd.gateway.server", "run the front door of a model"),
     ("manager", "hostd.manager.service", "run the D-Bus manager (org.hostd1)"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
