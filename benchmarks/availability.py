@@ -1,7 +1,7 @@
 """Benchmark: how available a model stays while it is reloaded, per reload strategy.
 
 Runs the weights daemon, the builtin engine and the gateway as plain
-processes (hostd.local, as tests/gpu does: no systemd, no manager), then, for
+processes (tests/local.py, as tests/gpu does: no systemd, no manager), then, for
 each strategy in turn on the same processes, N streaming clients (the official
 `openai` client, no retries) send completions through the gateway for T
 seconds while R reloads run, each strategy doing what the manager does:
@@ -45,7 +45,11 @@ import openai
 
 from hostd import paths
 from hostd.checkpoints.random_model import write_checkpoint
-from hostd.local import Daemon, ModelTree, wait_for
+
+# The harness that runs a model's daemons by hand lives beside the tests
+# (tests/local.py): put the checkout on the path to import it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.local import Daemon, ModelTree, wait_for  # noqa: E402
 
 @dataclass
 class Outcome:

@@ -9,10 +9,12 @@ from typing import Optional
 
 import hostd
 
-# (subcommand, module with add_arguments() and run(), help)
+# (subcommand, what runs it, help). What runs it is a module, or MODULE:NAME
+# for the object NAME in MODULE; either has run(args) and may have
+# add_arguments(parser).
 SUBCOMMANDS = [
-    ("weights", "hostd.weights.daemon", "run the weight cache daemon of a model"),
-    ("engine", "hostd.engine.main", "run the builtin engine of a model"),
+    ("weights", "hostd.dispatch:weights", "run the weight cache daemon of a model"),
+    ("engine", "hostd.dispatch:engine", "run the engine of a model (builtin, or a vLLM/SGLang supervisor)"),
     ("gateway", "hostd.gateway.server", "run the front door of a model"),
     ("manager", "hostd.manager.service", "run the D-Bus manager (org.hostd1)"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),
@@ -34,9 +36,12 @@ def build_parser(wanted: Optional[str] = None) -> argparse.ArgumentParser:
     for name, module, help_text in SUBCOMMANDS:
         sub = commands.add_parser(name, help=help_text)
         if wanted == name:  # import only the daemon that runs (torch is slow to import)
-            mod = importlib.import_module(module)
-            mod.add_arguments(sub)
-            sub.set_defaults(func=mod.run)
+            module_name, _, attribute = module.partition(":")
+            runs = importlib.import_module(module_name)
+            runs = getattr(runs, attribute) if attribute else runs
+            if hasattr(runs, "add_arguments"):
+                runs.add_arguments(sub)
+            sub.set_defaults(func=runs.run)
     return parser
 
 

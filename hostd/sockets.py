@@ -5,6 +5,10 @@ listener (weights.sock, engine.sock, control.sock, the gateway's public Unix
 address when run by hand) and every path an upstream child will bind for us
 (vLLM's --uds) goes through here, so there is one rule for each question:
 
+- Which socket (acquire()). The one systemd passed (socket activation,
+  LISTEN_FDS) if any, else the path bound here; a daemon never asks systemd
+  itself.
+
 - Directory. A private socket lives in a real directory (not a symlink) owned
   by this uid with no group or other access (0700), created when missing. A
   public socket's directory is created 0755 when missing and otherwise left
@@ -24,7 +28,8 @@ address when run by hand) and every path an upstream child will bind for us
   path is still the one we bound (a successor may have replaced it).
 
 Trusts: nobody at the socket path. Peers are identified with SO_PEERCRED
-(peer_credentials). Every client connects through connect(), which refuses a
+(peer_credentials); a private socket's server admits only peers of its own
+uid or root, checked before it reads a byte (trusted_peer). Every client connects through connect(), which refuses a
 symlink or non-socket at the path, a directory others may write, a socket file
 not owned by the expected user and a peer (SO_PEERCRED) that is neither that
 user nor root (systemd listens on activated sockets). Root (the manager)
@@ -43,7 +48,9 @@ import socket
 import stat
 import struct
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
+
+from hostd import systemd
 
 log = logging.getLogger("hostd.sockets")
 
@@ -174,6 +181,14 @@ def _bind(path: Path, mode: int, backlog: int) -> UnixListener:
     return sock
 
 
+def acquire(address: Any, bind: Callable[[Any], socket.socket] = bind_private) -> socket.socket:
+    """The listening socket systemd passed this process (LISTEN_FDS), else
+    BIND(ADDRESS): by default the Unix socket path ADDRESS, bound private
+    (bind_private). release() gives either back."""
+    passed = systemd.listen_sockets()
+    return passed[0] if passed else bind(address)
+
+
 def release(listener: socket.socket) -> None:
     """Close LISTENER; remove its file if we bound it and the file is still ours
     (a socket systemd passed us is closed and left alone)."""
@@ -240,3 +255,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
     return UCRED.unpack(raw)
+
+
+def trusted_peer(conn: socket.socket) -> Optional[int]:
+    """The PID at the other end of CONN, accepted on a private socket, if it
+    runs as our uid or root; else None, and the refusal is logged. Call it
+    before reading a byte."""
+    pid, uid, _ = peer_credentials(conn)
+    if uid in (os.getuid(), 0):
+        return pid
+    log.warning("refused pid %d on %s: uid %d is neither %d nor root", pid, conn.getsockname(), uid, os.getuid())
+    return None

@@ -1,8 +1,10 @@
 """What a hostd process needs from systemd, and nothing when run by hand.
 
-One job: sd_notify (READY=1, STATUS=, EXTEND_TIMEOUT_USEC=, STOPPING=1) and
-socket activation (LISTEN_FDS). Outside systemd (no NOTIFY_SOCKET, no
-LISTEN_FDS) every call is a no-op, so each daemon runs the same by hand.
+One job: sd_notify (READY=1, STATUS=, EXTEND_TIMEOUT_USEC=, STOPPING=1),
+socket activation (LISTEN_FDS), and keeping systemd's per-process variables
+out of the children a daemon starts (child_env). Outside systemd (no
+NOTIFY_SOCKET, no LISTEN_FDS) every call is a no-op, so each daemon runs the
+same by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from typing import Optional
 import sdnotify
 
 SD_LISTEN_FDS_START = 3
+
+# What systemd sets for this process alone: its notify socket, the sockets it
+# passed, its watchdog. A child that inherited them would notify systemd in
+# our name or take our sockets.
+PER_PROCESS_VARIABLES = ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 _notifier: Optional[sdnotify.SystemdNotifier] = None
 
@@ -70,3 +77,11 @@ def listen_sockets() -> list[socket.socket]:
         os.set_inheritable(fd, False)
         sockets.append(socket.socket(fileno=fd))
     return sockets
+
+
+def child_env(command_env: dict[str, str]) -> dict[str, str]:
+    """The full environment of a child (an upstream daemon or server): ours
+    minus systemd's per-process variables, plus COMMAND_ENV."""
+    env = {key: value for key, value in os.environ.items() if key not in PER_PROCESS_VARIABLES}
+    env.update(command_env)
+    return env

@@ -4,8 +4,6 @@ base.py is the interface (DESIGN.md §3); builtin.py hostd's own backend;
 vllm.py and sglang.py the upstream ones, sharing upstream.py.
 """
 
-from typing import Optional
-
 from hostd.backends.base import Backend, BackendRefused, Command
 from hostd.backends.builtin import BuiltinBackend
 from hostd.backends.sglang import SglangBackend
@@ -18,20 +16,6 @@ BACKENDS: dict[str, type[Backend]] = {
 }
 
 
-def refused_at_start(cfg, name: str, log, model_config: Optional[dict] = None) -> bool:
-    """Check CFG before a daemon of model NAME starts anything; on refusal log
-    the reason, put it in the unit's STATUS= and return True."""
-    from hostd import systemd
-
-    try:
-        for_config(cfg).check(cfg, model_config)
-    except BackendRefused as exc:
-        log.error("cannot serve %s: %s", name, exc)
-        systemd.status(f"refused: {exc}")
-        return True
-    return False
-
-
 def for_config(cfg) -> Backend:
     try:
         return BACKENDS[cfg.backend]()
@@ -39,4 +23,4 @@ def for_config(cfg) -> Backend:
         raise BackendRefused(f"backend: {cfg.backend!r} is not available in this hostd build") from None
 
 
-__all__ = ["BACKENDS", "Backend", "BackendRefused", "Command", "for_config", "refused_at_start"]
+__all__ = ["BACKENDS", "Backend", "BackendRefused", "Command", "for_config"]

@@ -38,6 +38,9 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------ entry points
 
+    # hostd/dispatch.py calls these once it has checked CFG; a daemon that
+    # needs its backend gets this one as a parameter and never looks it up.
+
     @abc.abstractmethod
     def run_weights(self, args, cfg) -> int:
         """`hostd weights NAME` for this backend (model-weights@NAME.service):

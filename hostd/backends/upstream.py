@@ -97,19 +97,6 @@ def effective_env(cfg) -> dict[str, str]:
     return {**os.environ, **cfg.env}
 
 
-def child_env(command_env: dict[str, str]) -> dict[str, str]:
-    """The full environment of an upstream child: ours minus systemd's
-    per-process variables (the child must not notify systemd or take our
-    sockets), plus the backend's COMMAND_ENV."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
-    }
-    env.update(command_env)
-    return env
-
-
 def canonical_dir(value: Optional[str], default: str, cwd: Optional[str] = None) -> str:
     """VALUE as the real absolute directory a process will use.
 
@@ -283,8 +270,9 @@ def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:
 class UpstreamBackend(Backend):
     """A backend whose weights and engine are upstream's own programs, run as
     children of hostd's supervisors (hostd/weights/upstream.py,
-    hostd/engine/upstream.py), which ask it what to run and how to tell that
-    the children serve."""
+    hostd/engine/upstream.py). run_weights/run_engine hand the supervisor
+    this backend, which it asks what to run and how to tell that the
+    children serve; a supervisor never looks a backend up."""
 
     # SGLang's daemon writes {device_uuid}.ready once a rank serves; its socket
     # alone appears earlier. vLLM's daemon has no such file: its socket is it.
@@ -302,12 +290,12 @@ class UpstreamBackend(Backend):
     def run_weights(self, args, cfg) -> int:
         from hostd.weights import upstream as supervisor
 
-        return supervisor.run(args, cfg)
+        return supervisor.run(args, cfg, self)
 
     def run_engine(self, args, cfg) -> int:
         from hostd.engine import upstream as supervisor
 
-        return supervisor.run(args, cfg)
+        return supervisor.run(args, cfg, self)
 
     # Quantization methods upstream's weight cache can share, with the reason
     # (set by each backend); fp8 only block-wise where FP8_BLOCK_ONLY.

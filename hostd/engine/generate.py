@@ -20,11 +20,13 @@ Three layers, each usable alone:
   thread has stopped, so "running" counts model work, not open connections.
 
 The tokenizer is only ever used on the event loop thread (prompt encoding in
-the server, decoding here in ``Runner.stream``): Hugging Face fast tokenizers
-are not safe to use from several threads at once.
+app.py's ``Engine.prompt_ids`` and ``chat_prompt_ids``, decoding here in
+``Runner.stream``): Hugging Face fast tokenizers are not safe to use from
+several threads at once.
 
-Trust: the inputs come from the server, which has already validated them; the
-model and tokenizer come from the process that built them.
+Trust: the inputs come from the application (app.py), which has already
+validated them (openai_api.py's types); the model and tokenizer come from
+the process that built them.
 """
 
 from __future__ import annotations
@@ -251,10 +253,10 @@ class _Failed:
 
 @dataclass
 class RunnerStats:
-    """Counters the server exports; only touched on the event loop thread."""
+    """Counters app.py exports (/metrics, /health); only touched on the event loop thread."""
 
     running: int = 0  # generations holding a slot (their worker thread has not ended)
-    waiting: int = 0  # generations admitted by the server, waiting for a slot
+    waiting: int = 0  # generations admitted by the application, waiting for a slot
     running_max: int = 0  # high-water marks since start
     waiting_max: int = 0
     prompt_tokens: int = 0  # prompt tokens of generations that got a slot

@@ -1,7 +1,8 @@
-"""hostd engine NAME: the builtin engine of one model.
+"""hostd engine NAME for the builtin backend: hostd's own engine of one model.
 
-run() hands the model to its backend; the vllm and sglang backends run
-upstream.py, which supervises upstream's own server behind engine.sock instead.
+hostd/dispatch.py checked the config and BuiltinBackend.run_engine calls
+serve(); the vllm and sglang backends run upstream.py instead, which
+supervises upstream's own server behind engine.sock.
 
 One job: get the model's weights into this process without copying them,
 then serve the OpenAI API (server.py runs app.py) on /run/hostd/NAME/engine.sock.
@@ -13,9 +14,10 @@ PID and socket inode are checked before and after mapping (client.py).
 `--from-disk` loads the checkpoint itself instead: the cold start that the
 benchmarks compare against, never used by the units.
 
-Refuses to start (exit 1, reason in the journal) when the config cannot be
-served: a max_model_len beyond the model's positions, a daemon holding other
-weights, a cache that changed while attaching.
+Refuses to start (exit 1, reason in the journal) when the weights cannot be
+had: a daemon holding other weights, a cache that changed while attaching
+(what the config itself asks that the engine cannot do, such as a
+max_model_len beyond the model's positions, dispatch.py refused already).
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from hostd import backends, memory, paths, systemd
-from hostd import config as hostd_config
+from hostd import memory, paths, systemd
 from hostd.weights import checkpoint, client, fingerprint, shared
 
 log = logging.getLogger("hostd.engine")
@@ -102,25 +103,12 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
     return model, info
 
 
-def run(args: argparse.Namespace) -> int:
-    """`hostd engine NAME`: what the model's backend runs as its engine."""
-    from hostd import logs
-
-    logs.setup(args.name, "engine")
-    loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
-    return backends.for_config(loaded.config).run_engine(args, loaded.config)
-
-
 def serve(args: argparse.Namespace, cfg) -> int:
     """The builtin engine (BuiltinBackend.run_engine)."""
     from transformers import AutoTokenizer
 
     from hostd.engine import server
 
-    config_json = Path(cfg.model) / "config.json"
-    model_config = json.loads(config_json.read_text()) if config_json.is_file() else {}
-    if backends.refused_at_start(cfg, args.name, log, model_config):
-        return 1
     phases = Phases()
     phases.mark("process_and_imports")
     # STATUS= says which start-up phase runs (systemctl status, and the
@@ -148,15 +136,10 @@ def serve(args: argparse.Namespace, cfg) -> int:
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = {
-        "limits": {"max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len},
         "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
         "phases_s": phases.seconds,
     }
-    sock = next(iter(systemd.listen_sockets()), None)
-    unix_path = None
-    if sock is None:  # bound by server.py through hostd/sockets.py
-        unix_path = str(Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot))
 
     def ready() -> None:
         phases.mark("warm_up_and_listen")
@@ -174,8 +157,9 @@ def serve(args: argparse.Namespace, cfg) -> int:
         tokenizer,
         limits,
         served_name=cfg.served_model_name or args.name,
-        unix_path=unix_path,
-        sock=sock,
+        # Taken once warm (server.py, through hostd/sockets.py): engine.sock
+        # exists only while the engine can answer.
+        socket_path=Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot),
         on_ready=ready,
         on_status=status,
         # On CPU the overlap preflight compares the engine's memory with the
@@ -184,12 +168,3 @@ def serve(args: argparse.Namespace, cfg) -> int:
         log=log,
     )
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
-    parser.add_argument("--socket", metavar="PATH", help="serve HTTP here (default /run/hostd/NAME/engine.sock)")
-    parser.add_argument("--slot", choices=sorted(paths.ENGINE_SOCKETS), default="main",
-                        help="engine slot: main (engine.sock) or next (engine-next.sock, during an overlap reload)")
-    parser.add_argument("--weights", metavar="PATH", help="weight daemon socket (default /run/hostd/NAME/weights.sock)")
-    parser.add_argument("--state-dir", metavar="DIR", help="digest cache (default /var/lib/hostd/NAME)")
-    parser.add_argument("--from-disk", action="store_true", help="load the checkpoint from disk (cold start; for benchmarks)")

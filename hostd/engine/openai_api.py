@@ -126,7 +126,7 @@ class CommonFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(CommonFields, kw_only=True):
-    prompt: str | list  # a string, [string], [token ids] or [[token ids]]: checked in _prompt_ids
+    prompt: str | list  # a string, [string], [token ids] or [[token ids]]: checked by app.py's Engine.prompt_ids
 
 
 class ContentPart(msgspec.Struct):

@@ -1,16 +1,16 @@
 """The builtin engine's process: listen, report status, stop gracefully.
 
 One job: run the application of app.py for one loaded model as a process --
-take its listening socket, warm the model up, say when it serves and what it
+warm the model up, take its listening socket, say when it serves and what it
 is doing (a one-line status for systemd's STATUS=), and shut down gracefully
 on SIGTERM.
 
 Trust: the engine listens on /run/hostd/NAME/engine.sock, a 0600 socket in the
-model's private 0700 runtime directory, bound through hostd/sockets.py (or
-passed in already bound), so only the service user (the gateway, the manager)
-and root can connect; it trusts those peers and does no authentication, and
-app.py still validates every request. A TCP listener (host/port) exists for
-use by hand only: anyone who can reach it can use the model.
+model's private 0700 runtime directory, taken through hostd/sockets.py
+(acquire: systemd's socket if passed, else bound there; release: the file
+removed only if it is still ours), so only the service user (the gateway, the
+manager) and root can connect; it trusts those peers and does no
+authentication, and app.py still validates every request.
 
 Shutdown (SIGTERM or SIGINT): stop listening, answer 503 with Retry-After to
 any new request on an open connection, let admitted requests (streams
@@ -21,12 +21,11 @@ what is left, and return exit code 0. A second signal cancels at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -41,49 +40,6 @@ STATUS_INTERVAL_S = 1.0  # on_status is called at most about this often
 _log = logging.getLogger("hostd.engine")
 
 __all__ = ["Limits", "run_server"]
-
-
-@dataclass
-class _Listener:
-    sock: socket.socket
-    address: str
-    owned_path: Path | None = None  # a Unix socket we bound: removed at shutdown if still ours
-    inode: int | None = None
-
-    def release_path(self) -> None:
-        if self.owned_path is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            if self.owned_path.lstat().st_ino == self.inode:
-                self.owned_path.unlink()
-
-
-def _listen_unix(path: str) -> _Listener:
-    """Listen on PATH through hostd/sockets.py: 0600 in a private directory,
-    a stale socket of ours replaced, anything else refused."""
-    p = Path(path)
-    sock = sockets.bind_private(p, backlog=socket.SOMAXCONN)
-    return _Listener(sock, f"unix:{path}", owned_path=p, inode=p.lstat().st_ino)
-
-
-def _check_listen_args(unix_path, sock, host, port) -> None:
-    given = [name for name, value in (("unix_path", unix_path), ("sock", sock), ("host/port", host or port))
-             if value is not None]
-    if len(given) != 1:
-        raise ValueError(f"pass exactly one of unix_path, sock, or host and port; got {given or 'none'}")
-    if (host is None) != (port is None):
-        raise ValueError(f"host and port go together; got host={host!r}, port={port!r}")
-
-
-def _listener(unix_path, sock, host, port, log) -> _Listener:
-    if unix_path is not None:
-        return _listen_unix(unix_path)
-    if sock is not None:
-        name = sock.getsockname()
-        return _Listener(sock, f"unix:{name}" if sock.family == socket.AF_UNIX else f"{name}")
-    log.warning("listening on TCP %s:%s: anyone who can reach it can use the model; the engine's own "
-                "address is a private Unix socket", host, port)
-    return _Listener(socket.create_server((host, port), backlog=socket.SOMAXCONN), f"http://{host}:{port}")
 
 
 class _StatusLine:
@@ -134,10 +90,7 @@ def run_server(
     limits: Limits,
     *,
     served_name: str,
-    unix_path: str | None = None,
-    sock: "socket.socket | None" = None,
-    host: str | None = None,
-    port: int | None = None,
+    socket_path: Path,
     on_ready: "Callable[[], None] | None" = None,
     on_status: "Callable[[str], None] | None" = None,
     health_info: "dict | Callable[[], dict] | None" = None,
@@ -146,22 +99,21 @@ def run_server(
     """Serve MODEL as SERVED_NAME within LIMITS until SIGTERM or SIGINT;
     returns the process exit code.
 
-    Listens on exactly one of: ``unix_path`` (bound through hostd/sockets.py:
-    0600 in a private directory, a stale socket replaced), ``sock`` (already bound, e.g. from systemd), or ``host`` and
-    ``port`` (by hand). Warms the model up first; ``on_ready`` is called once
-    the socket is listening and the model has generated, ``on_status`` with a
+    Warms the model up first, then listens on the socket systemd passed or
+    else on ``socket_path`` (hostd/sockets.py's acquire: 0600 in a private
+    directory, a stale socket replaced); ``on_ready`` is called once the
+    socket is listening and the model has generated, ``on_status`` with a
     one-line summary when it changes (about once a second at most). Must run
     on the main thread (signal handlers).
     """
     log = log or _log
-    _check_listen_args(unix_path, sock, host, port)
     return asyncio.run(_serve(
-        model, tokenizer, limits, served_name=served_name, listen=(unix_path, sock, host, port), on_ready=on_ready,
+        model, tokenizer, limits, served_name=served_name, socket_path=Path(socket_path), on_ready=on_ready,
         status=_StatusLine(on_status, log, STATUS_INTERVAL_S), health_info=health_info, log=log,
     ))
 
 
-async def _serve(model, tokenizer, limits: Limits, *, served_name, listen, on_ready, status: _StatusLine,
+async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: Path, on_ready, status: _StatusLine,
                  health_info, log: logging.Logger) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
@@ -198,14 +150,14 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, listen, on_re
                                shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
         try:
-            listener = _listener(*listen, log)
+            listener = sockets.acquire(socket_path, bind=functools.partial(sockets.bind_private, backlog=socket.SOMAXCONN))
         except (sockets.UnsafePath, OSError) as error:
             log.error("cannot listen: %s", error)
             await runner.cleanup()
             return 1
-        site = web.SockSite(runner, listener.sock)
+        site = web.SockSite(runner, listener)
         await site.start()
-        log.info("serving %s on %s (max_num_seqs=%d, max_model_len=%d)", served_name, listener.address,
+        log.info("serving %s on unix:%s (max_num_seqs=%d, max_model_len=%d)", served_name, listener.getsockname(),
                  limits.max_num_seqs, limits.max_model_len)
         if on_ready is not None:
             try:
@@ -219,7 +171,7 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, listen, on_re
         engine.draining = True
         status.set(engine.summary(), now=True)
         await site.stop()  # closes the listening socket; open connections stay
-        listener.release_path()
+        sockets.release(listener)  # and its file, if still ours
         if engine.in_flight:
             log.info("waiting for %d request(s) in flight", engine.in_flight)
         if not await _wait_idle(engine, limits.shutdown_timeout, hurry):

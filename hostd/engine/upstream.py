@@ -39,8 +39,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from hostd import backends, forward, paths, sockets, systemd
-from hostd.backends import upstream
+from hostd import forward, paths, sockets, systemd
 from hostd.weights import client as weights_client
 from hostd.weights import protocol
 
@@ -58,9 +57,11 @@ def free_loopback_port() -> int:
 
 
 class EngineSupervisor:
-    def __init__(self, name: str, cfg, socket_path: Path, weights_identity: tuple[int, int]):
-        self.name, self.cfg, self.socket_path = name, cfg, socket_path
-        self.backend = backends.for_config(cfg)
+    """BACKEND: the model's UpstreamBackend (hostd/backends/upstream.py), which
+    says what to run and how to tell that it serves."""
+
+    def __init__(self, name: str, cfg, backend, socket_path: Path, weights_identity: tuple[int, int]):
+        self.name, self.cfg, self.backend, self.socket_path = name, cfg, backend, socket_path
         self.weights_pid, self.weights_inode = weights_identity
         self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
@@ -91,7 +92,7 @@ class EngineSupervisor:
             sockets.claim(self.upstream_socket)  # vLLM binds it: clear a stale one, refuse a live one
         log.info("starting %s", " ".join(self.command.argv))
         self.proc = await asyncio.create_subprocess_exec(
-            *self.command.argv, env=upstream.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+            *self.command.argv, env=systemd.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
         self.stderr_copier = asyncio.ensure_future(self.copy_stderr())
@@ -213,7 +214,6 @@ class EngineSupervisor:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stopping.set)
-        passed = systemd.listen_sockets()
         runner: Optional[web.AppRunner] = None
         listener: Optional[socket.socket] = None
         try:
@@ -235,7 +235,7 @@ class EngineSupervisor:
                           self.upstream_error())
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
-            listener = passed[0] if passed else sockets.bind_private(self.socket_path)
+            listener = sockets.acquire(self.socket_path)
             runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
             await runner.setup()
             await web.SockSite(runner, listener).start()
@@ -266,10 +266,9 @@ class EngineSupervisor:
                 sockets.release(listener)
 
 
-def run(args, cfg) -> int:
-    """`hostd engine NAME` for an upstream backend (called by main.run)."""
-    if backends.refused_at_start(cfg, args.name, log):
-        return 1
+def run(args, cfg, backend) -> int:
+    """`hostd engine NAME` for an upstream BACKEND (its run_engine, once
+    hostd/dispatch.py has checked CFG)."""
     weights_path = Path(args.weights) if args.weights else paths.weights_socket(args.name)
     try:
         status = weights_client.status(weights_path)
@@ -280,5 +279,5 @@ def run(args, cfg) -> int:
     socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot)
     if not args.socket:
         sockets.ensure_private_dir(socket_path.parent)
-    supervisor = EngineSupervisor(args.name, cfg, socket_path, (status.pid, status.socket_inode))
+    supervisor = EngineSupervisor(args.name, cfg, backend, socket_path, (status.pid, status.socket_inode))
     return asyncio.run(supervisor.main())

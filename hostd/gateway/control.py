@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from pathlib import Path
 from typing import Annotated, Awaitable, Callable, Literal, Optional, Union
@@ -152,11 +151,9 @@ async def serve(listener: socket.socket, handle: Handler) -> asyncio.AbstractSer
 
 
 async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handle: Handler) -> None:
-    sock = writer.get_extra_info("socket")
-    pid, uid, _ = sockets.peer_credentials(sock)
+    pid = sockets.trusted_peer(writer.get_extra_info("socket"))
     try:
-        if uid not in (os.getuid(), 0):
-            log.warning("control: refused pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
+        if pid is None:
             return
         while True:
             try:

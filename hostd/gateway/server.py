@@ -411,8 +411,7 @@ def run(args: argparse.Namespace) -> int:
     main = Path(args.engine) if args.engine else paths.engine_socket(args.name)
     engine_sockets = {"main": main, "next": main.with_name(paths.ENGINE_SOCKETS["next"])}
     control_socket = Path(args.control) if args.control else paths.control_socket(args.name)
-    passed = systemd.listen_sockets()
-    listener = passed[0] if passed else listener_from_config(args.listen or cfg.listen)
+    listener = sockets.acquire(args.listen or cfg.listen, bind=listener_from_config)
     gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys)
     # Leave a margin inside the unit's stop timeout for the process to exit.
     stop_timeout = max(1.0, cfg.timeouts.stop - 10.0)

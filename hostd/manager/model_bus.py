@@ -12,7 +12,7 @@ values. Reload asks polkit first (authority.admin).
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import msgspec
 from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method
@@ -26,9 +26,6 @@ from hostd.manager.authority import admin
 from hostd.manager.operation_bus import OperationInterface
 from hostd.manager.probe import Probe
 from hostd.manager.records import Degraded
-
-if TYPE_CHECKING:
-    from hostd.manager.service import Manager
 
 log = logging.getLogger("hostd.manager")
 
@@ -65,7 +62,7 @@ def redacted(config: dict) -> dict:
 
 
 class ModelInterface(ServiceInterface):
-    def __init__(self, manager: "Manager", name: str):
+    def __init__(self, manager, name: str):  # MANAGER: service.Manager (not imported: no circle)
         super().__init__(api.MODEL)
         self.manager, self.model_name = manager, name  # self.name is the interface's
         self.authority = manager.authority

@@ -322,7 +322,3 @@ def run(args) -> int:
     logs.setup("", "manager")
     asyncio.run(serve(hostd_config.config_root(args.config_dir)))
     return 0
-
-
-def add_arguments(parser) -> None:
-    pass

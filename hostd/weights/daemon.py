@@ -1,7 +1,8 @@
-"""hostd weights NAME: the weight cache daemon of one model (builtin backend).
+"""hostd weights NAME for the builtin backend: the weight cache daemon of one model.
 
-run() hands the model to its backend; the vllm and sglang backends run
-upstream.py, which supervises upstream's own daemon instead.
+hostd/dispatch.py checked the config and BuiltinBackend.run_weights calls
+serve(); the vllm and sglang backends run upstream.py instead, which
+supervises upstream's own daemon.
 
 One job: load the checkpoint once, hold it, and hand it to engines zero-copy
 for as long as it runs. See shared.py for the memory and protocol.py for the
@@ -32,8 +33,7 @@ from typing import Optional
 
 import torch
 
-from hostd import config as hostd_config
-from hostd import backends, paths, sockets, systemd
+from hostd import paths, sockets, systemd
 from hostd.weights import checkpoint, fingerprint, load, protocol, shared
 from hostd.weights import listener as listener_mod
 
@@ -137,25 +137,8 @@ class WeightDaemon:
         systemd.status(self.summary())
 
 
-def acquire_socket(path: Path) -> socket.socket:
-    """systemd's socket if passed, else PATH bound by us (sockets.release ends either)."""
-    passed = systemd.listen_sockets()
-    if passed:
-        return passed[0]
-    return sockets.bind_private(path)
-
-
 def _raise_shutdown(signum, _frame):
     raise Shutdown(signal.Signals(signum).name)
-
-
-def run(args: argparse.Namespace) -> int:
-    """`hostd weights NAME`: what the model's backend runs as its weights."""
-    from hostd import logs
-
-    logs.setup(args.name, "weights")
-    loaded = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir))
-    return backends.for_config(loaded.config).run_weights(args, loaded.config)
 
 
 def serve(args: argparse.Namespace, cfg) -> int:
@@ -175,7 +158,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
     try:
         with systemd.ExtendTimeout():
             daemon.load()
-        listener = acquire_socket(socket_path)
+        listener = sockets.acquire(socket_path)
         address = listener.getsockname()
         daemon.socket_inode = os.stat(address).st_ino
         log.info("serving %s on %s", args.name, address)
@@ -189,8 +172,3 @@ def serve(args: argparse.Namespace, cfg) -> int:
             sockets.release(listener)
     return 0
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
-    parser.add_argument("--socket", metavar="PATH", help="listen here when not socket-activated")
-    parser.add_argument("--state-dir", metavar="DIR", help="digest cache (default /var/lib/hostd/NAME)")

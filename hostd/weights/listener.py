@@ -3,14 +3,13 @@
 One job: the connection discipline every weights socket shares (the builtin
 daemon's and the upstream supervisors'): one thread per connection, peers
 whose uid is neither ours nor root refused before a byte is read
-(SO_PEERCRED), a protocol timeout per request, and a malformed, truncated,
+(SO_PEERCRED, sockets.trusted_peer), a protocol timeout per request, and a malformed, truncated,
 oversized or slow frame closing that connection only, with a log line.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from typing import Callable
@@ -35,9 +34,8 @@ def serve(listener: socket.socket, answer: Answer) -> None:
 
 def handle(conn: socket.socket, answer: Answer) -> None:
     with conn:
-        pid, uid, _gid = sockets.peer_credentials(conn)
-        if uid not in (os.getuid(), 0):
-            log.warning("refused peer pid %d: uid %d is neither %d nor root", pid, uid, os.getuid())
+        pid = sockets.trusted_peer(conn)
+        if pid is None:
             return
         conn.settimeout(protocol.TIMEOUT)
         try:

@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hostd import backends, paths, sockets, systemd
-from hostd.backends import upstream
+from hostd import paths, sockets, systemd
 from hostd.weights import fingerprint, protocol
 from hostd.weights import listener as listener_mod
 
@@ -91,9 +90,11 @@ def clear_directory(directory: Path) -> None:
 
 
 class Supervisor:
-    def __init__(self, name: str, cfg, state_dir: Optional[Path]):
-        self.name, self.cfg, self.state_dir = name, cfg, state_dir
-        self.backend = backends.for_config(cfg)
+    """BACKEND: the model's UpstreamBackend (hostd/backends/upstream.py), which
+    says what to run and how to tell that it is ready."""
+
+    def __init__(self, name: str, cfg, backend, state_dir: Optional[Path]):
+        self.name, self.cfg, self.backend, self.state_dir = name, cfg, backend, state_dir
         self.directory = self.backend.socket_dir(name)
         self.child: Optional[subprocess.Popen] = None
         self.fingerprint: Optional[protocol.Fingerprint] = None
@@ -110,7 +111,7 @@ class Supervisor:
         clear_directory(self.directory)
         command = self.backend.weights_command(self.name, self.cfg)
         log.info("starting %s", " ".join(command.argv))
-        self.child = subprocess.Popen(command.argv, env=upstream.child_env(command.env), stdin=subprocess.DEVNULL)
+        self.child = subprocess.Popen(command.argv, env=systemd.child_env(command.env), stdin=subprocess.DEVNULL)
 
     def ready(self) -> bool:
         """Every GPU's socket exists (and, for SGLang, its .ready file)."""
@@ -207,7 +208,7 @@ class Supervisor:
             ))
 
 
-def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path) -> int:
+def serve_without_cache(supervisor: Supervisor, socket_path: Path) -> int:
     """No weight cache for this model (supervisor.not_retained says why): run
     no upstream daemon, answer status on weights.sock, saying the weights are
     not retained, until stopped. The engine unit still binds to this one, so a
@@ -217,7 +218,7 @@ def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path)
     with systemd.ExtendTimeout():
         supervisor.fingerprint = supervisor.compute_fingerprint()
     supervisor.loaded_at = time.time()
-    listener = passed[0] if passed else sockets.bind_private(socket_path)
+    listener = sockets.acquire(socket_path)
     try:
         supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
         threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
@@ -228,17 +229,16 @@ def serve_without_cache(supervisor: Supervisor, passed: list, socket_path: Path)
         sockets.release(listener)
 
 
-def run(args, cfg) -> int:
-    """`hostd weights NAME` for an upstream backend (called by daemon.run)."""
-    if backends.refused_at_start(cfg, args.name, log):
-        return 1
+def run(args, cfg, backend) -> int:
+    """`hostd weights NAME` for an upstream BACKEND (its run_weights, once
+    hostd/dispatch.py has checked CFG)."""
     socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
     state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError:
         state_dir = None
-    supervisor = Supervisor(args.name, cfg, state_dir)
+    supervisor = Supervisor(args.name, cfg, backend, state_dir)
 
     def on_signal(signum, _frame):
         log.info("%s: stopping", signal.Signals(signum).name)
@@ -247,11 +247,10 @@ def run(args, cfg) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    passed = systemd.listen_sockets()
     listener = None
     try:
         if supervisor.not_retained:
-            return serve_without_cache(supervisor, passed, socket_path)
+            return serve_without_cache(supervisor, socket_path)
         supervisor.start_child()
         systemd.status(f"{cfg.backend} is loading {cfg.model}")
         with systemd.ExtendTimeout():
@@ -264,7 +263,7 @@ def run(args, cfg) -> int:
             return 1
         supervisor.fingerprint = supervisor.compute_fingerprint()
         supervisor.loaded_at = time.time()
-        listener = passed[0] if passed else sockets.bind_private(socket_path)
+        listener = sockets.acquire(socket_path)
         supervisor.socket_inode = os.stat(listener.getsockname()).st_ino
         threading.Thread(target=supervisor.serve, args=(listener,), daemon=True).start()
         log.info("upstream weight cache ready: %s", supervisor.status().upstream_socket_inodes)

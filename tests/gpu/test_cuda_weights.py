@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is needed to read GPU memory")
 
 from hostd.checkpoints import random_model  # noqa: E402
-from hostd.local import ModelTree, wait_for  # noqa: E402
+from tests.local import ModelTree, wait_for  # noqa: E402
 from hostd.weights import client  # noqa: E402
 
 MiB = 1 << 20

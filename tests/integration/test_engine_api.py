@@ -60,7 +60,7 @@ _ENGINE_MAIN = textwrap.dedent("""
                     shutdown_timeout=args["shutdown_timeout"])
     sys.exit(run_server(
         model, tokenizer, limits, served_name=args["name"],
-        unix_path=args["socket"], on_ready=lambda: Path(args["ready"]).touch(),
+        socket_path=args["socket"], on_ready=lambda: Path(args["ready"]).touch(),
         on_status=lambda line: print("STATUS:", line, file=sys.stderr, flush=True),
         health_info={"loader": "from_pretrained"},
     ))

@@ -21,7 +21,7 @@ import pytest
 
 from hostd import sockets
 from hostd.gateway import control
-from hostd.local import ModelTree, wait_for
+from tests.local import ModelTree, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
 MiB = 1 << 20

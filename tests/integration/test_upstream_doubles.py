@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from hostd.local import ModelTree, wait_for
+from tests.local import ModelTree, wait_for
 from hostd.weights import client as weights_client
 
 DOUBLES = Path(__file__).resolve().parents[1] / "doubles"

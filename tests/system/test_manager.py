@@ -329,10 +329,10 @@ def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
     wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"], check=False).returncode == 1,
              timeout=300, what="intent record resolved")
     wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
-    limits = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
-                                  "http://engine/health"]).stdout)["limits"]
+    running = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
+                                   "http://engine/health"]).stdout)["engine_config"]
     on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
-    assert limits["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # consistent either way
+    assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # consistent either way
     assert "recovery:" in host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
 
 

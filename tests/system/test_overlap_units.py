@@ -80,7 +80,7 @@ def active(host: SystemdContainer, unit: str) -> str:
 
 def running_limits(host: SystemdContainer) -> dict:
     return json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
-                                "http://engine/health"]).stdout)["limits"]
+                                "http://engine/health"]).stdout)["engine_config"]
 
 
 def another_max_num_seqs(host: SystemdContainer) -> int:
@@ -150,9 +150,9 @@ def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
     wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
     wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=120, what="the second engine stopped")
     assert active(host, MAIN) == "active"
-    limits = running_limits(host)
+    running = running_limits(host)
     on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
-    assert limits["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
+    assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
 
 
 def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_so(host):

@@ -3,8 +3,8 @@
 Each test pins what a caller outside hostd/backends/ gets from a Backend
 instead of comparing the backend's name: the entry points of `hostd weights
 NAME` / `hostd engine NAME`, whether the units need the GPU, the memory
-fraction the preflight sizes by, the limits an engine reports (SGLang's names
-translated there), and how the upstream supervisors talk to their children.
+fraction the preflight sizes by, and how the upstream supervisors talk to
+their children.
 """
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ def test_each_backend_names_what_hostd_weights_and_hostd_engine_run(backend, wei
         package_name, _, leaf = module_name.rpartition(".")
         # A stand-in module: the real ones import torch or start processes.
         fake = types.ModuleType(module_name)
-        setattr(fake, function, lambda args, cfg, target=target: calls.append((target, args, cfg)) or 7)
+        setattr(fake, function, lambda args, cfg, *given, target=target: calls.append((target, args, cfg, *given)) or 7)
         monkeypatch.setitem(sys.modules, module_name, fake)
         monkeypatch.setattr(importlib.import_module(package_name), leaf, fake, raising=False)
     cfg, args = make(backend), object()
     chosen = backends.for_config(cfg)
     assert chosen.run_weights(args, cfg) == 7 and chosen.run_engine(args, cfg) == 7
-    assert calls == [(weights_module, args, cfg), (engine_module, args, cfg)]
+    # The upstream supervisors are handed their backend; the builtin daemons need none.
+    handed = () if backend == "builtin" else (chosen,)
+    assert calls == [(weights_module, args, cfg, *handed), (engine_module, args, cfg, *handed)]
 
 
 @pytest.mark.parametrize("backend, keys, gpu", [

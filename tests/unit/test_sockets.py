@@ -173,3 +173,63 @@ def test_release_of_a_passed_socket_only_closes_it(private_dir: Path):
     passed.listen()
     sockets.release(passed)
     assert passed.fileno() == -1 and path.exists()
+
+
+# What a socket-activated daemon sees: systemd's socket at fd 3 and
+# LISTEN_PID/LISTEN_FDS naming this process. Run in a fresh interpreter,
+# whose fd 3 is free.
+_ACTIVATED = """
+import os, socket, sys
+from pathlib import Path
+from hostd import sockets
+passed = socket.socket(socket.AF_UNIX)
+passed.bind(sys.argv[1])
+passed.listen()
+os.dup2(passed.fileno(), 3)
+os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS="1")
+got = sockets.acquire(Path(sys.argv[2]))
+print(got.fileno(), got.getsockname(), os.path.exists(sys.argv[2]), "LISTEN_FDS" in os.environ)
+sockets.release(got)
+print(os.path.exists(sys.argv[1]))
+"""
+
+
+def test_acquire_takes_the_socket_systemd_passed_and_binds_nothing(private_dir: Path):
+    import subprocess
+    import sys
+
+    passed, own = private_dir / "passed.sock", private_dir / "own.sock"
+    out = subprocess.run([sys.executable, "-c", _ACTIVATED, str(passed), str(own)], capture_output=True,
+                         text=True, check=True).stdout.split()
+    # fd 3, systemd's path, our own path never bound, the variables gone
+    # (children must not take the socket); released: closed, its file left.
+    assert out == ["3", str(passed), "False", "False", "True"]
+
+
+def test_acquire_binds_the_path_private_when_nothing_was_passed(private_dir: Path, monkeypatch):
+    monkeypatch.delenv("LISTEN_FDS", raising=False)
+    path = private_dir / "weights.sock"
+    listener = sockets.acquire(path)
+    try:
+        assert isinstance(listener, sockets.UnixListener) and stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    finally:
+        sockets.release(listener)
+    assert not path.exists()
+
+
+def test_acquire_binds_with_the_given_binder(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("LISTEN_FDS", raising=False)
+    listener = sockets.acquire(tmp_path / "public.sock", bind=sockets.bind_public)
+    try:
+        assert stat.S_IMODE(os.lstat(tmp_path / "public.sock").st_mode) == 0o666
+    finally:
+        sockets.release(listener)
+
+
+def test_trusted_peer_admits_our_uid_and_refuses_another(monkeypatch, caplog):
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    with ours, theirs:
+        assert sockets.trusted_peer(ours) == os.getpid()
+        monkeypatch.setattr(sockets, "peer_credentials", lambda _sock: (4321, 65534, 65534))
+        assert sockets.trusted_peer(ours) is None
+    assert f"refused pid 4321 on : uid 65534 is neither {os.getuid()} nor root" in caplog.text

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from hostd import backends
+from hostd import backends, systemd
 from hostd.backends import sglang as sglang_backend
 from hostd.backends import upstream
 from hostd.backends import vllm as vllm_backend
@@ -185,7 +185,7 @@ def test_sglang_tp2_every_editable_field(ckpt, home):
     ]
     assert engine.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     bad = subprocess.run([*engine.argv, "--no-such-flag"], capture_output=True, text=True,
-                         env=upstream.child_env(engine.env), timeout=60)
+                         env=systemd.child_env(engine.env), timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
 
 
@@ -417,7 +417,7 @@ def test_both_children_inherit_the_real_jit_path_through_a_symlink(ckpt, tmp_pat
     probe = [sys.executable, "-c", "import os; print(os.environ['SGLANG_JIT_CACHE_DIR'])"]
     for _start in range(2):  # first start and a restart (reload) compute it afresh
         for command in (backend.weights_command("m", cfg), backend.engine_command("m", cfg, port=1)):
-            seen = subprocess.run(probe, env=upstream.child_env(command.env), capture_output=True,
+            seen = subprocess.run(probe, env=systemd.child_env(command.env), capture_output=True,
                                   text=True, check=True).stdout.strip()
             assert seen == str(real / "jit")
             assert os.path.realpath(seen) == seen
@@ -430,7 +430,7 @@ def test_canonical_dir_keeps_an_already_real_path():
 def test_child_env_drops_systemds_per_process_variables(monkeypatch):
     monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
     monkeypatch.setenv("LISTEN_FDS", "1")
-    env = upstream.child_env({"A": "1"})
+    env = systemd.child_env({"A": "1"})
     assert "NOTIFY_SOCKET" not in env and "LISTEN_FDS" not in env and env["A"] == "1"
 
 
