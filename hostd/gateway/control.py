@@ -1,4 +1,4 @@
-"""The gateway's control socket: drain, resume, status, switch.
+"""The gateway's control socket: drain, resume, status, switch, settle.
 
 Trust model: /run/hostd/NAME/control.sock is 0600 in the private 0700 runtime
 directory, and every peer is checked with SO_PEERCRED (the gateway's uid or
@@ -21,10 +21,12 @@ and a field an earlier gateway lacks has a default.
     -> {"verb": "switch", "slot": "next"}   (overlap reload: new requests to engine-next.sock)
     -> {"verb": "switch", "slot": "main", "outcome": "done"}   (and back: the overlap reload ended)
     <- GatewayStatus, for either switch
+    -> {"verb": "settle", "slot": "main", "timeout": 120}   (overlap reload: wait until the requests
+    <- {"ok": true, "protocol": 3, "settled": true, "remaining": 0}   running on that engine end)
     <- {"ok": false, "protocol": 2, "error": "..."}          a refusal, for any request
 
 PROTOCOL: 1 (no `protocol` in answers): a gateway from before switch took an
-`outcome`; 2: switch takes one. The gateway and the manager ship together, but
+`outcome`; 2: switch takes one; 3: settle. The gateway and the manager ship together, but
 a model's gateway keeps running across an upgrade of hostd.service, so the
 manager asks before it sends a field an older gateway would refuse
 (manager/probe.py).
@@ -77,10 +79,19 @@ class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fiel
     outcome: Optional[Outcome] = None
 
 
-Request = Union[Drain, Resume, Status, Switch]
+class Settle(msgspec.Struct, tag_field="verb", tag="settle", forbid_unknown_fields=True):
+    """Wait until no request sent to the engine in SLOT still runs, or TIMEOUT
+    passes; admission is untouched (an overlap reload, before it stops the
+    engine a switch left)."""
+
+    slot: Literal["main", "next"]
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+Request = Union[Drain, Resume, Status, Switch, Settle]
 _decoder = msgspec.json.Decoder(Request)
 
-PROTOCOL = 2  # see the module docstring
+PROTOCOL = 3  # see the module docstring
 
 
 class Answer(msgspec.Struct, kw_only=True):
@@ -100,6 +111,11 @@ class Drained(Answer, kw_only=True):
     drained: bool  # nothing in flight any more; else the timeout passed
     remaining: int  # requests still running
     state: str  # the gateway's state (gateway/state.py)
+
+
+class Settled(Answer, kw_only=True):
+    settled: bool  # nothing sent to the slot runs any more; else the timeout passed
+    remaining: int  # requests still running on it
 
 
 class Resumed(Answer, kw_only=True):
@@ -122,7 +138,8 @@ class GatewayStatus(Answer, kw_only=True):
 
 
 # The answer to each request.
-ANSWERS: dict[type, type] = {Drain: Drained, Resume: Resumed, Status: GatewayStatus, Switch: GatewayStatus}
+ANSWERS: dict[type, type] = {Drain: Drained, Resume: Resumed, Status: GatewayStatus, Switch: GatewayStatus,
+                             Settle: Settled}
 
 Handler = Callable[[Request], Awaitable[Answer]]
 

@@ -232,6 +232,7 @@ class Gateway:
             self.metrics.ttfb.labels(str(code)).observe(loop.time() - admitted)
 
         slot = self.slot  # the engine this request goes to, whatever a switch does meanwhile
+        self.admission.sent(slot)
         try:
             response = await forward.forward(
                 self.sessions[slot], target, request, body, drop=self.drop_headers,
@@ -255,7 +256,7 @@ class Gateway:
             return exc.response
         finally:
             self.metrics.duration.labels(status).observe(loop.time() - admitted)
-            await self.admission.done()
+            await self.admission.done(slot)
 
     async def _engine_lost(self, slot: str) -> None:
         """Stop admitting when the engine new requests go to is gone; one that
@@ -324,6 +325,10 @@ class Gateway:
                 self.reload_clock.begin(self._now(), serving=self.admission.state == State.SERVING)
             elif moved or request.outcome:
                 self.reload_clock.end(self._now(), request.outcome or result.state)
+        elif isinstance(request, control.Settle):
+            log.info("settle: waiting for %d request(s) on the %s engine", self.admission.on_slot.get(request.slot, 0),
+                     request.slot)
+            result = await self.admission.settle(request.slot, request.timeout)
         else:
             result = self.admission.snapshot(self.slot)
         self._report()

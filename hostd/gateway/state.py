@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from hostd.gateway.control import Drained, GatewayStatus, Resumed
+from hostd.gateway.control import Drained, GatewayStatus, Resumed, Settled
 
 
 class State(str, enum.Enum):
@@ -53,6 +53,7 @@ class Admission:
         self.queue_timeout = queue_timeout
         self.queue_max = queue_max
         self.in_flight = 0
+        self.on_slot: dict[str, int] = {}  # in flight per engine slot (the gateway's switch)
         self.queued = 0
         self.counters = Counters()
         self.changed_at = time.time()
@@ -96,7 +97,13 @@ class Admission:
         self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
         return reason
 
-    async def done(self) -> None:
+    def sent(self, slot: str) -> None:
+        """An admitted request goes to the engine in SLOT."""
+        self.on_slot[slot] = self.on_slot.get(slot, 0) + 1
+
+    async def done(self, slot: Optional[str] = None) -> None:
+        if slot is not None:
+            self.on_slot[slot] -= 1
         self.in_flight -= 1
         self.counters.completed += 1
         async with self._changed:
@@ -131,6 +138,16 @@ class Admission:
         if self.state == State.DRAINING:
             await self._set(State.PAUSED)
         return Drained(drained=True, remaining=0, state=self.state.value)
+
+    async def settle(self, slot: str, timeout: float) -> Settled:
+        """Wait until nothing sent to SLOT runs, or TIMEOUT passes; admits as before."""
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(lambda: not self.on_slot.get(slot)), timeout)
+        except asyncio.TimeoutError:
+            pass
+        remaining = self.on_slot.get(slot, 0)
+        return Settled(settled=remaining == 0, remaining=remaining)
 
     async def resume(self, engine_healthy: bool) -> Resumed:
         await self._set(State.SERVING if engine_healthy else State.ENGINE_DOWN)

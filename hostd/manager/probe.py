@@ -79,6 +79,18 @@ class Probe:
             outcome = None
         return await self._control(control.Switch(slot=slot, outcome=outcome or None))
 
+    async def settle(self, slot: str, timeout: float) -> Optional[control.Settled]:
+        """Wait until the requests running on SLOT's engine end (at most TIMEOUT
+        seconds). None from a gateway older than control protocol 3, which
+        cannot tell: the engine's own shutdown_timeout is then all they get."""
+        if self.gateway_protocol is None:
+            await self.gateway_status()
+        if self.gateway_protocol is not None and self.gateway_protocol < 3:
+            log.info("the gateway of %s speaks control protocol %d (no settle); not waiting for the %s engine",
+                     self.name, self.gateway_protocol, slot)
+            return None
+        return await self._control(control.Settle(slot=slot, timeout=timeout))
+
     async def gateway_status(self) -> Optional[control.GatewayStatus]:
         try:
             return await self._control(control.Status())

@@ -17,7 +17,7 @@ from hostd.manager.probe import Probe
 def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "") -> tuple[object, list[dict]]:
     """Probe.switch("main", "done") against a control socket of PROTOCOL (None:
     its answers do not say, as protocol 1 gateways' did not), which refuses an
-    `outcome` with a switch unless PROTOCOL is 2, and every switch with
+    `outcome` with a switch below PROTOCOL 2, and every switch with
     SWITCH_REFUSAL when set."""
     (tmp_path / "tiny").mkdir(mode=0o700)
     seen: list[dict] = []
@@ -28,7 +28,7 @@ def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "
         said = {} if protocol is None else {"protocol": protocol}
         if request["verb"] == "switch" and switch_refusal:
             answer = {"ok": False, "error": switch_refusal, **said}
-        elif request["verb"] == "switch" and "outcome" in request and protocol != 2:
+        elif request["verb"] == "switch" and "outcome" in request and (protocol or 1) < 2:
             answer = {"ok": False, "error": "Object contains unknown field `outcome`"}
         else:
             answer = {"ok": True, "state": "serving", "in_flight": 0, "slot": request.get("slot", "main"), **said}
@@ -80,3 +80,28 @@ def test_answers_decode_as_the_answer_type_of_their_request(tmp_path):
         assert "not an answer to drain" in str(exc) and "drained" in str(exc)
     else:
         raise AssertionError("an answer without `drained` decoded as Drained")
+
+
+def test_settle_is_not_sent_to_a_gateway_older_than_protocol_3(tmp_path, monkeypatch):
+    """A protocol 2 gateway has no settle verb: the overlap reload does not
+    wait through it (the old engine's shutdown_timeout applies, as before)."""
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "tiny").mkdir(mode=0o700)
+    seen: list[dict] = []
+
+    async def handle(reader, writer):
+        request = json.loads(await reader.readline())
+        seen.append(request)
+        writer.write(json.dumps({"ok": True, "protocol": 2, "state": "serving", "slot": "next"}).encode() + b"\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_unix_server(handle, path=str(tmp_path / "tiny" / "control.sock"))
+        try:
+            return await Probe("tiny").settle("main", 30)
+        finally:
+            server.close()
+
+    assert asyncio.run(scenario()) is None
+    assert seen == [{"verb": "status"}]
