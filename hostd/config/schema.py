@@ -170,8 +170,11 @@ class ReloadConfig(_Strict):
     drain_timeout: Annotated[
         float,
         _doc(
-            "Seconds a reload waits for admitted requests to finish; when they "
-            "do not, the reload is abandoned and the old engine keeps serving.",
+            "Seconds a reload waits for admitted requests to finish (restart: "
+            "the drain; overlap: the requests on the engine being replaced, "
+            "before it restarts); when they do not, the reload is abandoned and "
+            "the old engine keeps serving. Overlap also gives the second engine's "
+            "requests this long before it stops (then engine.shutdown_timeout).",
             gt=0,
             le=86400,
         ),

@@ -50,6 +50,7 @@ class Stage(str, enum.Enum):
     DRAIN = "drain"
     START_NEXT = "start-next"  # overlap: the second engine starts and is verified
     SWITCH = "switch"  # overlap: the gateway sends new requests to it
+    SETTLE = "settle"  # overlap: the requests running on the old engine finish there
     RESTART = "restart"
     VERIFY = "verify"
     RESUME = "resume"
@@ -67,7 +68,8 @@ TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.RECORD: {Stage.DRAIN, Stage.START_NEXT, Stage.RESTORE},
     Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
     Stage.START_NEXT: {Stage.SWITCH, Stage.RESTORE},
-    Stage.SWITCH: {Stage.RESTART, Stage.RESTORE},
+    Stage.SWITCH: {Stage.SETTLE, Stage.RESTORE},
+    Stage.SETTLE: {Stage.RESTART, Stage.RESTORE},
     Stage.RESTART: {Stage.VERIFY, Stage.ROLLBACK},
     Stage.VERIFY: {Stage.RESUME, Stage.ROLLBACK},
     Stage.RESUME: {Stage.RETIRE, Stage.COMMIT, Stage.FINISHED},
@@ -77,7 +79,15 @@ TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.RESTORE: {Stage.FINISHED},
     Stage.FINISHED: set(),
 }
-CANCELLABLE = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN)
+# Where Cancel() is honoured, per strategy: until the drain ends (restart), or
+# until the gateway switches to the second engine (overlap); before the
+# preflight has chosen, both. Past it the reload runs to its end.
+CANCELLABLE = {
+    "": (Stage.VALIDATE, Stage.PREFLIGHT),
+    "restart": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN),
+    "overlap": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.START_NEXT),
+}
+CANCEL_ENDS = {"": "its preflight", "restart": "its drain", "overlap": "its switch to the second engine"}
 
 
 class Cancelled(Exception):
@@ -109,6 +119,9 @@ class Operation:
     cancel_requested: bool = False
     interrupt_requested: bool = False  # the model is being stopped
     asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
+
+    def cancellable(self) -> bool:
+        return self.stage in CANCELLABLE.get(self.strategy, ())
 
     def cancel(self) -> None:
         self.cancel_requested = True

@@ -13,7 +13,7 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 from hostd import units
 from hostd.manager import api, errors
 from hostd.manager.authority import admin
-from hostd.manager.operation import CANCELLABLE, Operation, State
+from hostd.manager.operation import CANCEL_ENDS, Operation, State
 
 RUNNING = State.RUNNING
 
@@ -100,8 +100,9 @@ class OperationInterface(ServiceInterface):
         op = self.op
         if op.state != RUNNING:
             raise errors.NotRunning(f"operation {op.id} already ended ({op.state.value})")
-        if self.kind != "reload" or op.stage not in CANCELLABLE:
-            raise errors.Busy(f"operation {op.id} is past its drain ({op.stage.value}); it cannot be cancelled now")
+        if self.kind != "reload" or not op.cancellable():
+            raise errors.Busy(f"operation {op.id} is past {CANCEL_ENDS.get(op.strategy, 'its drain')} "
+                              f"({op.stage.value}); it cannot be cancelled now")
         op.cancel()
 
     def changed(self) -> None:

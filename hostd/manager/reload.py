@@ -9,20 +9,25 @@ engines or there is no room for a second one).
 
 overlap: no 503 at any point.
 
-    validate -> preflight -> record -> start-next -> switch -> restart -> verify -> resume -> retire -> commit -> finished (done)
-                                          |  (fails)   |         \\____(fails)___/
-                                       restore: stop next,     rollback (main back to the previous config)
-                                       put the drop-in back     -> resume -> retire -> finished (rolled-back)
-                                       -> finished (rolled-back; the gateway never moved)
+    validate -> preflight -> record -> start-next -> switch -> settle -> restart -> verify -> resume -> retire -> commit -> finished (done)
+                               |          |  (fails,    |         |           \____(fails)___/
+                               +----------+  cancel,    |      (timeout)   rollback (main back to the previous config)
+                               |             stop)      |         |         -> resume -> retire -> finished (rolled-back)
+                            restore: (switch back), stop next, put the drop-in back (pinned in
+                            99-rollback.yaml when an engine refused an admin's drop-in)
+                            -> finished (rolled-back | cancelled | failed; the old engine never stopped)
 
     start-next: model-engine-next@NAME starts beside model-engine@NAME on the
       same weights with the target config and is verified on its own socket;
+      Cancel() is honoured until here (operation.CANCELLABLE);
     switch: the gateway sends new requests to it (requests running on the
       old engine finish there);
-    restart: model-engine@NAME restarts with the target config (SIGTERM: the
-      old engine finishes what it admitted first), verify;
+    settle: the requests still running on the old engine end (the gateway's
+      settle verb), within reload.drain_timeout, else the reload is abandoned;
+    restart: model-engine@NAME, idle, restarts with the target config, verify;
     resume: the gateway sends new requests to model-engine@NAME again;
-    retire: model-engine-next@NAME stops, finishing what it admitted.
+    retire: once its requests end (reload.drain_timeout, then its own
+      shutdown_timeout), model-engine-next@NAME stops.
     At rest only model-engine@NAME runs, so `systemctl restart model-engine@NAME`
     and the journal mean what they always meant.
 
@@ -58,6 +63,7 @@ dropins.py, the recovery after a manager crash in recovery.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -280,8 +286,31 @@ class Reload:
         await self.model.systemd.start(self.model.next_unit, timeout=self.target.timeouts.start + 30)
         await self.verify(self.target, "next")
 
+    async def settle(self, slot: str) -> Optional[int]:
+        """Wait until the requests running on SLOT's engine end, up to
+        reload.drain_timeout; how many still run then (None: the gateway
+        could not tell)."""
+        timeout = self.current.reload.drain_timeout
+        settled = await self.model.probe.settle(slot, timeout)
+        if settled is None or settled.settled:
+            return 0 if settled is not None else None
+        log.warning("reload %d of %s: %d request(s) still running on the %s engine after "
+                    "reload.drain_timeout (%g s)", self.op.id, self.op.model, settled.remaining, slot, timeout,
+                    extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
+        return settled.remaining
+
     async def retire_next(self) -> None:
-        """Stop the second engine; it finishes what it admitted first."""
+        """Stop the second engine once what it admitted has finished (up to
+        reload.drain_timeout; then its engine.shutdown_timeout applies)."""
+        try:
+            remaining = await self.settle("next")
+        except Exception as exc:  # the gateway does not answer: nothing to wait for through it
+            log.warning("reload %d of %s: cannot ask the gateway what runs on the next engine: %s",
+                        self.op.id, self.op.model, exc)
+            remaining = None
+        if remaining:
+            self.op.notes.append(f"{remaining} request(s) still ran on the second engine after "
+                                 f"reload.drain_timeout; it was stopped with engine.shutdown_timeout")
         await self.model.systemd.stop(self.model.next_unit, timeout=self.target.timeouts.stop + 30)
 
     async def commit(self) -> None:
@@ -290,28 +319,35 @@ class Reload:
 
     async def rollback(self, cause: str) -> None:
         """Put the previous config back and bring the previous engine up."""
-        directory = self.model.dropins
-        if self.op.patch:
-            restore_file(directory / RELOAD_DROPIN, self.previous_reload)
-        else:
-            # The new values came from the administrator's own drop-in: pin the
-            # values the engine ran before above it rather than editing their file.
-            if self.running_engine is None:
-                raise RuntimeError("no committed or schema-valid previous values to pin")
-            write_atomic(directory / ROLLBACK_DROPIN,
-                         render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine}))
-            self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
+        self.previous_on_disk(cause)
         restored = hostd_config.load_model(self.model.name, self.model.root).config
         await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)
         await self.verify(restored)
         self.op.restored = True
         self.model.records.drop_intent(self.model.name)
 
-    def restore(self) -> None:
-        """Put 90-reload.yaml back as it was; the engine was never restarted."""
+    def previous_on_disk(self, cause: Optional[str]) -> None:
+        """The previous config back on disk: 90-reload.yaml as it was; and when
+        an engine refused (CAUSE) values that came from the administrator's own
+        drop-in (an empty patch), those values pinned above it, so that no
+        later engine start (planned or a crash) runs them."""
+        directory = self.model.dropins
+        if self.op.patch or cause is None:
+            restore_file(directory / RELOAD_DROPIN, self.previous_reload)
+            return
+        # Pin the values the engine ran before rather than editing their file.
+        if self.running_engine is None:
+            raise RuntimeError("no committed or schema-valid previous values to pin")
+        write_atomic(directory / ROLLBACK_DROPIN,
+                     render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine}))
+        self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
+
+    def restore(self, cause: Optional[str] = None) -> None:
+        """The previous config back on disk (previous_on_disk); the main engine
+        was never restarted. CAUSE: why a new engine failed, if one did."""
         if not self.recorded:  # cancelled before anything was written
             return
-        restore_file(self.model.dropins / RELOAD_DROPIN, self.previous_reload)
+        self.previous_on_disk(cause)
         self.op.restored = True
         self.model.records.drop_intent(self.model.name)
 
@@ -471,33 +507,71 @@ class Reload:
         self.model.records.clear_degraded(self.model.name)  # the target config serves
         self._end(State.DONE)
 
+    async def _until_asked(self, work) -> None:
+        """Run WORK unless, or until, a Cancel() or a stop asks otherwise:
+        then WORK is abandoned (its unit is stopped by the caller's restore)."""
+        op = self.op
+        if op.asked.is_set():  # asked before WORK began: it never begins
+            work.close()
+        else:
+            task = asyncio.ensure_future(work)
+            asked = asyncio.ensure_future(op.asked.wait())
+            try:
+                await asyncio.wait({task, asked}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                asked.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            elif not op.asked.is_set():
+                return task.result()
+        if op.interrupt_requested:
+            raise Interrupted("interrupted: the model is being stopped")
+        raise Cancelled(f"cancelled during {op.stage.value}")
+
     async def _apply_overlap(self) -> None:
         """The overlap strategy (module docstring): the gateway always has an
-        engine that answers, so no request is ever refused."""
+        engine that answers, so no request is ever refused. Cancel() is
+        honoured until the switch; a stop interrupts it there too."""
         op = self.op
+        switched = False
         try:
             await self._record_stage()
             op.enter(Stage.START_NEXT)
-            await self.start_next()
+            await self._until_asked(self.start_next())
             op.enter(Stage.SWITCH)
             await self.model.probe.switch("next")
-        except Exception as exc:  # the new engine failed: the old one never stopped
-            interrupted = await self.stopping()
-            cause = str(exc) if isinstance(exc, Cancelled) or interrupted else \
-                await self.model.probe.engine_error(str(exc), "next")
+            switched = True
+            # What runs on the main engine finishes there before it restarts.
+            op.enter(Stage.SETTLE)
+            remaining = await self.settle("main")
+            if remaining:
+                raise TimeoutError(
+                    f"{remaining} request(s) still running on the old engine after reload.drain_timeout "
+                    f"({self.current.reload.drain_timeout:g} s); the old engine keeps serving"
+                )
+        except Exception as exc:  # the new engine failed, or the old one did not settle: it never stopped
+            interrupted = isinstance(exc, Interrupted) or await self.stopping()
+            if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
+                cause, failed = str(exc), None
+            else:
+                cause = failed = await self.model.probe.engine_error(str(exc), "next")
             op.enter(Stage.RESTORE)
+            outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
+                State.ROLLED_BACK if failed is not None and self.recorded else State.FAILED
             try:
+                if switched and not interrupted:
+                    await self.model.probe.switch("main", outcome.value)
                 await self.retire_next()
-                self.restore()
+                self.restore(failed)
             except Exception as again:  # logged for operators
                 log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
-            if isinstance(exc, Cancelled):
-                return self._end(State.CANCELLED, cause)
             if interrupted:
                 return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
-            return self._end(State.ROLLED_BACK if self.recorded else State.FAILED, cause)
-        # The next engine serves new requests: the main one restarts with the
-        # target config (it finishes what it admitted first), then takes over.
+            return self._end(outcome, cause)
+        # The next engine serves new requests and nothing runs on the main one:
+        # it restarts with the target config, then takes over.
         await self._replace_main(self._hand_back, "handing the gateway back to the main engine failed")
 
 

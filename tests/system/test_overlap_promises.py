@@ -20,7 +20,8 @@ import pytest
 from container import SystemdContainer, wait_for
 from test_manager import DROPINS, engine_metric, hostctl, last_operation, model_state, op_property, read_file, \
     wait_operation
-from test_model_units import free_port, main_pid, prepare_model, status_code
+from ports import reserved_port
+from test_model_units import main_pid, prepare_model, status_code
 
 MAIN = "model-engine@tiny.service"
 NEXT = "model-engine-next@tiny.service"
@@ -29,7 +30,7 @@ SLOW_NEXT = "/run/systemd/system/model-engine-next@tiny.service.d/50-slow-start.
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = free_port()
+    port = reserved_port()
     prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
     systemd_container.write_file(f"{DROPINS}/10-shutdown.yaml", "engine:\n  shutdown_timeout: 0\n")
     systemd_container.base_url = f"http://127.0.0.1:{port}"

@@ -133,6 +133,7 @@ class FakeProbe:
         self.outcomes: list[str | None] = []  # what each resume or switch told the gateway
         self.drain_result = control.Drained(drained=True, remaining=0, state="paused")
         self.drain_hangs = False
+        self.unsettled: dict[str, int] = {}  # slot -> requests still running when settle times out
         self.resume_fails = False
         self.fail_next_start = False  # the engine exits with an error once started
 
@@ -177,6 +178,13 @@ class FakeProbe:
             raise OSError(f"the engine in slot {slot} does not answer /health; not switching")
         self.slot = slot
         return control.GatewayStatus(state="serving", slot=slot)
+
+    async def settle(self, slot: str, timeout: float):
+        """The requests running on SLOT end at once, unless UNSETTLED[slot] says
+        how many outlive the timeout."""
+        self.calls.append(f"settle {slot}")
+        remaining = self.unsettled.get(slot, 0)
+        return control.Settled(settled=remaining == 0, remaining=remaining)
 
     async def weights_identity(self):
         return (7, 8)

@@ -175,3 +175,96 @@ def test_a_preflight_asks_the_engine_and_the_memory_once(tmp_path, strategy):
     run(check())
     assert world.probe.calls == ["health", "memory"]  # validate's /health serves the overlap check too
     assert op.strategy == strategy
+
+
+# ---------------------------------------------------------------- cancel, pin, settle (issue 26)
+
+
+def drive(world: World, patch: dict, on_stage=None, hang_next_start: bool = False) -> R.Operation:
+    """One overlap reload; ON_STAGE(op, loop) runs at every stage change (as
+    a Cancel() arriving in that stage would); HANG_NEXT_START: the second
+    engine's start job never ends on its own."""
+    async def go():
+        await world.connect()
+        loop = asyncio.get_running_loop()
+        if hang_next_start:
+            real = world.bus.run_job
+
+            async def run_job(verb, name, job):
+                if verb == "start" and name == NEXT:
+                    world.bus.set_state(name, "activating")
+                    await asyncio.Event().wait()
+                await real(verb, name, job)
+            world.bus.run_job = run_job
+        op = R.Operation(id=1, model="tiny", patch=patch)
+        if on_stage is not None:
+            op.on_change = lambda o: on_stage(o, loop)
+        run = R.Reload(world.model(), op)
+        await run.check()
+        await run.start()
+        return op
+    return asyncio.run(go())
+
+
+def test_a_cancel_in_the_record_stage_ends_cancelled_and_starts_no_engine(world):
+    op = drive(world, {"max_num_seqs": 4},
+               on_stage=lambda o, _: o.stage == R.Stage.RECORD and not o.cancel_requested and o.cancel())
+    assert (op.state, op.restored) == (R.State.CANCELLED, True)
+    assert f"start {NEXT}" not in jobs(world) and f"restart {MAIN}" not in jobs(world)
+    assert not world.dropin.exists() and world.records.intent("tiny") is None
+
+
+def test_a_cancel_while_the_second_engine_starts_stops_it_and_restores(world):
+    def cancel_soon(o, loop):
+        if o.stage == R.Stage.START_NEXT and not o.cancel_requested:
+            loop.call_later(0.05, o.cancel)
+    op = drive(world, {"max_num_seqs": 4}, on_stage=cancel_soon, hang_next_start=True)
+    assert (op.state, op.restored) == (R.State.CANCELLED, True)
+    assert "cancelled during start-next" in op.error
+    assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]  # the main engine was never touched
+    assert world.probe.slot == "main" and "switch next" not in world.probe.calls
+    assert not world.dropin.exists() and world.records.intent("tiny") is None
+
+
+def test_cancel_is_honoured_until_the_switch_and_not_after(world):
+    seen: dict[str, bool] = {}
+    op = drive(world, {"max_num_seqs": 4}, on_stage=lambda o, _: seen.setdefault(o.stage.value, o.cancellable()))
+    assert op.state == R.State.DONE
+    assert {stage for stage, ok in seen.items() if ok} == {"preflight", "record", "start-next"}
+    assert not any(seen[s] for s in ("switch", "settle", "restart", "verify", "resume", "retire", "commit"))
+
+
+def test_an_admins_dropin_the_next_engine_refuses_is_pinned_like_a_restart_rollback(world):
+    """`systemctl reload` (an empty patch) of an administrator's drop-in: the
+    previous values go to 99-rollback.yaml, so no later engine start runs
+    what the new engine refused."""
+    before = dict(world.probe.engine)
+    (world.root / "models/tiny.d").mkdir(exist_ok=True)
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine:\n  max_num_seqs: 6\n")
+    world.probe.fail_next_start = True
+    op = drive(world, {})
+    assert (op.state, op.restored) == (R.State.ROLLED_BACK, True)
+    pin = yaml.safe_load((world.root / "models/tiny.d/99-rollback.yaml").read_text())
+    assert pin["engine"]["max_num_seqs"] == before["max_num_seqs"]
+    assert any("pinned" in note for note in op.notes)
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == before["max_num_seqs"]
+    assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]
+
+
+def test_the_main_engine_restarts_only_once_its_requests_ended_and_the_next_retires_once_its_did(world):
+    op = drive(world, {"max_num_seqs": 4})
+    assert op.state == R.State.DONE
+    calls = world.probe.calls
+    assert calls.index("switch next") < calls.index("settle main") < calls.index("verify")
+    assert calls.index("switch main") < calls.index("settle next")
+
+
+def test_requests_outliving_drain_timeout_on_the_old_engine_abandon_the_reload_and_it_keeps_serving(world):
+    before = dict(world.probe.engine)
+    world.probe.unsettled = {"main": 2}
+    op = drive(world, {"max_num_seqs": 4})
+    assert (op.state, op.restored) == (R.State.FAILED, True)
+    assert "2 request(s) still running on the old engine" in op.error
+    assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]  # the old engine never restarted
+    assert world.probe.slot == "main" and world.probe.outcomes[-1] == "failed"
+    assert world.probe.engine == before and not world.dropin.exists()
