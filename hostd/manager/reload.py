@@ -10,7 +10,7 @@ engines or there is no room for a second one).
 overlap: no 503 at any point.
 
     validate -> preflight -> record -> start-next -> switch -> settle -> restart -> verify -> resume -> retire -> commit -> finished (done)
-                               |          |  (fails,    |         |           \____(fails)___/
+                               |          |  (fails,    |         |           \\____(fails)___/
                                +----------+  cancel,    |      (timeout)   rollback (main back to the previous config)
                                |             stop)      |         |         -> resume -> retire -> finished (rolled-back)
                             restore: (switch back), stop next, put the drop-in back (pinned in

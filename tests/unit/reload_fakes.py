@@ -218,7 +218,7 @@ class World:
     """One model, tiny, configured under ROOT, running, with its manager's
     records under STATE."""
 
-    def __init__(self, tmp: Path, strategy: str = "restart"):
+    def __init__(self, tmp: Path, strategy: str = "overlap"):  # the product's default
         self.name = "tiny"
         self.root = tmp / "etc"
         checkpoint = tmp / "checkpoint"

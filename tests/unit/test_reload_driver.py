@@ -25,7 +25,17 @@ from hostd.manager.records import Intent  # noqa: E402
 
 @pytest.fixture
 def world(tmp_path: Path) -> World:
-    return World(tmp_path)
+    # Pinned: this module walks the restart strategy's exits (drain, resume,
+    # rollback of a restarted engine); the overlap strategy's are in
+    # test_reload_overlap.py, and what both must do is parametrized below and
+    # in test_reload_promises.py.
+    return World(tmp_path, strategy="restart")
+
+
+@pytest.fixture(params=["overlap", "restart"])
+def any_world(request, tmp_path: Path) -> World:
+    """A world under each strategy: the behaviour does not depend on it."""
+    return World(tmp_path, strategy=request.param)
 
 
 def run(coro):
@@ -53,14 +63,16 @@ def test_done_writes_the_dropin_restarts_once_verifies_resumes_and_commits(world
     assert world.records.intent("tiny") is None
 
 
-def test_a_patch_merges_into_what_90_reload_holds(world):
+def test_a_patch_merges_into_what_90_reload_holds(any_world):
+    world = any_world
     world.dropin.parent.mkdir(parents=True)
     world.dropin.write_text("engine: {max_model_len: 64}\n")
     run(world.reload({"max_num_seqs": 4}))
     assert dropin(world) == {"engine": {"max_model_len": 64, "max_num_seqs": 4}}
 
 
-def test_a_malformed_90_reload_refuses_the_patch_and_changes_nothing(world):
+def test_a_malformed_90_reload_refuses_the_patch_and_changes_nothing(any_world):
+    world = any_world
     world.dropin.parent.mkdir(parents=True)
     world.dropin.write_text("engine: [\n")
     with pytest.raises(errors.InvalidValue, match="90-reload.yaml"):
@@ -68,7 +80,8 @@ def test_a_malformed_90_reload_refuses_the_patch_and_changes_nothing(world):
     assert world.dropin.read_text() == "engine: [\n" and world.restarts() == 0
 
 
-def test_refusals_touch_nothing(world):
+def test_refusals_touch_nothing(any_world):
+    world = any_world
     with pytest.raises(errors.NotEditable, match="'dtype' is fixed"):
         run(world.reload({"dtype": "float32"}))
     with pytest.raises(errors.InvalidValue):
