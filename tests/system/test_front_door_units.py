@@ -26,10 +26,8 @@ def host(systemd_container: SystemdContainer):
     port = reserved_port()
     container = systemd_container
     container.write_file("/etc/hostd/keys/tiny", f"# keys of model tiny\n{KEY}\n", mode=0o600)
-    # The restart strategy: this test pins the 503 window of a drained reload
-    # in the gateway's reload metrics (an overlap reload has none).
-    prepare_model(container, port, timeouts="{start: 120, stop: 60}", gateway="{api_keys: /etc/hostd/keys/tiny}",
-                  reload="{strategy: restart}")
+    # The default strategy (overlap): nothing here depends on which one runs.
+    prepare_model(container, port, timeouts="{start: 120, stop: 60}", gateway="{api_keys: /etc/hostd/keys/tiny}")
     container.base_url = f"http://127.0.0.1:{port}"
     container.port = port
     container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)

@@ -30,20 +30,42 @@ DROPINS = "/etc/hostd/models/tiny.d"
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
     port = reserved_port()
-    # This module tests the restart strategy (drain, restart, resume) and its
-    # recovery; test_overlap.py tests the default, overlap.
-    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}", reload="{strategy: restart}")
+    # The default strategy (overlap) on disk; each test runs under the
+    # strategies its behaviour must hold for (the `strategy` fixture).
+    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
     systemd_container.base_url = f"http://127.0.0.1:{port}"
     systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
     wait_for(lambda: status_code(systemd_container) == 200, timeout=60, what="serving")
     return systemd_container
 
 
-@pytest.fixture
-def served(host: SystemdContainer) -> SystemdContainer:
+STRATEGY_DROPIN = f"{DROPINS}/40-strategy.yaml"
+
+
+def serve_with(host: SystemdContainer, strategy: str) -> SystemdContainer:
+    """The model serving, its reloads under STRATEGY (reload.* is read at each
+    reload, so a drop-in is all it takes)."""
+    host.write_file(STRATEGY_DROPIN, f"reload:\n  strategy: {strategy}\n")
     host.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
     wait_for(lambda: model_state(host) == "serving", timeout=120, what="model serving per the manager")
+    host.strategy = strategy
     return host
+
+
+@pytest.fixture(params=["overlap", "restart"])
+def served(request, host: SystemdContainer):
+    """Serving, for behaviour that must hold under both strategies."""
+    yield serve_with(host, request.param)
+    host.run(["rm", "-f", STRATEGY_DROPIN])
+
+
+@pytest.fixture
+def served_restart(host: SystemdContainer):
+    """Serving under the restart strategy, for its drain: the tests that use
+    it say what of theirs only a drain has (the overlap's counterparts are in
+    test_overlap_units.py and test_overlap_promises.py)."""
+    yield serve_with(host, "restart")
+    host.run(["rm", "-f", STRATEGY_DROPIN])
 
 
 def hostctl(host: SystemdContainer, *args: str, check: bool = False):
@@ -99,6 +121,19 @@ def concurrency_allowed(host: SystemdContainer, clients: int) -> int:
     return int(engine_metric(host, "hostd_engine_requests_running_max"))
 
 
+def running_max_num_seqs(host: SystemdContainer) -> int:
+    health = host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock", "http://engine/health"]).stdout
+    return json.loads(health)["engine_config"]["max_num_seqs"]
+
+
+def other_values(host: SystemdContainer, count: int = 1) -> list[str]:
+    """COUNT values of max_num_seqs the engine does not run now, so a reload
+    to them changes something whatever ran before (tests run alone or in any
+    order, each strategy after the other)."""
+    current = running_max_num_seqs(host)
+    return [str(v) for v in (2, 3, 6, 7) if v != current][:count]
+
+
 def identity(host: SystemdContainer) -> tuple[int, int]:
     return main_pid(host, "model-weights@tiny.service"), stat(host, "/run/hostd/tiny/weights.sock")["inode"]
 
@@ -143,6 +178,8 @@ def test_the_same_reload_succeeds_through_every_door(served):
         assert identity(host) == weights
         assert greedy(host) == output
 
+    # Whatever an earlier reload left in 90-reload.yaml would win over 50-admin.yaml.
+    host.run(["rm", "-f", f"{DROPINS}/90-reload.yaml"])
     # 1. A drop-in edited by hand, then `systemctl reload` (the config on disk).
     host.write_file(f"{DROPINS}/50-admin.yaml", "engine:\n  max_num_seqs: 2\n")
     host.systemctl("reload", "model@tiny.service", timeout=300)
@@ -159,8 +196,9 @@ def test_the_same_reload_succeeds_through_every_door(served):
     result = hostctl(host, "reload", "tiny", "max_num_seqs=4")
     assert result.returncode == 0, result.stderr
     assert model_state(host) == "serving"  # at once: the manager follows its units' signals
-    assert "reload of tiny: done (strategy restart, weights reused)" in result.stdout
-    assert ": drain (" in result.stderr and ": finished (" in result.stderr  # live progress, elapsed times
+    assert f"reload of tiny: done (strategy {host.strategy}, weights reused)" in result.stdout
+    first = {"restart": "drain", "overlap": "start-next"}[host.strategy]
+    assert f": {first} (" in result.stderr and ": finished (" in result.stderr  # live progress, elapsed times
     after(4, last_operation(host))
 
     # 4. The Python client (run where the system bus is: inside the container).
@@ -177,7 +215,9 @@ def test_the_same_reload_succeeds_through_every_door(served):
     host.run(["rm", "-f", f"{DROPINS}/50-admin.yaml"])
 
 
-def test_a_reload_drains_16_streams_and_loses_none(served):
+def test_a_reload_drains_16_streams_and_loses_none(served_restart):
+    # restart only: it needs 503s while it drains.
+    served = served_restart
     host = served
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     hostctl(host, "reload", "tiny", "max_num_seqs=16", check=True)
@@ -301,9 +341,10 @@ def _error_name(host: SystemdContainer, patch_args) -> str:
 
 def test_second_reload_is_busy_and_non_admin_is_denied(served):
     host = served
-    first = hostctl(host, "reload", "tiny", "max_num_seqs=6", "--no-wait", check=True).stdout.strip()
+    one, two = other_values(host, 2)
+    first = hostctl(host, "reload", "tiny", f"max_num_seqs={one}", "--no-wait", check=True).stdout.strip()
     second = busctl(host, "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload",
-                    "sa{sv}", "tiny", "1", "max_num_seqs", "u", "7", check=False)
+                    "sa{sv}", "tiny", "1", "max_num_seqs", "u", two, check=False)
     assert second.returncode != 0 and "busy" in second.stderr.lower()
     wait_operation(host, first)
 
@@ -319,7 +360,8 @@ def test_second_reload_is_busy_and_non_admin_is_denied(served):
 
 def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
     host = served
-    path = hostctl(host, "reload", "tiny", "max_num_seqs=3", "--no-wait", check=True).stdout.strip()
+    [value] = other_values(host)
+    path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
     wait_for(lambda: op_property(host, path, "Stage") in ("restart", "verify"), timeout=60, what="engine restart")
     host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
 
@@ -336,14 +378,17 @@ def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
     assert "recovery:" in host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
 
 
-def test_manager_killed_during_a_drain_leaves_the_engine_alone_and_loses_no_stream(served):
+def test_manager_killed_during_a_drain_leaves_the_engine_alone_and_loses_no_stream(served_restart):
+    # restart only: it needs a drain to be killed in.
+    served = served_restart
     host = served
     engine_pid = main_pid(host, "model-engine@tiny.service")
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
 
     with ThreadPoolExecutor(4) as pool:
         streaming = long_streams(host, pool, 4, admitted=4)
-        path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+        [value] = other_values(host)
+        path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
         host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
 
@@ -362,7 +407,9 @@ def test_manager_killed_during_a_drain_leaves_the_engine_alone_and_loses_no_stre
     assert "engine left alone" in journal
 
 
-def test_cancel_during_drain_restores_and_resumes_without_restart(served):
+def test_cancel_during_drain_restores_and_resumes_without_restart(served_restart):
+    # restart only: it needs a drain to cancel.
+    served = served_restart
     host = served
     engine_pid = main_pid(host, "model-engine@tiny.service")
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
@@ -370,7 +417,8 @@ def test_cancel_during_drain_restores_and_resumes_without_restart(served):
     # Four long streams keep the drain waiting long enough to cancel it.
     with ThreadPoolExecutor(4) as pool:
         streaming = long_streams(host, pool, 4)
-        path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+        [value] = other_values(host)
+        path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
         op_id = str(op_property(host, path, "Id"))
         assert hostctl(host, "cancel", op_id).returncode == 0
@@ -389,7 +437,9 @@ def invocation(host: SystemdContainer, unit: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served):
+def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served_restart):
+    # restart only: it needs a drain to interrupt.
+    served = served_restart
     host = served
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
     everything = ("model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service")
@@ -397,7 +447,8 @@ def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served):
 
     with ThreadPoolExecutor(4) as pool:
         long_streams(host, pool, 4)  # cut off by the stop: expected here
-        path = hostctl(host, "reload", "tiny", "max_num_seqs=2", "--no-wait", check=True).stdout.strip()
+        [value] = other_values(host)
+        path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
         stop = hostctl(host, "stop", "tiny")
         assert stop.returncode == 0, stop.stdout + stop.stderr
