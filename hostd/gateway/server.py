@@ -16,7 +16,8 @@ metrics.py.
 - With gateway.api_keys set, every request but GET /health needs
   `Authorization: Bearer KEY` (401 otherwise); the key stops here.
 - A request's body is read first, within gateway.body_timeout (408) and the
-  size and in-flight byte caps (413, 503); only then is it admitted. Admitted
+  size, in-flight and per-client byte caps (413, 503), never inflated (a
+  Content-Encoding is 415); only then is it admitted. Admitted
   only while the engine serves; otherwise 503 with Retry-After and an
   OpenAI-format error (or, with `gateway.admission: queue`, a wait of up to
   queue_timeout for serving).
@@ -24,8 +25,11 @@ metrics.py.
   A client that disconnects has its engine request closed, so the engine
   cancels it. An engine that dies mid-request ends that request with a clear
   error, and the gateway stops admitting until the engine is healthy again.
-- Connections are capped and timed (limits.py): slow headers and idle
-  keep-alive connections are closed, one over the cap gets 503 at once.
+- Connections are capped, in all and per client, and timed (limits.py): slow
+  or oversized headers, idle keep-alive connections and clients that stop
+  reading are closed; at a cap the longest-idle connection makes room, and
+  only with none idle does the new one get 503 at once. A client's protocol
+  errors log one debug line (logs.protocol_logger), never a traceback.
 
 Trusts: nobody on the public socket. The engine socket and the control
 socket are private (0600 in /run/hostd/NAME, 0700; see control.py).
