@@ -1,45 +1,63 @@
-"""Benchmark: the gateway's public side under idle connections and slow large bodies.
+"""Benchmark: what one cheap attacker does to everyone else at the gateway's front door.
 
-Starts a weight daemon, a builtin engine and a gateway on a tiny random model
-(CPU), then:
+Starts an engine double (tests/doubles/engine_double.py: answers at once, so
+only the gateway is measured) and two gateways in front of it on their own
+ports, one from --baseline CHECKOUT (another commit's tree, run with
+PYTHONPATH=CHECKOUT) and one from this checkout, both with the default
+`gateway:` limits. Each attack runs against the baseline, then against this
+checkout, in one run, and the table gives, for each: what the attack cost the
+attacker, what a legitimate client on another source address (127.0.0.2, a
+fresh connection per request) saw meanwhile (status codes, p50/p99), and the
+gateway's RSS and CPU seconds during the attack (utime + stime).
 
-- idle: opens N connections that never send a byte and holds them, then times
-  the control socket's `status` and a real client's GET /v1/models (a fresh
-  connection each, p50/p99), and reads the gateway's RSS;
-- bodies: M clients each announce a body of --body-mib MiB, send all but one
-  MiB of it and stop; reads the gateway's RSS and counts the clients the
-  gateway answered at once (503/413) and what the control socket says is in
-  flight.
+Attacks (issue 22's items):
 
-Works against an older checkout too (PYTHONPATH=that checkout): it only sets
-the gateway keys that checkout's schema knows.
+- bodies (1): 4 connections each send the headers of a 32 MiB POST and nothing else;
+- stalled readers (3): 4 clients start a large stream and stop reading; then a
+  drain (45 s timeout) as a restart reload does it: does it end, and when;
+- idle keep-alive (4): max_connections (1024) connections, each one GET /health, then idle;
+- gzip bombs (5): 4 clients in a loop POST 1 MiB gzip bodies (1 GiB inflated) to an unknown route;
+- unfinished headers (10): 300 connections each send 96 header fields of
+  8000 bytes and never end the head.
 
-    python benchmarks/front_door.py --idle 1200 --bodies 12 --body-mib 32
+    python benchmarks/front_door.py --baseline /tmp/hostd-before
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import zlib
 from pathlib import Path
 
 import httpx
 
-from hostd.checkpoints.random_model import write_checkpoint
-from hostd.config import schema
-
 # The harness that runs a model's daemons by hand lives beside the tests
 # (tests/local.py): put the checkout on the path to import it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
 from tests.local import ModelTree, wait_for  # noqa: E402
 
 MiB = 1 << 20
+DOUBLE = HERE / "tests" / "doubles" / "engine_double.py"
+LEGIT = "127.0.0.2"
+COMPLETION = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -49,130 +67,235 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def timed(fn, runs: int) -> tuple[float, float, int]:
-    """(p50 ms, p99 ms, failures) of RUNS calls of FN, each bounded to 5 s."""
-    times, failures = [], 0
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Gateway:
+    def __init__(self, label: str, tree: ModelTree, checkout: Path):
+        self.label = label
+        self.port = free_port()
+        self.control_socket = tree.root / label / "control.sock"  # a private directory of its own
+        self.log = open(tree.root / f"{label}-gateway.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hostd.main", "gateway", tree.name, "--listen", f"127.0.0.1:{self.port}",
+             "--control", str(self.control_socket)],
+            env={**tree.env(), "PYTHONPATH": str(checkout)}, cwd=checkout, stdout=self.log,
+            stderr=subprocess.STDOUT)
+        wait_for(lambda: self.status().get("state") == "serving", 60, f"{label} gateway serving", self.proc)
+
+    def control(self, request: dict, timeout: float = 60) -> dict:
+        try:
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.settimeout(timeout)
+                conn.connect(str(self.control_socket))
+                conn.sendall(json.dumps(request).encode() + b"\n")
+                return json.loads(conn.makefile("rb").readline() or b"{}")
+        except OSError:
+            return {}
+
+    def status(self) -> dict:
+        return self.control({"verb": "status"}, 5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def legit(port: int, runs: int) -> tuple[dict, float, float]:
+    """RUNS completions from LEGIT, a fresh connection each, 5 s at most each:
+    (answers by status, 'error' for none), p50 ms, p99 ms)."""
+    codes: dict[str, int] = {}
+    times = []
     for _ in range(runs):
         started = time.perf_counter()
         try:
-            fn()
-        except Exception:
-            failures += 1
-            continue
+            with httpx.Client(transport=httpx.HTTPTransport(local_address=LEGIT), timeout=5) as http:
+                code = str(http.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION).status_code)
+        except httpx.HTTPError:
+            code = "error"
         times.append((time.perf_counter() - started) * 1000)
-    if not times:
-        return float("nan"), float("nan"), failures
+        codes[code] = codes.get(code, 0) + 1
     times.sort()
-    return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))], failures
+    return codes, statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
+
+
+def connect(port: int, data: bytes = b"", rcvbuf: int = 0) -> socket.socket:
+    conn = socket.socket()
+    if rcvbuf:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    conn.settimeout(30)
+    conn.connect(("127.0.0.1", port))
+    if data:
+        conn.sendall(data)
+    return conn
+
+
+# ---------------------------------------------------------------- attacks: each returns (cost, note, cleanup)
+
+
+def bodies(gw: Gateway):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 33554432\r\n\r\n"
+    held = [connect(gw.port, head) for _ in range(4)]
+    time.sleep(0.5)
+    return f"4 connections, {4 * len(head)} bytes", "", held
+
+
+def stalled_readers(gw: Gateway):
+    body = json.dumps({**COMPLETION, "stream": True, "max_tokens": 100000, "pad": 65536}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    held = [connect(gw.port, head + body, rcvbuf=4096) for _ in range(4)]
+    wait_for(lambda: gw.status().get("in_flight") == 4, 30, "4 streams admitted")
+    started = time.monotonic()
+    drained = gw.control({"verb": "drain", "timeout": 45}, 90)
+    took = time.monotonic() - started
+    gw.control({"verb": "resume"})
+    note = (f"drain ended after {took:.1f} s: drained {drained.get('drained')}, "
+            f"{drained.get('remaining')} still running")
+    return f"4 connections, {4 * (len(head) + len(body))} bytes, then no reads", note, held
+
+
+def idle_keep_alive(gw: Gateway):
+    held = []
+    for _ in range(1024):
+        try:
+            conn = connect(gw.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"}"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            held.append(conn)
+        except OSError:
+            break
+    return f"{len(held)} connections, one GET /health each", "", held
+
+
+_BOMB: list[bytes] = []
+
+
+def bomb() -> bytes:
+    """1 GiB of zeros, gzip-compressed (about 1 MiB), made once."""
+    if not _BOMB:
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+        zeros = bytes(16 * MiB)
+        _BOMB.append(b"".join(packer.compress(zeros) for _ in range(64)) + packer.flush())
+    return _BOMB[0]
+
+
+def gzip_bombs(gw: Gateway):
+    body = bomb()
+    head = (b"POST /v1/nothing HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    stop = threading.Event()
+    sent = [0]
+
+    def attacker() -> None:
+        while not stop.is_set():
+            try:
+                with connect(gw.port) as conn:
+                    conn.sendall(head + body)
+                    sent[0] += 1
+                    conn.recv(4096)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1)
+
+    class Stopper:
+        def close(self) -> None:
+            stop.set()
+            for t in threads:
+                t.join(30)
+
+    return f"4 clients in a loop, {len(body) // 1024} KiB a bomb", (lambda: f"{sent[0]} bombs sent"), [Stopper()]
+
+
+def unfinished_headers(gw: Gateway):
+    held = []
+    field = b"X-Pad: " + b"a" * 8000 + b"\r\n"
+    for _ in range(300):
+        try:
+            conn = connect(gw.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(96):
+                conn.sendall(field)
+            held.append(conn)
+        except OSError:
+            held.append(conn)  # answered (431) and closed while sending
+    time.sleep(1)
+    return f"300 connections, {300 * 96 * len(field) // MiB} MiB of headers", "", held
+
+
+ATTACKS = {"bodies (1)": bodies, "stalled readers (3)": stalled_readers, "idle keep-alive (4)": idle_keep_alive,
+           "gzip bombs (5)": gzip_bombs, "unfinished headers (10)": unfinished_headers}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--idle", type=int, default=1200, help="idle connections to hold")
-    parser.add_argument("--bodies", type=int, default=12, help="slow clients with large bodies")
-    parser.add_argument("--body-mib", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT", required=True,
+                        help="the 'before' checkout (e.g. git worktree add /tmp/hostd-before b87e2d5)")
+    parser.add_argument("--runs", type=int, default=30, help="legitimate requests during each attack")
+    parser.add_argument("--only", action="append", choices=sorted(ATTACKS), help="run only these attacks")
     args = parser.parse_args()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this process holds the attack's connections
 
     workdir = Path(tempfile.mkdtemp(prefix="hostd-door-bench-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    known = set(schema.GatewayConfig.__struct_fields__)
-    gateway = {k: v for k, v in {"header_timeout": 600, "body_timeout": 600,
-                                 "max_body_bytes": args.body_mib * MiB}.items() if k in known}
-    tree = ModelTree(workdir, name="bench")
-    tree.write_config(write_checkpoint(workdir / "ckpt"), fixed={"listen": f"127.0.0.1:{port}", "gateway": gateway},
-                      max_num_seqs=4)
+    tree = ModelTree(workdir)
+    tree.write_config(workdir / "no-checkpoint", fixed={"listen": f"127.0.0.1:{free_port()}"}, max_num_seqs=4)
+    from hostd import sockets
+
+    sockets.ensure_private_dir(tree.runtime_dir)
+    engine = subprocess.Popen([sys.executable, str(DOUBLE), str(tree.engine_socket), "--log", os.devnull],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     rows = []
-    held: list[socket.socket] = []
+    gateways: list[Gateway] = []
     try:
-        tree.start_weights()
-        tree.start_engine()
-        gw = tree.start_gateway()
-        wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
-        url = f"http://127.0.0.1:{port}/v1/models"
-
-        def control():
-            with socket.socket(socket.AF_UNIX) as conn:  # hostd's client waits 30 s; 5 s is a failure here
-                conn.settimeout(5)
-                conn.connect(str(tree.control_socket))
-                conn.sendall(b'{"verb": "status"}\n')
-                if b'"ok": true' not in conn.makefile("rb").readline():
-                    raise RuntimeError("no status")
-
-        statuses: dict[int, int] = {}
-
-        def client():
-            code = httpx.get(url, timeout=5).status_code
-            statuses[code] = statuses.get(code, 0) + 1
-
-        # This process holds the idle connections; the daemons keep the limit
-        # they started with (run under `prlimit --nofile=1024:HARD` to see
-        # systemd's default soft limit).
-        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        base_rss = rss_mib(gw.pid)
-        rows.append(("no load", 0, *timed(control, args.runs), *timed(client, args.runs), base_rss,
-                     dict(statuses)))
-        statuses.clear()
-        for _ in range(args.idle):
-            try:
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            except OSError:
-                break
-        time.sleep(1)
-        rows.append((f"{args.idle} idle connections", len(held), *timed(control, args.runs),
-                     *timed(client, args.runs), rss_mib(gw.pid), dict(statuses)))
-        for conn in held:
-            conn.close()
-        held.clear()
-        wait_for(lambda: httpx.get(url, timeout=5).status_code == 200, 60, "serving after the idle test")
-
-        before = rss_mib(gw.pid)
-        answered = 0
-        for _ in range(args.bodies):
-            conn = socket.create_connection(("127.0.0.1", port), timeout=30)
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % (args.body_mib * MiB))
-            held.append(conn)
-        chunk = b" " * MiB
-        for conn in held:
-            try:
-                for _ in range(args.body_mib - 1):
-                    conn.sendall(chunk)
-            except OSError:
-                pass
-        time.sleep(2)
-        for conn in held:
-            conn.settimeout(0.2)
-            try:
-                if conn.recv(64).startswith(b"HTTP/1.1 "):
-                    answered += 1
-            except OSError:
-                pass
-        in_flight = tree.control("status")["in_flight"]
-        body_row = (args.bodies, args.body_mib, before, rss_mib(gw.pid), answered, in_flight)
+        wait_for(lambda: tree._connectable(tree.engine_socket), 30, "engine double", engine)
+        for label, checkout in (("before", args.baseline.resolve()), ("after", HERE)):
+            gateways.append(Gateway(label, tree, checkout))
+        for gw in gateways:
+            codes, p50, p99 = legit(gw.port, args.runs)
+            rows.append(("no attack", "none", gw.label, codes, p50, p99, rss_mib(gw.proc.pid), None, ""))
+        for name, attack in ATTACKS.items():
+            if args.only and name not in args.only:
+                continue
+            for gw in gateways:
+                cpu0 = cpu_seconds(gw.proc.pid)
+                cost, note, held = attack(gw)
+                codes, p50, p99 = legit(gw.port, args.runs)
+                rss, cpu = rss_mib(gw.proc.pid), cpu_seconds(gw.proc.pid) - cpu0
+                for conn in held:
+                    conn.close()
+                note = note() if callable(note) else note
+                rows.append((name, cost, gw.label, codes, p50, p99, rss, cpu, note))
+                wait_for(lambda: gw.status().get("state") == "serving" and gw.status().get("in_flight") == 0,
+                         120, f"{gw.label} gateway idle again")
+                time.sleep(1)
     finally:
-        for conn in held:
-            conn.close()
-        tree.stop_all()
+        for gw in gateways:
+            gw.stop()
+        engine.terminate()
+        engine.wait(10)
 
-    print(f"\nIdle connections ({args.runs} calls each, ms to an answer; a failure is a call that errored or "
-          "took over 5 s; client answers by HTTP status)\n")
-    print("| load | connections held | control p50 | control p99 | control failures | client p50 | client p99 "
-          "| client failures | client answers | gateway RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        name, n, cp50, cp99, cf, hp50, hp99, hf, rss, codes = row
-        answers = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items())) or "none"
-        print(f"| {name} | {n} | {cp50:.2f} | {cp99:.2f} | {cf} | {hp50:.2f} | {hp99:.2f} | {hf} | {answers} "
-              f"| {rss:.0f} |")
-    n, mib, rss0, rss1, answered, in_flight = body_row
-    print(f"\nSlow large bodies: {n} clients each send {mib - 1} of {mib} MiB and stop\n")
-    print("| gateway RSS before MiB | gateway RSS after MiB | clients answered at once | admitted (in flight) |")
-    print("|---|---|---|---|")
-    print(f"| {rss0:.0f} | {rss1:.0f} | {answered} | {in_flight} |")
+    print(f"\nA legitimate client from {LEGIT}: {args.runs} completions during each attack, a fresh connection "
+          "each, 5 s at most each ('error': no answer); gateway RSS at the end of the attack, CPU seconds "
+          "during it\n")
+    print("| attack (issue 22 item) | attacker's cost | gateway | legitimate answers | p50 ms | p99 ms "
+          "| gateway RSS MiB | gateway CPU s | notes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, cost, label, codes, p50, p99, rss, cpu, note in rows:
+        answers = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items()))
+        cpu_text = "—" if cpu is None else f"{cpu:.2f}"  # measured during an attack only
+        print(f"| {name} | {cost} | {label} | {answers} | {p50:.1f} | {p99:.1f} | {rss:.0f} | {cpu_text} | {note} |")
     print(f"\nCommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     return 0
 

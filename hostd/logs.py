@@ -72,3 +72,31 @@ def setup(model: str, component: str, level: int = logging.INFO) -> None:
     root.setLevel(level)
     for noisy in ("urllib3", "filelock", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _ProtocolErrors(logging.LoggerAdapter):
+    """aiohttp's server logger, for a server any client reaches: a client's
+    protocol error (a malformed request line, header or body encoding:
+    aiohttp's HttpProcessingError) is one line at debug, never an ERROR with a
+    traceback that a client could repeat to flood the journal or to plant text
+    in it; anything else (a bug) keeps its traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(error, HttpProcessingError):
+            self.logger.debug("client protocol error (%s): %s", type(error).__name__, one_line(error))
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+def protocol_logger(log: logging.Logger) -> logging.LoggerAdapter:
+    """LOG, as the `logger=` of an aiohttp server (see _ProtocolErrors)."""
+    return _ProtocolErrors(log, {})
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """ERROR's message as one line of at most LIMIT characters (a client's text, made harmless)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -127,6 +127,16 @@ class GatewayConfig(_Strict):
             ge=1, le=1000000,
         ),
     ] = 1024
+    max_connections_per_client: Annotated[
+        int,
+        _doc(
+            "Open public connections from one client (an IPv4 address, an IPv6 /64, a Unix socket "
+            "peer's uid) at most, within max_connections. At either cap a new connection closes the "
+            "longest-idle keep-alive connection (the client's own, for this one); with none idle it "
+            "is answered 503. Behind a reverse proxy every request has one source: raise it to max_connections.",
+            ge=1, le=1000000,
+        ),
+    ] = 128
     header_timeout: Annotated[
         float,
         _doc("Seconds a connection has to send a request's headers (from connecting, "
@@ -135,6 +145,12 @@ class GatewayConfig(_Strict):
     idle_timeout: Annotated[
         float, _doc("Seconds an idle keep-alive connection stays open.", gt=0, le=86400)
     ] = 60.0
+    write_timeout: Annotated[
+        float,
+        _doc("Seconds a client may accept no byte of its response while the gateway's write buffer "
+             "is full; then its connection is cut and its request ends (a drain never waits on it).",
+             gt=0, le=86400),
+    ] = 30.0
     body_timeout: Annotated[
         float,
         _doc("Seconds a request's body has to arrive once its headers have; then 408. "
@@ -145,9 +161,15 @@ class GatewayConfig(_Strict):
     ] = 32 << 20
     body_bytes_in_flight: Annotated[
         int,
-        _doc("Bytes of request bodies the gateway holds at once, across all connections; "
-             "a body that does not fit gets 503 at once.", ge=1024, le=1 << 36),
+        _doc("Bytes of request bodies the gateway holds at once, across all connections, "
+             "counted as they arrive; the byte over gets 503.", ge=1024, le=1 << 36),
     ] = 128 << 20
+    body_bytes_per_client: Annotated[
+        int,
+        _doc("Bytes of request bodies one client (as for max_connections_per_client) holds at once, "
+             "counted as they arrive; the byte over gets 503. At least max_body_bytes, at most "
+             "body_bytes_in_flight.", ge=1024, le=1 << 36),
+    ] = 32 << 20
     api_keys: Annotated[
         Optional[str],
         _doc(

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hostd import logs
 from hostd.engine.generate import GenerationCancelled, Runner, SamplingParams
 from hostd.engine.openai_api import (
     CHAT_COMPLETIONS,
@@ -447,6 +449,12 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except OpenAIError as error:
         return error.response()
+    except HttpProcessingError as error:
+        # The client's own protocol error (a body that does not decode): one
+        # line at debug, never a traceback a client could repeat at will.
+        request.app[ENGINE].log.debug("%s %s: client protocol error: %s", request.method, request.path,
+                                      logs.one_line(error))
+        return OpenAIError(400, f"the request is malformed: {logs.one_line(error)}").response()
     except web.HTTPException as error:
         if error.status < 400:
             raise

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from hostd import sockets
+from hostd import logs, sockets
 from hostd.engine.app import ENGINE, Engine, Limits, build_app
 from hostd.engine.generate import warm_up
 
@@ -147,7 +147,7 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
         engine = app[ENGINE]
         engine.on_change = lambda: status.set(engine.summary())
         runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=CANCEL_GRACE_S)
+                               shutdown_timeout=CANCEL_GRACE_S, logger=logs.protocol_logger(log))
         await runner.setup()
         try:
             listener = sockets.acquire(socket_path, bind=functools.partial(sockets.bind_private, backlog=socket.SOMAXCONN))

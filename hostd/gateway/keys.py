@@ -63,6 +63,8 @@ def authorized(keys: list[bytes], header: Optional[str]) -> bool:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    presented = token.strip().encode()
+    # aiohttp decodes header bytes that are not UTF-8 as surrogates: encoded
+    # back they are the bytes sent, which match no key (never an error).
+    presented = token.strip().encode("utf-8", "surrogateescape")
     matches = [hmac.compare_digest(presented, key) for key in keys]  # all of them, always
     return any(matches)

@@ -42,8 +42,11 @@ class Metrics:
         self.connections_refused = Counter(
             "hostd_gateway_connections_refused", "Connections answered 503 at the connection cap", registry=r)
         self.connections_timed_out = Counter(
-            "hostd_gateway_connections_timed_out", "Connections closed for slow headers or idleness, by phase",
-            ["phase"], registry=r)
+            "hostd_gateway_connections_timed_out", "Connections closed for slow or oversized headers, "
+            "idleness, or a client that stopped reading its response, by phase", ["phase"], registry=r)
+        self.connections_evicted = Counter(
+            "hostd_gateway_connections_evicted", "Idle keep-alive connections closed to make room at a "
+            "connection cap", registry=r)
         self.duration = Histogram(
             "hostd_gateway_request_duration_seconds", "Admitted requests: from admission to the last byte, "
             "by status", ["status"], buckets=REQUEST_BUCKETS, registry=r)

@@ -16,7 +16,8 @@ metrics.py.
 - With gateway.api_keys set, every request but GET /health needs
   `Authorization: Bearer KEY` (401 otherwise); the key stops here.
 - A request's body is read first, within gateway.body_timeout (408) and the
-  size and in-flight byte caps (413, 503); only then is it admitted. Admitted
+  size, in-flight and per-client byte caps (413, 503), never inflated (a
+  Content-Encoding is 415); only then is it admitted. Admitted
   only while the engine serves; otherwise 503 with Retry-After and an
   OpenAI-format error (or, with `gateway.admission: queue`, a wait of up to
   queue_timeout for serving).
@@ -24,8 +25,11 @@ metrics.py.
   A client that disconnects has its engine request closed, so the engine
   cancels it. An engine that dies mid-request ends that request with a clear
   error, and the gateway stops admitting until the engine is healthy again.
-- Connections are capped and timed (limits.py): slow headers and idle
-  keep-alive connections are closed, one over the cap gets 503 at once.
+- Connections are capped, in all and per client, and timed (limits.py): slow
+  or oversized headers, idle keep-alive connections and clients that stop
+  reading are closed; at a cap the longest-idle connection makes room, and
+  only with none idle does the new one get 503 at once. A client's protocol
+  errors log one debug line (logs.protocol_logger), never a traceback.
 
 Trusts: nobody on the public socket. The engine socket and the control
 socket are private (0600 in /run/hostd/NAME, 0700; see control.py).
@@ -45,7 +49,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from hostd import backends, forward, paths, sockets, systemd
+from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.gateway import control, keys, limits, routes
 from hostd.gateway.metrics import Metrics, ReloadClock, engine_families
@@ -75,7 +79,9 @@ class Gateway:
         self.drop_headers = frozenset({"authorization"}) if api_keys is not None else frozenset()
         self.admission = Admission(cfg.gateway.admission, cfg.gateway.queue_timeout, cfg.gateway.queue_max)
         self.admission.on_change = self._state_changed
-        self.budget = limits.BodyBudget(cfg.gateway.body_bytes_in_flight)
+        g = cfg.gateway
+        # One client may always send one body of the largest size.
+        self.budget = limits.BodyBudget(g.body_bytes_in_flight, max(g.body_bytes_per_client, g.max_body_bytes))
         self.connections: Optional[limits.Connections] = None
         a = self.admission
         self.metrics = Metrics({
@@ -118,11 +124,14 @@ class Gateway:
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         if self.connections is not None:
             self.connections.started(request.transport)
+        keep_alive = True
         try:
-            return await self._route(request)
+            response = await self._route(request)
+            keep_alive = response.keep_alive is not False  # False: force_close(), the rest is not read
+            return response
         finally:
             if self.connections is not None:
-                self.connections.finished(request.transport)
+                self.connections.finished(request.transport, keep_alive)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -150,6 +159,8 @@ class Gateway:
     def connection_event(self, event: str) -> None:
         if event == "refused":
             self.metrics.connections_refused.inc()
+        elif event == "evicted":
+            self.metrics.connections_evicted.inc()
         else:
             self.metrics.connections_timed_out.labels(event).inc()
 
@@ -201,8 +212,17 @@ class Gateway:
 
     async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
         g = self.limits
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity" and request.body_exists:
+            # Inflating is work on the only event loop that a few bytes can
+            # multiply (a "bomb"), and the engines take no encoded bodies.
+            response = self.refuse(415, "invalid_request_error", "unsupported_content_encoding",
+                                   f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed")
+            response.force_close()  # the body is not read
+            return response
+        client = self.connections.client(request.transport) if self.connections is not None else ""
         try:
-            body = await limits.read_body(request, self.budget, g.max_body_bytes, g.body_timeout)
+            body = await limits.read_body(request, self.budget, g.max_body_bytes, g.body_timeout, client)
         except limits.BodyRefused as exc:
             response = self.refuse(exc.status, "invalid_request_error", exc.code, str(exc),
                                    {"Retry-After": "1"} if exc.status == 503 else None)
@@ -360,8 +380,11 @@ def listener_from_config(listen: str) -> socket.socket:
 
 
 async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) -> None:
+    # auto_decompress off: request bodies are never inflated (proxy() answers
+    # an encoded one 415); a client's protocol errors log one line (logs.py).
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=gateway.limits.idle_timeout)
+                           keepalive_timeout=gateway.limits.idle_timeout, auto_decompress=False,
+                           logger=logs.protocol_logger(log), **limits.HEADER_LIMITS)
     await runner.setup()
     g = gateway.limits
     fd_limit = limits.raise_fd_limit()
@@ -374,9 +397,14 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
         limits.error_body(f"model {gateway.name} has too many open connections ({cap}); retry",
                           "service_unavailable", "too_many_connections"),
         {"Retry-After": str(g.retry_after)})
+    too_large = limits.raw_response(
+        431, "Request Header Fields Too Large",
+        limits.error_body(f"the request's headers are over {limits.MAX_HEADER_BYTES} bytes",
+                          "invalid_request_error", "headers_too_large"), {})
     gateway.connections = limits.Connections(
-        runner.server, max_connections=cap, header_timeout=g.header_timeout,
-        idle_timeout=g.idle_timeout, refusal=refusal, on_event=gateway.connection_event)
+        runner.server, max_connections=cap, per_client=g.max_connections_per_client,
+        header_timeout=g.header_timeout, idle_timeout=g.idle_timeout, write_timeout=g.write_timeout,
+        refusal=refusal, too_large=too_large, on_event=gateway.connection_event)
     listener.setblocking(False)
     public = await asyncio.get_running_loop().create_server(gateway.connections, sock=listener, backlog=1024)
     ctl_listener = sockets.bind_private(gateway.control_socket)
@@ -403,8 +431,6 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from hostd import logs
-
     logs.setup(args.name, "gateway")
     cfg = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir)).config
     try:

@@ -4,8 +4,8 @@ Serves what the gateway talks to, quickly and without a model: /health with
 the internal details a real engine's health carries (PIDs, weights socket
 inode), /metrics with the engine's own families and process series the
 gateway must filter, /v1/models, and /v1/completions that echoes the body
-length and streams SSE when asked (chunk_delay seconds between chunks). Every
-request it receives is appended to --log as one JSON line, so a test can
+length and streams SSE when asked (chunk_delay seconds between chunks, pad
+bytes added to each). Every request it receives is appended to --log as one JSON line, so a test can
 assert what reached the engine.
 
     python tests/doubles/engine_double.py SOCKET --log FILE
@@ -67,8 +67,10 @@ def main() -> None:
                                       "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        pad = "x" * int(body.get("pad", 0))  # bytes added to each event's text, for a large stream
         for i in range(int(body.get("max_tokens", 4))):
-            event = {"object": "text_completion", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            event = {"object": "text_completion",
+                     "choices": [{"index": 0, "text": f"t{i}{pad}", "finish_reason": None}]}
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
             await asyncio.sleep(float(body.get("chunk_delay", 0)))
         await response.write(b"data: [DONE]\n\n")

@@ -77,8 +77,9 @@ def test_docs_give_the_schemas_default_for_every_limit():
         shown[key] = f"{value:g} s" if isinstance(value, float) else \
             f"{value >> 20} MiB" if value % (1 << 20) == 0 else str(value)
     assert {k: v.strip() for k, v in rows.items()} == shown
-    assert set(rows) == {"max_connections", "header_timeout", "idle_timeout", "body_timeout",
-                         "max_body_bytes", "body_bytes_in_flight"}
+    assert set(rows) == {"max_connections", "max_connections_per_client", "header_timeout", "idle_timeout",
+                         "write_timeout", "body_timeout", "max_body_bytes", "body_bytes_in_flight",
+                         "body_bytes_per_client"}
 
 
 def test_docs_list_every_gateway_metric_with_its_type_and_labels():
