@@ -41,13 +41,13 @@ def test_polkit_files_are_where_polkitd_reads_them(host):
 
 def test_root_is_allowed(host):
     result = host.run(START_NOSUCH, check=False)
-    assert result.returncode != 0 and "no model 'nosuch'" in result.stderr, result.stderr
+    assert result.returncode != 0 and "no such model 'nosuch'" in result.stderr, result.stderr
 
 
 def test_a_member_of_the_admin_group_is_allowed_by_polkit(host):
     for argv in (START_NOSUCH, RELOAD_NOSUCH):
         result = as_user(host, "alice", argv)
-        assert result.returncode != 0 and "no model 'nosuch'" in result.stderr, result.stderr
+        assert result.returncode != 0 and "no such model 'nosuch'" in result.stderr, result.stderr
 
 
 def test_another_user_is_denied_by_polkit_with_the_action_named(host):
