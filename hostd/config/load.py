@@ -31,7 +31,7 @@ import msgspec
 import msgspec.inspect
 import yaml
 
-from hostd import paths
+from hostd import paths, units
 from hostd.config import schema
 
 MAX_FILE_BYTES = 1 << 20
@@ -583,6 +583,7 @@ def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay
     held that content. The one answer to "would this drop-in be valid": every
     problem found is reported, the unreadable files' and the values' together."""
     merged, problems = merge_model(name, root, overlay)
+    problems += user_problems(name, root)
     try:
         config = validate(merged, model_type(merged))
     except ConfigError as exc:
@@ -592,6 +593,53 @@ def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay
     if problems:
         raise ConfigError(problems)
     return LoadedModel(name, config, merged)
+
+
+def user_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
+    """Why model NAME cannot have its own user (hostd.units.user): it would be
+    the admin group hostd.yaml names, or another model's user (two names
+    hashing alike). systemd-sysusers would hand the existing account over,
+    and with it that group's or that model's powers."""
+    root = config_root(root)
+    account = units.user(name)
+    try:
+        admin_group = load_daemon(root).admin_group
+    except ConfigError:
+        admin_group = schema.DaemonConfig().admin_group  # hostd.yaml's own problems are reported apart
+    problem = units.user_problem(name, admin_group)
+    if problem:
+        return [Problem(str(model_file(name, root)), "", f"model {name!r} cannot be configured: {problem}; "
+                        "rename the file (and its NAME.d)")]
+    for other in list_models(root):
+        if other != name and schema.model_name_problem(other) is None and units.user(other) == account:
+            return [Problem(str(model_file(name, root)), "",
+                            f"models {name!r} and {other!r} ({model_file(other, root)}) would both run as "
+                            f"the user {account}: rename one of them")]
+    return []
+
+
+def account_problem(name: str) -> Optional[str]:
+    """Why the account of model NAME's user, where it exists already, was not
+    made by hostd for this model (model@NAME.socket creates it with the
+    comment "hostd model NAME"), or None. systemd-sysusers keeps an existing
+    user and gives a new one the gid of an existing group of its name, so
+    such an account would carry whatever someone else granted it."""
+    import grp
+    import pwd
+
+    account = units.user(name)
+    try:
+        group = grp.getgrnam(account)
+    except KeyError:
+        group = None
+    try:
+        passwd = pwd.getpwnam(account)
+    except KeyError:
+        return f"the group {account} exists but no user of that name: it is not model {name!r}'s" if group else None
+    if passwd.pw_gecos != f"hostd model {name}" or (group is not None and group.gr_gid != passwd.pw_gid):
+        return (f"the user {account} exists and was not created by hostd for model {name!r} "
+                f"(comment {passwd.pw_gecos!r}); rename the model or remove that account")
+    return None
 
 
 def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[Problem]:
@@ -617,6 +665,9 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
             load_model(name, root)
         except ConfigError as exc:
             problems += exc.problems
+        account = account_problem(name) if schema.model_name_problem(name) is None else None
+        if account:
+            problems.append(Problem(str(model_file(name, root)), "", account))
         problems += [p for p in dropin_problems(name, root) if p not in problems]
     return problems
 
