@@ -110,7 +110,7 @@ class ModelInterface(ServiceInterface):
 
     def compute_state(self) -> str:
         active = self.busy()
-        if active and active.kind == "reload":
+        if active and active.kind in ("reload", "recovery"):  # a recovery finishes a reload
             return "reloading"
         umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
         state = umbrella.get("ActiveState", "unknown")
