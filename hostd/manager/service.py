@@ -269,9 +269,12 @@ class Manager(ServiceInterface):
             for name, model in list(self.models.items()):
                 if model.state not in GATEWAY_UP:
                     continue
-                status = await model.handles.probe.gateway_status()
-                if status:
-                    model.refresh(status.in_flight, status.state)
+                try:  # one model's bad answer must not stop the others' refreshes
+                    status = await model.handles.probe.gateway_status()
+                    if status:
+                        model.refresh(status.in_flight, status.state)
+                except Exception as exc:
+                    log.warning("in-flight count of %s: %s", name, exc, extra={"hostd_model": name})
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     def claim_recoveries(self) -> list[tuple[ModelInterface, Intent, OperationInterface]]:
