@@ -105,6 +105,9 @@ class Manager(ServiceInterface):
                 await self.systemd.properties(unit)
             except Exception as exc:  # one model's trouble must not stop the others'
                 log.warning("cannot look at %s: %s", unit, exc, extra={"hostd_model": model.model_name})
+        # The checkpoint's config.json, read once off the loop (cached per
+        # identity): the properties any user may read then find it cached.
+        await asyncio.to_thread(model.weights_not_retained)
         model.refresh()
 
     def _unit_changed(self, unit: str, _props: dict) -> None:
