@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import subprocess
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -169,12 +170,23 @@ class Probe:
                 )
 
     async def engine_error(self, default: str, slot: str = "main") -> str:
-        """The engine's own last error lines from the journal, else DEFAULT."""
+        """The failing engine's own last error lines from the journal, else
+        DEFAULT. Only the unit's latest invocation (its InvocationID, matched
+        on journald's trusted _SYSTEMD_INVOCATION_ID): the engine that served
+        before it logged what clients sent it, and a client must not be able
+        to plant the cause a failed reload reports."""
+        unit = units.engine(self.name, slot)
         try:
+            shown = await asyncio.to_thread(
+                subprocess.run, ["systemctl", "show", "--property=InvocationID", "--value", unit],
+                capture_output=True, text=True, timeout=10)
+            invocation = shown.stdout.strip()
+            if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+                return default
             result = await asyncio.to_thread(
                 subprocess.run,
-                ["journalctl", "-u", units.engine(self.name, slot), "-p", "err", "-n", "3",
-                 "-o", "cat", "--no-pager", "--since", "-5min"],
+                ["journalctl", f"_SYSTEMD_INVOCATION_ID={invocation}", "-p", "err", "-n", "3",
+                 "-o", "cat", "--no-pager"],
                 capture_output=True, text=True, timeout=10,
             )
         except (OSError, subprocess.TimeoutExpired):
