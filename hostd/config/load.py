@@ -32,7 +32,7 @@ import msgspec.inspect
 import yaml
 
 from hostd import paths, units
-from hostd.config import schema
+from hostd.config import redact, schema
 
 MAX_FILE_BYTES = 1 << 20
 MAX_NODES = 100_000
@@ -640,6 +640,35 @@ def account_problem(name: str) -> Optional[str]:
         return (f"the user {account} exists and was not created by hostd for model {name!r} "
                 f"(comment {passwd.pw_gecos!r}); rename the model or remove that account")
     return None
+
+
+def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[str]:
+    """One line for each model file (NAME.yaml or a drop-in) that holds env:
+    values or a secret flag's value and that every user may read (as ssh
+    refuses an unprotected key): the file, and the mode that keeps it
+    readable to root and the model's own user only."""
+    root = config_root(root)
+    warnings = []
+    for name in list_models(root) if names is None else names:
+        if schema.model_name_problem(name) is not None:
+            continue
+        try:
+            files = [model_file(name, root), *dropin_files(name, root)]
+        except ConfigError:
+            continue
+        for path in files:
+            try:
+                mode = path.stat().st_mode
+                data = read_yaml(path).data
+            except (OSError, ConfigError):
+                continue  # check() reports unreadable files
+            if mode & stat.S_IROTH and redact.holds_secrets(data):
+                group = units.user(name)
+                warnings.append(
+                    f"{path} holds env: values or secret flags and is readable by every user "
+                    f"(mode {stat.S_IMODE(mode):04o}); keep it to root and the model's user: "
+                    f"chgrp {group} {path} && chmod 0640 {path}")
+    return warnings
 
 
 def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[Problem]:
