@@ -73,6 +73,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.check:
         names = [args.name] if args.name else None
         problems = config.check(root, names)
+        for warning in config.load.exposure_warnings(root, names):
+            print(f"warning: {warning}", file=sys.stderr)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:
@@ -92,10 +94,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     except config.ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    # As on D-Bus: only root sees env: values and secret flags' values (the
+    # engine's user may read the file, and so could anyone it is readable to).
+    redacted = os.geteuid() != 0
     if args.json:
-        emit_json(args, show.with_origins(loaded))
+        emit_json(args, show.with_origins(loaded, redacted))
     else:
-        sys.stdout.write(show.render(loaded))
+        sys.stdout.write(show.render(loaded, redacted))
     return 0
 
 
@@ -373,10 +378,12 @@ EDIT_DROPIN = "95-override.yaml"
 def cmd_edit(args: argparse.Namespace) -> int:
     """Edit NAME.d/95-override.yaml (EDIT_DROPIN) in $EDITOR; save it only if the result is valid."""
     root = config.config_root(args.config_dir)
-    target = config.dropin_dir(args.name, root) / EDIT_DROPIN
-    if not config.model_file(args.name, root).exists():
-        print(f"hostctl: no model {args.name!r} under {root}", file=sys.stderr)
+    try:  # the name rule before any path is made of NAME ("../x" must name nothing)
+        config.load.existing_model_file(args.name, root)
+    except config.NoSuchModel as exc:
+        print(f"hostctl: {exc.reason}", file=sys.stderr)
         return 1
+    target = config.dropin_dir(args.name, root) / EDIT_DROPIN
     original = target.read_text() if target.exists() else (
         f"# Drop-in for model {args.name}; applied after {args.name}.yaml.\n"
         "# Editable keys go under engine: (apply with systemctl reload model@NAME).\n"

@@ -16,6 +16,13 @@ RUNTIME_ROOT = Path("/run/hostd")
 STATE_ROOT = Path("/var/lib/hostd")
 CONFIG_ROOT = Path("/etc/hostd")
 
+# Entries of STATE_ROOT (and names under RUNTIME_ROOT) that are not a model's:
+# a model of that name would get them as its state directory, chowned to it.
+RESERVED_NAMES = {
+    "checkpoints": "docs/quickstart.md keeps every model's checkpoint in /var/lib/hostd/checkpoints",
+    "installed-files": "hostd install lists the files it wrote in /var/lib/hostd/installed-files",
+}
+
 SUN_PATH_MAX = 107  # bytes, without the terminating NUL
 
 # Socket files inside /run/hostd/NAME. vLLM names its sockets itself, after the

@@ -32,20 +32,47 @@ def instance(template: str, name: str) -> str:
 USER_PREFIX = "hostd-"
 USER_MAX = 31  # systemd's limit on user names (and utmp's)
 _USER_SAFE = re.compile(r"[a-z0-9_-]+")
+# The shape of a hashed user name's end: a plain name of this shape would be
+# another model's hashed one ("tiny-37616f64" and "Tiny"), so it is hashed too.
+_HASHED_END = re.compile(r".*-[0-9a-f]{8}")
+
+# Accounts hostd creates for itself (packaging/sysusers.conf), never a model's:
+# a model whose user took one of these names would get that account's powers.
+RESERVED_ACCOUNTS = {
+    # the shared fallback service user: owns /var/lib/hostd
+    "hostd": "the shared service user (packaging/sysusers.conf)",
+    # the default admin group: systemd-sysusers makes an existing group of the
+    # user's name its primary group, and polkit's isInGroup("hostd-admin") then
+    # grants every org.hostd1 action to that model's processes
+    "hostd-admin": "the group whose members may reload, start and stop models",
+}
 
 
 def user(name: str) -> str:
     """The system user model NAME's units run as: one per model, so that one
     model's processes cannot reach another's sockets, weights, processes or
     state. hostd-NAME when that is a valid user name of at most 31
-    characters; else a readable prefix and a hash of the exact NAME (model
-    names may hold '.' and capitals, which user names may not)."""
+    characters that cannot be another name's hashed form; else a readable
+    prefix and a hash of the exact NAME (model names may hold '.' and
+    capitals, which user names may not). Distinct names give distinct users
+    (up to the 32-bit hash, which the loader checks: config.load)."""
     plain = USER_PREFIX + name
-    if _USER_SAFE.fullmatch(name) and len(plain) <= USER_MAX:
+    if _USER_SAFE.fullmatch(name) and len(plain) <= USER_MAX and not _HASHED_END.fullmatch(name):
         return plain
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
     readable = re.sub(r"[^a-z0-9_-]", "_", name.lower())
     return f"{USER_PREFIX}{readable[:USER_MAX - len(USER_PREFIX) - 9]}-{digest}"
+
+
+def user_problem(name: str, admin_group: str = "hostd-admin") -> str | None:
+    """Why model NAME's user name would take an account that is not its own
+    (one of hostd's, or ADMIN_GROUP, the admin group hostd.yaml names), or None."""
+    account = user(name)
+    if account in RESERVED_ACCOUNTS:
+        return f"its user would be {account}, {RESERVED_ACCOUNTS[account]}"
+    if account == admin_group:
+        return f"its user would be {account}, the admin_group of hostd.yaml"
+    return None
 
 
 def umbrella(name: str) -> str:

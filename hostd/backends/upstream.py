@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import ClassVar, Optional
 
 from hostd import nvml
+from hostd.config.load import ConfigError, read_regular_file
 from hostd.backends.base import Backend, Command
 
 # Variables that make PyTorch's allocator hand out expandable segments. CUDA
@@ -132,13 +133,38 @@ def gpu_env(cfg) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in cfg.gpus)}
 
 
+_QUANTIZATION_CACHE: dict[tuple, Optional[dict]] = {}
+_QUANTIZATION_CACHE_MAX = 64
+
+
 def checkpoint_quantization(model_dir: str) -> Optional[dict]:
-    """The checkpoint's own quantization_config (config.json), if any."""
+    """The checkpoint's own quantization_config (config.json), if any.
+
+    Any user may make the manager ask (the D-Bus properties WeightsRetained,
+    WeightsNotRetainedReason), and the checkpoint may be anyone's directory:
+    the file is read as the loader reads config files (read_regular_file: a
+    FIFO cannot hang the reader, nor a huge file fill its memory), and once
+    per identity (device, inode, size, mtime) of the file."""
+    path = Path(model_dir) / "config.json"
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        st = os.stat(path)
+    except OSError:
         return None
-    quant = config.get("quantization_config")
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _QUANTIZATION_CACHE:
+        if len(_QUANTIZATION_CACHE) >= _QUANTIZATION_CACHE_MAX:
+            _QUANTIZATION_CACHE.clear()
+        _QUANTIZATION_CACHE[key] = _read_quantization(path)
+    quant = _QUANTIZATION_CACHE[key]
+    return dict(quant) if quant is not None else None
+
+
+def _read_quantization(path: Path) -> Optional[dict]:
+    try:
+        config = json.loads(read_regular_file(path, str(path)))
+    except (OSError, ValueError, ConfigError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
     return quant if isinstance(quant, dict) else None
 
 

@@ -31,8 +31,8 @@ import msgspec
 import msgspec.inspect
 import yaml
 
-from hostd import paths
-from hostd.config import schema
+from hostd import paths, units
+from hostd.config import redact, schema
 
 MAX_FILE_BYTES = 1 << 20
 MAX_NODES = 100_000
@@ -583,6 +583,7 @@ def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay
     held that content. The one answer to "would this drop-in be valid": every
     problem found is reported, the unreadable files' and the values' together."""
     merged, problems = merge_model(name, root, overlay)
+    problems += user_problems(name, root)
     try:
         config = validate(merged, model_type(merged))
     except ConfigError as exc:
@@ -592,6 +593,82 @@ def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay
     if problems:
         raise ConfigError(problems)
     return LoadedModel(name, config, merged)
+
+
+def user_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
+    """Why model NAME cannot have its own user (hostd.units.user): it would be
+    the admin group hostd.yaml names, or another model's user (two names
+    hashing alike). systemd-sysusers would hand the existing account over,
+    and with it that group's or that model's powers."""
+    root = config_root(root)
+    account = units.user(name)
+    try:
+        admin_group = load_daemon(root).admin_group
+    except ConfigError:
+        admin_group = schema.DaemonConfig().admin_group  # hostd.yaml's own problems are reported apart
+    problem = units.user_problem(name, admin_group)
+    if problem:
+        return [Problem(str(model_file(name, root)), "", f"model {name!r} cannot be configured: {problem}; "
+                        "rename the file (and its NAME.d)")]
+    for other in list_models(root):
+        if other != name and schema.model_name_problem(other) is None and units.user(other) == account:
+            return [Problem(str(model_file(name, root)), "",
+                            f"models {name!r} and {other!r} ({model_file(other, root)}) would both run as "
+                            f"the user {account}: rename one of them")]
+    return []
+
+
+def account_problem(name: str) -> Optional[str]:
+    """Why the account of model NAME's user, where it exists already, was not
+    made by hostd for this model (model@NAME.socket creates it with the
+    comment "hostd model NAME"), or None. systemd-sysusers keeps an existing
+    user and gives a new one the gid of an existing group of its name, so
+    such an account would carry whatever someone else granted it."""
+    import grp
+    import pwd
+
+    account = units.user(name)
+    try:
+        group = grp.getgrnam(account)
+    except KeyError:
+        group = None
+    try:
+        passwd = pwd.getpwnam(account)
+    except KeyError:
+        return f"the group {account} exists but no user of that name: it is not model {name!r}'s" if group else None
+    if passwd.pw_gecos != f"hostd model {name}" or (group is not None and group.gr_gid != passwd.pw_gid):
+        return (f"the user {account} exists and was not created by hostd for model {name!r} "
+                f"(comment {passwd.pw_gecos!r}); rename the model or remove that account")
+    return None
+
+
+def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[str]:
+    """One line for each model file (NAME.yaml or a drop-in) that holds env:
+    values or a secret flag's value and that every user may read (as ssh
+    refuses an unprotected key): the file, and the mode that keeps it
+    readable to root and the model's own user only."""
+    root = config_root(root)
+    warnings = []
+    for name in list_models(root) if names is None else names:
+        if schema.model_name_problem(name) is not None:
+            continue
+        try:
+            files = [model_file(name, root), *dropin_files(name, root)]
+        except ConfigError:
+            continue
+        for path in files:
+            try:
+                mode = path.stat().st_mode
+                data = read_yaml(path).data
+            except (OSError, ConfigError):
+                continue  # check() reports unreadable files
+            if mode & stat.S_IROTH and redact.holds_secrets(data):
+                group = units.user(name)
+                warnings.append(
+                    f"{path} holds env: values or secret flags and is readable by every user "
+                    f"(mode {stat.S_IMODE(mode):04o}); keep it to root and the model's user: "
+                    f"chgrp {group} {path} && chmod 0640 {path}")
+    return warnings
 
 
 def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[Problem]:
@@ -617,6 +694,9 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
             load_model(name, root)
         except ConfigError as exc:
             problems += exc.problems
+        account = account_problem(name) if schema.model_name_problem(name) is None else None
+        if account:
+            problems.append(Problem(str(model_file(name, root)), "", account))
         problems += [p for p in dropin_problems(name, root) if p not in problems]
     return problems
 

@@ -21,7 +21,7 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from hostd import paths
+from hostd import paths, units
 
 Backend = Literal["builtin", "vllm", "sglang"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -43,6 +43,11 @@ def model_name_problem(name: str) -> Optional[str]:
             f"model name {name!r} is {len(name)} characters long: "
             f"use {MODEL_NAME_RULE}"
         )
+    if name in paths.RESERVED_NAMES:
+        return f"model name {name!r} is reserved: {paths.RESERVED_NAMES[name]}; choose another name"
+    problem = units.user_problem(name)
+    if problem:
+        return f"model name {name!r} is reserved: {problem}; choose another name"
     return None
 
 

@@ -40,6 +40,7 @@ import msgspec
 from aiohttp import web
 
 from hostd import forward, paths, sockets, systemd
+from hostd.config import redact
 from hostd.weights import client as weights_client
 from hostd.weights import protocol
 
@@ -90,7 +91,7 @@ class EngineSupervisor:
     async def start(self) -> None:
         if self.upstream_socket:
             sockets.claim(self.upstream_socket)  # vLLM binds it: clear a stale one, refuse a live one
-        log.info("starting %s", " ".join(self.command.argv))
+        log.info("starting %s", " ".join(redact.argv(self.command.argv)))
         self.proc = await asyncio.create_subprocess_exec(
             *self.command.argv, env=systemd.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,

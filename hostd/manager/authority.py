@@ -63,9 +63,11 @@ class Authority:
     def __init__(self, bus, admin_group: str = "hostd-admin"):
         self.bus, self.admin_group = bus, admin_group
 
-    async def require(self, action: str) -> None:
+    async def require(self, action: str, details: Optional[dict[str, str]] = None) -> None:
         """Raise AccessDenied unless the caller of the method being handled
-        may do ACTION (api.ACTIONS)."""
+        may do ACTION (api.ACTIONS). DETAILS go to polkit with it (`model`
+        and `verb`, as systemd passes `unit` and `verb`), so that a rule may
+        grant per model: action.lookup("model")."""
         sender = CALLER.get()
         if sender is None:
             raise AccessDenied("unknown caller")
@@ -75,17 +77,17 @@ class Authority:
         ))
         if reply.message_type == MessageType.ERROR:
             raise AccessDenied("cannot tell who the caller is")
-        await self.authorize(sender, reply.body[0], action)
+        await self.authorize(sender, reply.body[0], action, details or {})
 
-    async def authorize(self, sender: str, uid: int, action: str) -> None:
-        """Raise AccessDenied unless the caller SENDER (uid UID) may do ACTION."""
+    async def authorize(self, sender: str, uid: int, action: str, details: Optional[dict[str, str]] = None) -> None:
+        """Raise AccessDenied unless the caller SENDER (uid UID) may do ACTION (with DETAILS)."""
         if uid == 0:
             return
         what, group = api.ACTIONS[action], self.admin_group
         reply = await self.bus.call(Message(
             destination=POLKIT[0], path=POLKIT[1], interface=POLKIT[2], member="CheckAuthorization",
             signature="(sa{sv})sa{ss}us",
-            body=[["system-bus-name", {"name": Variant("s", sender)}], action, {}, 0, ""],
+            body=[["system-bus-name", {"name": Variant("s", sender)}], action, dict(details or {}), 0, ""],
         ))
         if reply.message_type == MessageType.ERROR:
             if reply.error_name.startswith(POLKIT_ABSENT):
@@ -101,15 +103,32 @@ class Authority:
                                f"only root and members of {group!r} are")
 
 
+# The polkit detail `verb` of each mutating method (its name lowercased otherwise).
+VERBS = {"ReloadJSON": "reload"}
+
+
+def _model_of(interface, args: tuple) -> str:
+    """The model a mutating call acts on: a Model object's own, an
+    Operation's, or the Manager's NAME argument."""
+    if isinstance(getattr(interface, "model_name", None), str):
+        return interface.model_name
+    op = getattr(interface, "op", None)
+    if op is not None:
+        return op.model
+    return args[0] if args and isinstance(args[0], str) else ""
+
+
 def admin(action):
     """A mutating method that needs polkit ACTION (api.ACTIONS): the
     interface's `authority` is asked first; whatever is raised reaches the
     caller as a D-Bus error (errors.replies)."""
 
     def decorate(fn):
+        verb = VERBS.get(fn.__name__, fn.__name__.lower())
+
         @functools.wraps(fn)
         async def wrapper(self, *args, **kwargs):
-            await self.authority.require(action)
+            await self.authority.require(action, {"model": _model_of(self, args), "verb": verb})
             return await fn(self, *args, **kwargs)
 
         return replies(wrapper)

@@ -4,7 +4,7 @@ model's units (their PropertiesChanged, through systemd1.py) and its
 operations, and Reload. The manager (service.py) exports one per model YAML.
 
 Trust: anyone on the bus may read: Config and RunningConfig have env: values
-redacted (secrets of a YAML that may be 0600), and a config's problems are
+and secret flags' values redacted (secrets of a YAML that may be 0600), and a config's problems are
 the loader's messages, which name files, keys and what was expected, never
 values. Reload asks polkit first (authority.admin).
 """
@@ -19,7 +19,7 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 
 from hostd import backends, units
 from hostd import config as hostd_config
-from hostd.config import schema
+from hostd.config import redact, schema
 from hostd.manager import api
 from hostd.manager import reload as reload_mod
 from hostd.manager.authority import admin
@@ -50,15 +50,15 @@ def config_stamp(name: str, root: Path) -> tuple:
     return tuple(stamp)
 
 
-REDACTED = "<redacted>"
+REDACTED = redact.REDACTED
 
 
 def redacted(config: dict) -> dict:
-    """CONFIG with its env: values replaced by REDACTED, keys kept. Anyone on
-    the bus may read Config and RunningConfig, and env: holds secrets
-    (HF_TOKEN) of a YAML that may be 0600; root reads the files themselves."""
-    env = config.get("env")
-    return {**config, "env": dict.fromkeys(env, REDACTED)} if isinstance(env, dict) else config
+    """CONFIG with its env: values and the values of secret flags in
+    extra_args (--hf-token, ...) replaced by REDACTED (hostd/config/redact.py),
+    keys and flags kept. Anyone on the bus may read Config and RunningConfig,
+    and these hold secrets of a YAML that may be 0640; root reads the files."""
+    return redact.config(config)
 
 
 class ModelInterface(ServiceInterface):
@@ -110,7 +110,7 @@ class ModelInterface(ServiceInterface):
 
     def compute_state(self) -> str:
         active = self.busy()
-        if active and active.kind == "reload":
+        if active and active.kind in ("reload", "recovery"):  # a recovery finishes a reload
             return "reloading"
         umbrella, engine = (self.manager.systemd.cached(u) or {} for u in self.units)
         state = umbrella.get("ActiveState", "unknown")

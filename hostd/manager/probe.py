@@ -11,7 +11,9 @@ owned by the model's user and peers that are neither that user nor root.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import subprocess
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -24,6 +26,11 @@ from hostd.gateway import control
 from hostd.weights import client as weights_client
 
 log = logging.getLogger("hostd.manager.probe")
+
+# What the manager (root) accepts from a model's sockets, whose other end runs
+# the model's code: answers are typed, capped and timed.
+CONTROL_TIMEOUT = 10.0  # s for a control answer, beyond what the request may take (a drain's timeout)
+HEALTH_MAX = 1 << 20  # bytes of an engine's /health answer (a few KiB in practice)
 
 
 class VerifyFailed(Exception):
@@ -51,7 +58,15 @@ class Probe:
     # ------------------------------------------------------------ gateway
 
     async def _control(self, request: control.Request):
-        answer = await control.call_async(paths.control_socket(self.name), request)
+        """REQUEST's answer, within CONTROL_TIMEOUT beyond the time the
+        request itself may take (a drain's): a gateway that accepts and never
+        answers must not hold the manager."""
+        wait = CONTROL_TIMEOUT + float(getattr(request, "timeout", 0) or 0)
+        try:
+            answer = await asyncio.wait_for(control.call_async(paths.control_socket(self.name), request), wait)
+        except asyncio.TimeoutError:
+            raise control.ControlError(
+                f"the gateway of {self.name} did not answer {type(request).__name__.lower()} in {wait:g} s") from None
         self.gateway_protocol = answer.protocol
         return answer
 
@@ -92,10 +107,17 @@ class Probe:
         return await self._control(control.Settle(slot=slot, timeout=timeout))
 
     async def gateway_status(self) -> Optional[control.GatewayStatus]:
+        """The gateway's status; None when it does not answer, or answers
+        counts no gateway can have (the D-Bus InFlight is a u)."""
         try:
-            return await self._control(control.Status())
+            status = await self._control(control.Status())
         except (OSError, control.ControlError):
             return None
+        if not isinstance(status, control.GatewayStatus) or not 0 <= status.in_flight < 2**32:
+            log.warning("the gateway of %s answered an impossible status: %.200r", self.name, status,
+                        extra={"hostd_model": self.name})
+            return None
+        return status
 
     # ------------------------------------------------------------ weights
 
@@ -116,9 +138,18 @@ class Probe:
                 async with http.get("http://engine/health") as response:
                     if response.status != 200:
                         return None
-                    return await response.json()
+                    body = await response.content.read(HEALTH_MAX + 1)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return None
+        if len(body) > HEALTH_MAX:
+            log.warning("the engine of %s (slot %s) answered /health with more than %d bytes; ignored",
+                        self.name, slot, HEALTH_MAX, extra={"hostd_model": self.name})
+            return None
+        try:
+            health = json.loads(body)
+        except ValueError:
+            return None
+        return health if isinstance(health, dict) else None
 
     async def smoke(self, served_name: str, slot: str = "main") -> None:
         connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
@@ -151,12 +182,23 @@ class Probe:
                 )
 
     async def engine_error(self, default: str, slot: str = "main") -> str:
-        """The engine's own last error lines from the journal, else DEFAULT."""
+        """The failing engine's own last error lines from the journal, else
+        DEFAULT. Only the unit's latest invocation (its InvocationID, matched
+        on journald's trusted _SYSTEMD_INVOCATION_ID): the engine that served
+        before it logged what clients sent it, and a client must not be able
+        to plant the cause a failed reload reports."""
+        unit = units.engine(self.name, slot)
         try:
+            shown = await asyncio.to_thread(
+                subprocess.run, ["systemctl", "show", "--property=InvocationID", "--value", unit],
+                capture_output=True, text=True, timeout=10)
+            invocation = shown.stdout.strip()
+            if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+                return default
             result = await asyncio.to_thread(
                 subprocess.run,
-                ["journalctl", "-u", units.engine(self.name, slot), "-p", "err", "-n", "3",
-                 "-o", "cat", "--no-pager", "--since", "-5min"],
+                ["journalctl", f"_SYSTEMD_INVOCATION_ID={invocation}", "-p", "err", "-n", "3",
+                 "-o", "cat", "--no-pager"],
                 capture_output=True, text=True, timeout=10,
             )
         except (OSError, subprocess.TimeoutExpired):

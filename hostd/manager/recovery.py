@@ -1,7 +1,8 @@
 """Recovery: the end of a reload that a previous manager left half done (its
 intent is in the manager's records, records.py, from the `record` stage on).
 
-It decides on its next start: commit if the engine runs the target config;
+It decides on its next start: commit if the engine runs the target config
+and passes the reload's full verify (the record written from the intent);
 leave an engine that runs the previous config alone (the crash came before its
 restart); else restart it with the previous config and resume (after a drain
 for the restart strategy). Recovery never stops an engine that still has
@@ -12,6 +13,9 @@ leaves exactly one engine serving.
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
+import msgspec
 
 from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
 from hostd.manager.operation import Strategy
@@ -39,9 +43,11 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     if overlap:
         await systemd.settle(model.next_unit, timeout=300)
     health = await probe.engine_health()
-    if health is not None and probe.runs(health, intent.target_engine):
-        log.info("recovery: %s runs the target of reload %s; committing", name, intent.operation, extra=where)
-        model.records.write_committed(name, model.load().config)
+    target = await _verified_target(model, intent, health, where)
+    if target is not None:
+        log.info("recovery: %s runs the target of reload %s and passes its verify; committing",
+                 name, intent.operation, extra=where)
+        model.records.write_committed(name, target)
         outcome = "committed"
     else:
         directory = model.dropins
@@ -68,6 +74,30 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
             log.warning("recovery: resuming %s: %s", name, exc, extra=where)
     model.records.drop_intent(name)
     return outcome
+
+
+async def _verified_target(model: ModelHandles, intent: Intent, health: Optional[dict], where: dict):
+    """The reload's target config (the intent's engine section over the fixed
+    fields on disk) when the engine runs it, the files on disk still say it
+    (not so after a crash inside a rollback, which restores them first) and it
+    passes the reload's full verify (health, a smoke request, the same weight
+    daemon); else None: the reload did not succeed and recovery undoes it."""
+    if health is None or not model.probe.runs(health, intent.target_engine):
+        return None
+    cfg = model.load().config
+    if msgspec.to_builtins(cfg.engine) != intent.target_engine:
+        log.warning("recovery: %s runs the target of reload %s, but its files say otherwise "
+                    "(the crash came inside its rollback); finishing the rollback",
+                    model.name, intent.operation, extra=where)
+        return None
+    target = msgspec.structs.replace(cfg, engine=msgspec.convert(intent.target_engine, type(cfg.engine)))
+    try:
+        await model.probe.verify_engine(target, intent.weights)
+    except Exception as exc:
+        log.warning("recovery: %s runs the target of reload %s, but it fails verification: %s",
+                    model.name, intent.operation, exc, extra=where)
+        return None
+    return target
 
 
 async def _restart_main(model: ModelHandles, where: dict) -> str:

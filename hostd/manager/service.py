@@ -40,7 +40,7 @@ from hostd.manager.authority import Authority, CallerAwareBus, admin
 from hostd.manager.errors import replies
 from hostd.manager.model_bus import GATEWAY_UP, ModelInterface
 from hostd.manager.operation_bus import OperationInterface
-from hostd.manager.records import Records
+from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import Systemd
 
 log = logging.getLogger("hostd.manager")
@@ -105,6 +105,9 @@ class Manager(ServiceInterface):
                 await self.systemd.properties(unit)
             except Exception as exc:  # one model's trouble must not stop the others'
                 log.warning("cannot look at %s: %s", unit, exc, extra={"hostd_model": model.model_name})
+        # The checkpoint's config.json, read once off the loop (cached per
+        # identity): the properties any user may read then find it cached.
+        await asyncio.to_thread(model.weights_not_retained)
         model.refresh()
 
     def _unit_changed(self, unit: str, _props: dict) -> None:
@@ -269,13 +272,20 @@ class Manager(ServiceInterface):
             for name, model in list(self.models.items()):
                 if model.state not in GATEWAY_UP:
                     continue
-                status = await model.handles.probe.gateway_status()
-                if status:
-                    model.refresh(status.in_flight, status.state)
+                try:  # one model's bad answer must not stop the others' refreshes
+                    status = await model.handles.probe.gateway_status()
+                    if status:
+                        model.refresh(status.in_flight, status.state)
+                except Exception as exc:
+                    log.warning("in-flight count of %s: %s", name, exc, extra={"hostd_model": name})
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
-    async def recover(self) -> None:
-        """End reloads a previous manager left half done (recovery.recover)."""
+    def claim_recoveries(self) -> list[tuple[ModelInterface, Intent, OperationInterface]]:
+        """A visible recovery Operation for every model a previous manager left
+        mid-reload (its intent record): the model is busy from here on, so that
+        a Reload (the call that may have D-Bus-activated this manager) answers
+        Busy instead of racing the recovery. Call before owning the bus name."""
+        claimed = []
         for name, model in list(self.models.items()):
             try:
                 intent = self.records.intent(name)
@@ -285,12 +295,28 @@ class Manager(ServiceInterface):
                 continue
             if intent is None:
                 continue
+            iface = self.new_operation(model, "recovery", dict(intent.patch))
+            iface.op.strategy = intent.strategy
+            iface.op.notes.append(f"finishes reload {intent.operation}, which a previous manager left half done")
+            self.publish(iface)
+            claimed.append((model, intent, iface))
+        return claimed
+
+    async def recover(self, claimed: Optional[list] = None) -> None:
+        """End reloads a previous manager left half done (recovery.recover),
+        each under its recovery Operation (claim_recoveries)."""
+        for model, intent, iface in (self.claim_recoveries() if claimed is None else claimed):
+            name = model.model_name
             try:
                 outcome = await recovery.recover(model.handles, intent)
-                log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
-            except Exception:
+            except Exception as exc:
                 log.exception("recovery of %s failed; its intent record stays in %s", name,
                               self.records.intent_path(name), extra={"hostd_model": name})
+                iface.op.finish(reload_mod.State.FAILED, f"recovery of reload {intent.operation} failed: {exc}")
+            else:
+                log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
+                state = reload_mod.State.DONE if outcome == "committed" else reload_mod.State.ROLLED_BACK
+                iface.op.finish(state, "" if outcome == "committed" else f"reload {intent.operation}: {outcome}")
             model.forget()
             model.refresh()
 
@@ -305,10 +331,11 @@ async def serve(root: Path) -> None:
         log.error("hostd.yaml: %s; using defaults", exc)
     bus.export(api.ROOT_PATH, manager)
     manager.discover()
+    claimed = manager.claim_recoveries()  # busy before any call can arrive
     await bus.request_name(api.BUS_NAME)
     log.info("manager on the system bus as %s; %d model(s)", api.BUS_NAME, len(manager.models))
     # Recovery may wait for engines; the bus name is already ours meanwhile.
-    manager.keep(asyncio.create_task(manager.recover()))
+    manager.keep(asyncio.create_task(manager.recover(claimed)))
     watcher = asyncio.create_task(manager.watch_in_flight())
     try:
         await bus.wait_for_disconnect()

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from hostd import paths, sockets, systemd
+from hostd.config import redact
 from hostd.weights import fingerprint, protocol
 from hostd.weights import listener as listener_mod
 
@@ -110,7 +111,7 @@ class Supervisor:
     def start_child(self) -> None:
         clear_directory(self.directory)
         command = self.backend.weights_command(self.name, self.cfg)
-        log.info("starting %s", " ".join(command.argv))
+        log.info("starting %s", " ".join(redact.argv(command.argv)))
         self.child = subprocess.Popen(command.argv, env=systemd.child_env(command.env), stdin=subprocess.DEVNULL)
 
     def ready(self) -> bool:

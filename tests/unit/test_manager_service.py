@@ -214,3 +214,47 @@ def test_the_rollback_pin_keeps_the_whole_cause_in_comment_lines_never_cut_mid_w
                                          + " ".join(cause.split()) + " second line")
     assert all(len(line) <= 78 for line in text.splitlines())
     assert text.endswith("engine:\n  max_num_seqs: 4\n")
+
+
+def test_a_reload_during_recovery_answers_busy_and_the_recovery_is_a_visible_operation(world, monkeypatch):
+    """After a crash, the administrator's reload is the call that starts the new
+    manager: it must not run beside the recovery of the same model (seen: the
+    reload said done at 32 and the recovery then put the engine back on 8)."""
+    from hostd.gateway import control
+    from hostd.manager.records import Intent
+
+    monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+    running = dict(world.probe.engine)
+    world.records.write_intent("tiny", Intent(
+        operation=5, patch={"max_num_seqs": 4}, previous_engine=running,
+        target_engine={**running, "max_num_seqs": 4}, weights=(7, 8)))
+    world.probe.engine = None  # the crash came with the new engine failed: recovery drains and restarts
+    release = asyncio.Event()
+
+    async def drain(timeout):
+        await release.wait()
+        return control.Drained(drained=True, remaining=0, state="paused")
+
+    world.probe.drain = drain
+
+    async def go():
+        manager = await manager_of(world)
+        recovering = manager.keep(asyncio.create_task(manager.recover()))
+        await asyncio.sleep(0)  # it has begun (serve() claims the model before owning the bus name)
+        model = manager.models["tiny"]
+        assert len(manager.operations) == 1, "no recovery operation: the model is not busy"
+        [op] = manager.operations.values()
+        assert op.kind == "recovery" and op.running and model.state == "reloading"
+        assert model.busy() is op  # ActiveOperation names it
+        with pytest.raises(errors.Busy):
+            await manager.reload("tiny", {"max_num_seqs": 32})
+        release.set()
+        await recovering
+        assert op.op.state == R.State.ROLLED_BACK and not op.running
+        assert world.probe.engine["max_num_seqs"] == 8  # the config before the interrupted reload
+        await manager.reload("tiny", {"max_num_seqs": 32})  # free again
+        await asyncio.gather(*manager._tasks)
+        assert world.probe.engine["max_num_seqs"] == 32
+        assert world.records.committed("tiny").engine["max_num_seqs"] == 32
+
+    asyncio.run(go())

