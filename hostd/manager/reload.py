@@ -279,6 +279,11 @@ class Reload:
         """Start the second engine with the target config and verify it."""
         await self.model.systemd.start(self.model.next_unit, timeout=self.target.timeouts.start + 30)
         await self.verify(self.target, "next")
+        bridge = ((await self.model.probe.engine_health("next")) or {}).get("bridge")
+        if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
+            self.op.notes.append(f"bridge engine ran with {bridge}")
+            log.info("reload %d of %s: the bridge engine runs with %s", self.op.id, self.op.model, bridge,
+                     extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
 
     async def retire_next(self) -> None:
         """Stop the second engine; it finishes what it admitted first."""
