@@ -226,6 +226,8 @@ class Reload:
         memory = await self.model.probe.read_memory(self.target, props.get("MainPID", 0))
         strategy, why = self.choose_strategy(memory)
         self.op.strategy, self.strategy_reason = strategy.value, why
+        if strategy == Strategy.RESTART and self.current.reload.strategy != strategy.value:
+            self.op.notes.append(f"strategy restart: {why}")  # a fallback: the Operation says why, as the journal does
         if strategy == Strategy.RESTART:
             problem = self.model.probe.memory_problem(self.target, memory)
             if problem:

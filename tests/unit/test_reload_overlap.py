@@ -123,6 +123,7 @@ def test_an_sglang_model_whose_config_json_cannot_size_the_bridge_falls_back_to_
     assert (op.state, op.strategy) == (R.State.DONE, "restart"), op.error
     assert jobs(world) == [f"restart {MAIN}"] and "switch next" not in world.probe.calls
     assert refusal in caplog.text
+    assert f"strategy restart: overlap does not fit, falling back to restart: {refusal}" in op.notes
 
 
 EDITABLE = {"vllm": "max_num_seqs", "sglang": "max_running_requests"}
