@@ -33,6 +33,9 @@ ENGINE_SOCKET = "engine.sock"
 # rest; "next" runs only during an overlap reload, beside main.
 ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock"}
 CONTROL_SOCKET = "control.sock"
+# Where each slot's `vllm serve --uds` listens, behind hostd's engine socket of
+# that slot: two engines of one model (an overlap reload) never share one.
+VLLM_ENGINE_SOCKETS = {"main": "vllm-engine.sock", "next": "vllm-engine-next.sock"}
 VLLM_SOCKET_DIR = "vllm"
 SGLANG_SOCKET_DIR = "sglang"
 _LONGEST_UPSTREAM_SOCKET = (
@@ -55,6 +58,11 @@ def weights_socket(name: str) -> Path:
 
 def engine_socket(name: str, slot: str = "main") -> Path:
     return runtime_dir(name) / ENGINE_SOCKETS[slot]
+
+
+def vllm_engine_socket(name: str, slot: str = "main") -> Path:
+    """Where `vllm serve --uds` of SLOT listens (hostd/engine/upstream.py proxies it)."""
+    return runtime_dir(name) / VLLM_ENGINE_SOCKETS[slot]
 
 
 def control_socket(name: str) -> Path:

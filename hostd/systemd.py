@@ -79,9 +79,11 @@ def listen_sockets() -> list[socket.socket]:
     return sockets
 
 
-def child_env(command_env: dict[str, str]) -> dict[str, str]:
+def child_env(command_env: dict[str, str], unset: tuple[str, ...] = ()) -> dict[str, str]:
     """The full environment of a child (an upstream daemon or server): ours
-    minus systemd's per-process variables, plus COMMAND_ENV."""
+    minus systemd's per-process variables, plus COMMAND_ENV, minus UNSET."""
     env = {key: value for key, value in os.environ.items() if key not in PER_PROCESS_VARIABLES}
     env.update(command_env)
+    for key in unset:
+        env.pop(key, None)
     return env

@@ -25,6 +25,9 @@ class BackendRefused(Exception):
 class Command:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # Variables the child must not see at all, whoever set them (hostd's own
+    # environment or the model's env:); an empty value is not the same to it.
+    unset: tuple[str, ...] = ()
 
 
 class Backend(abc.ABC):
@@ -87,11 +90,17 @@ class Backend(abc.ABC):
 
     def overlap_refusal(self, cfg) -> Optional[str]:
         """Why two engines of this model cannot run at once on the same weights
-        (an overlap reload then falls back to restart), or None when they can."""
-        return (
-            f"the {self.name} backend's engine listens where upstream puts it, one socket per "
-            "model, so a second engine cannot start beside the first"
-        )
+        (an overlap reload then falls back to restart), or None when they can.
+        Each slot has its own sockets (hostd/paths.py), so by default they can."""
+        return None
+
+    def bridge_need(self, cfg) -> Optional[int]:
+        """Bytes the overlap reload's second engine needs beyond the weights it
+        shares, per GPU (of host memory on CPU), when this backend sizes that
+        engine itself (a bridge with its own KV budget: vllm, sglang); None
+        when it needs what the serving engine uses (builtin), which the
+        preflight then measures."""
+        return None
 
     def weights_not_retained(self, cfg) -> Optional[str]:
         """Why CFG's weights are not kept across engine restarts (the engine

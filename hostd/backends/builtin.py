@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
-
 from hostd.backends.base import Backend
 
 
@@ -56,9 +54,6 @@ class BuiltinBackend(Backend):
                 f"({positions}); lower it or leave it unset"
             ]
         return []
-
-    def overlap_refusal(self, cfg) -> Optional[str]:
-        return None  # engines map the daemon's one allocation; --slot picks the socket
 
     def uses_gpu(self, cfg) -> bool:
         return cfg.device == "cuda"

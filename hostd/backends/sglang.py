@@ -169,8 +169,11 @@ class SglangBackend(upstream.UpstreamBackend):
         ]
         return Command(argv, self._env(model, cfg))
 
-    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
-        """PORT: the private loopback port hostd's engine supervisor picked."""
+    def engine_command(self, model: str, cfg, port: int = 0, slot: str = "main",
+                       bridge: Optional[upstream.Bridge] = None) -> Command:
+        """PORT: the private loopback port hostd's engine supervisor of SLOT
+        picked (one per engine, so two slots never share one). BRIDGE's flags
+        come last: argparse keeps a flag's last value."""
         argv = [
             self.python(cfg), "-m", "sglang.launch_server",
             *self._layout_args(cfg),
@@ -182,8 +185,26 @@ class SglangBackend(upstream.UpstreamBackend):
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
             *cfg.engine_extra_args,
+            *(self.bridge_args(cfg, bridge) if bridge is not None else []),
         ]
         return Command(argv, self._env(model, cfg))
+
+    def bridge_args(self, cfg, bridge: upstream.Bridge) -> list[str]:
+        """--max-total-tokens: the KV budget in tokens (reload.bridge_kv_mib over
+        the model's KV bytes per token on one rank). SGLang 0.5.23 sizes its
+        pool from the memory free when it starts less mem_fraction_static's
+        slack (sglang/srt/mem_cache/kv_cache_configurator.py:2990-3060), so
+        beside a serving engine the fraction already applies to what is left,
+        and --max-total-tokens caps the pool (same file, 3096-3105); a reduced
+        --mem-fraction-static would only grow the slack it leaves unused."""
+        per_token = upstream.kv_bytes_per_token(cfg)
+        return ["--max-total-tokens", str(max(1, bridge.kv_bytes // per_token))] if per_token else []
+
+    def overlap_refusal(self, cfg) -> Optional[str]:
+        if upstream.kv_bytes_per_token(cfg) is None:
+            return (f"model: {cfg.model}/config.json does not give num_hidden_layers, the KV heads and "
+                    "the head size, so hostd cannot size the bridge engine's --max-total-tokens")
+        return None
 
     @staticmethod
     def editable_args(engine) -> list[str]:

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Optional
 
@@ -285,6 +286,75 @@ def nvml_uuids(indices: list[int]) -> dict[int, str]:
         return {}
 
 
+def nvml_smallest_total(indices: list[int]) -> Optional[int]:
+    """The total memory in bytes of the smallest of the GPUs INDICES; None
+    without NVML (CPU hosts, containers without GPUs)."""
+    try:
+        with nvml.session() as pynvml:
+            return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                       for i in indices)
+    except Exception:  # no driver library, or no such GPU
+        return None
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """The size of the checkpoint's *.safetensors files: what an engine that
+    loads them from disk holds (unquantized, the tensors are the files)."""
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(cfg) -> Optional[int]:
+    """Bytes of KV cache one token takes on one tensor-parallel rank: layers x
+    KV heads on the rank x head dim x 2 (K and V) x the dtype's bytes, from the
+    checkpoint's config.json (its text_config for a multimodal one); None when
+    config.json does not say (then SGLang's bridge cannot be sized)."""
+    try:
+        config = json.loads((Path(cfg.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size") // heads if heads and text.get("hidden_size") else None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
+        return None
+    dtype = cfg.dtype if cfg.dtype != "auto" else str(text.get("torch_dtype") or text.get("dtype") or "bfloat16")
+    per_rank_heads = max(1, kv_heads // cfg.tensor_parallel_size)
+    return layers * per_rank_heads * head_dim * 2 * DTYPE_BYTES.get(dtype, 2)
+
+
+# What a bridge engine holds beside its KV cache and the shared weights, per
+# GPU: the CUDA context (about 0.5 GiB, outside PyTorch's accounting), the
+# profile run's activation peak (vLLM's "torch peak memory increase", about
+# 1.2 GiB for a 7B model at 8192 batched tokens), CUDA graphs (vLLM logs
+# "Graph capturing finished ... took 0.3-0.6 GiB") and non-torch allocations
+# (NCCL buffers under tensor parallelism). An estimate from upstream's own log
+# lines, not measured here (no GPU runs these versions: UPSTREAM.md); on CPU
+# it stands for the API server and engine core processes (torch imported
+# twice) beside the KV.
+BRIDGE_NON_KV_BYTES = 3 << 30
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """The budget of the bridge: the engine an overlap reload starts in the
+    next slot, beside the serving one, with the new config's editable values
+    and a small KV cache of its own (docs/operations.md, The bridge engine)."""
+
+    kv_bytes: int  # reload.bridge_kv_mib: per GPU, or of host memory on CPU
+    gpu_total: Optional[int] = None  # the smallest GPU's memory, when NVML tells
+    weights_bytes: int = 0  # per GPU: the checkpoint's share, for vLLM's memory check
+
+
 def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:
     """The upstream executable: $OVERRIDE_VAR if set, else NAME on PATH, else NAME."""
     override = env.get(override_var)
@@ -358,9 +428,9 @@ class UpstreamBackend(Backend):
     def socket_dir(self, model: str) -> Path:
         """/run/hostd/MODEL/<dir>: the upstream daemon's sockets, ready and lock files."""
 
-    def engine_socket(self, model: str) -> Optional[Path]:
-        """The Unix socket upstream's server listens on; None: it listens on
-        the private loopback port passed to engine_command()."""
+    def engine_socket(self, model: str, slot: str = "main") -> Optional[Path]:
+        """The Unix socket upstream's server of SLOT listens on; None: it
+        listens on the private loopback port passed to engine_command()."""
         return None
 
     @abc.abstractmethod
@@ -368,6 +438,38 @@ class UpstreamBackend(Backend):
         """What hostd's weights supervisor runs as its child."""
 
     @abc.abstractmethod
-    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
-        """What hostd's engine supervisor runs as its child; PORT is the
-        private loopback port it picked when engine_socket() is None."""
+    def engine_command(self, model: str, cfg, port: int = 0, slot: str = "main",
+                       bridge: Optional[Bridge] = None) -> Command:
+        """What hostd's engine supervisor of SLOT runs as its child; PORT is
+        the private loopback port it picked when engine_socket() is None.
+        With BRIDGE (the next slot) the engine runs on that budget."""
+
+    # ------------------------------------------------------------ the bridge
+
+    def bridge(self, cfg) -> Bridge:
+        """The next slot's budget for CFG (read where the engine runs: NVML)."""
+        total = nvml_smallest_total(cfg.gpus) if cfg.device == "cuda" else None
+        weights = checkpoint_bytes(cfg.model) // max(1, cfg.tensor_parallel_size)
+        return Bridge(cfg.reload.bridge_kv_mib << 20, total, weights)
+
+    def bridge_need(self, cfg) -> int:
+        """KV budget + BRIDGE_NON_KV_BYTES, plus the weights where the bridge
+        loads its own copy from disk (not retained: CPU, weight_cache off)."""
+        need = (cfg.reload.bridge_kv_mib << 20) + BRIDGE_NON_KV_BYTES
+        if not self.retains_weights(cfg):
+            need += checkpoint_bytes(cfg.model) // (1 if cfg.device == "cpu" else max(1, cfg.tensor_parallel_size))
+        return need
+
+    # Variables the bridge's command removes (Command.unset): each would
+    # override its KV budget.
+    bridge_cleared_env: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def bridge_args(self, cfg, bridge: Bridge) -> list[str]:
+        """The flags that put the bridge on BRIDGE's budget (after all others)."""
+
+    def bridge_summary(self, cfg, bridge: Bridge) -> str:
+        """What the bridge runs with, for the Operation's notes and the journal."""
+        return " ".join([*self.bridge_args(cfg, bridge), *(f"-u {name}" for name in self.bridge_cleared_env)])
+
+

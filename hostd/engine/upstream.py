@@ -7,7 +7,10 @@ unchanged (streaming included) except GET /health, which answers upstream's
 health plus hostd's contract for the manager: {"engine_config", "weights",
 "weights_not_retained", "weights_pid", "weights_socket_inode"}.
 Without the weight cache (the backend's weights_not_retained) upstream's
-server loads from disk and "weights" is "disk".
+server loads from disk and "weights" is "disk". Each slot (--slot) has its own
+upstream socket or port; in the next slot upstream runs as the overlap
+reload's bridge, on the backend's bridge budget, and /health says so under
+"bridge".
 
 Trusts: the uid it runs as and root, through the private runtime directory
 (engine.sock is 0600 in /run/hostd/NAME, 0700). The loopback port SGLang
@@ -39,7 +42,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from hostd import forward, paths, sockets, systemd
+from hostd import forward, memory, paths, sockets, systemd
 from hostd.config import redact
 from hostd.weights import client as weights_client
 from hostd.weights import protocol
@@ -61,8 +64,9 @@ class EngineSupervisor:
     """BACKEND: the model's UpstreamBackend (hostd/backends/upstream.py), which
     says what to run and how to tell that it serves."""
 
-    def __init__(self, name: str, cfg, backend, socket_path: Path, weights_identity: tuple[int, int]):
-        self.name, self.cfg, self.backend, self.socket_path = name, cfg, backend, socket_path
+    def __init__(self, name: str, cfg, backend, socket_path: Path, weights_identity: tuple[int, int],
+                 slot: str = "main"):
+        self.name, self.cfg, self.backend, self.socket_path, self.slot = name, cfg, backend, socket_path, slot
         self.weights_pid, self.weights_inode = weights_identity
         self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
@@ -70,14 +74,19 @@ class EngineSupervisor:
         self.stderr_copier: Optional[asyncio.Future] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
-        self.upstream_socket: Optional[Path] = self.backend.engine_socket(name)
+        self.upstream_socket: Optional[Path] = self.backend.engine_socket(name, slot)
         if self.upstream_socket:
             self.port = 0
             self.base = "http://engine"
         else:
             self.port = free_loopback_port()
             self.base = f"http://127.0.0.1:{self.port}"
-        self.command = self.backend.engine_command(name, cfg, port=self.port)
+        # The next slot runs only during an overlap reload: there it is the
+        # bridge, on a KV budget of its own (the main engine keeps the
+        # administrator's values).
+        bridge = self.backend.bridge(cfg) if slot == "next" else None
+        self.command = self.backend.engine_command(name, cfg, port=self.port, slot=slot, bridge=bridge)
+        self.bridge = self.backend.bridge_summary(cfg, bridge) if bridge else ""
 
     # ------------------------------------------------------------ upstream
 
@@ -91,9 +100,12 @@ class EngineSupervisor:
     async def start(self) -> None:
         if self.upstream_socket:
             sockets.claim(self.upstream_socket)  # vLLM binds it: clear a stale one, refuse a live one
+        if self.bridge:
+            log.info("the %s engine of %s in slot %s is the bridge: %s (reload.bridge_kv_mib=%d)",
+                     self.cfg.backend, self.name, self.slot, self.bridge, self.cfg.reload.bridge_kv_mib)
         log.info("starting %s", " ".join(redact.argv(self.command.argv)))
         self.proc = await asyncio.create_subprocess_exec(
-            *self.command.argv, env=systemd.child_env(self.command.env), stdin=asyncio.subprocess.DEVNULL,
+            *self.command.argv, env=systemd.child_env(self.command.env, self.command.unset), stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
         self.stderr_copier = asyncio.ensure_future(self.copy_stderr())
@@ -186,6 +198,9 @@ class EngineSupervisor:
             "weights_not_retained": self.not_retained or "",
             "weights_pid": self.weights_pid,
             "weights_socket_inode": self.weights_inode,
+            "slot": self.slot,
+            "bridge": self.bridge,  # what the bridge runs with; "" in the main slot
+            "memory": memory.snapshot(),  # host_available: the overlap preflight's on CPU
         }
         return web.json_response(body, status=200 if code == 200 else 503)
 
@@ -280,5 +295,5 @@ def run(args, cfg, backend) -> int:
     socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot)
     if not args.socket:
         sockets.ensure_private_dir(socket_path.parent)
-    supervisor = EngineSupervisor(args.name, cfg, backend, socket_path, (status.pid, status.socket_inode))
+    supervisor = EngineSupervisor(args.name, cfg, backend, socket_path, (status.pid, status.socket_inode), args.slot)
     return asyncio.run(supervisor.main())

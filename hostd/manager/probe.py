@@ -274,9 +274,10 @@ class Probe:
         HEALTH is the serving engine's /health answer (the one validate read),
         MEMORY the preflight's reading (read_memory): nothing is asked again.
 
-        The second engine needs what the serving one uses beyond the shared
-        weights (its footprint), and reload.overlap_reserve_mib must stay free
-        besides. CPU: the footprint is the engine's anonymous memory against
+        vllm and sglang run a bridge there, whose need their backend knows
+        (Backend.bridge_need: _bridge_problem). Otherwise (builtin) the second
+        engine needs what the serving one uses beyond the shared weights (its
+        footprint), and reload.overlap_reserve_mib must stay free besides. CPU: the footprint is the engine's anonymous memory against
         the host's MemAvailable, both as the engine reports them on /health
         (hostd/memory.py: this sandbox cannot read them). GPU: NVML's per-process figure for
         the engine (device used - the daemon's share where NVML cannot see our
@@ -286,6 +287,9 @@ class Probe:
         if refusal:
             return refusal
         reserve = cfg.reload.overlap_reserve_mib << 20
+        bridge = backend.bridge_need(cfg)
+        if bridge is not None:
+            return self._bridge_problem(cfg, backend.uses_gpu(cfg), bridge, health, memory, reserve)
         if backend.uses_gpu(cfg):
             return self._overlap_gpu(cfg, memory, reserve)
         reported = (health or {}).get("memory") or {}
@@ -298,6 +302,32 @@ class Probe:
                 f"the shared weights) and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
                 f"must stay free, but MemAvailable is {available >> 20} MiB"
             )
+        return None
+
+    @staticmethod
+    def _bridge_problem(cfg, gpu: bool, need: int, health: Optional[dict], memory: "Memory",
+                        reserve: int) -> Optional[str]:
+        """vllm and sglang: the bridge engine's own budget (Backend.bridge_need:
+        reload.bridge_kv_mib plus its non-KV footprint, plus the weights where
+        it loads them from disk) and the reserve, against each GPU's NVML free
+        memory, or on CPU the host's MemAvailable as the engine's /health
+        reports it."""
+        what = (f"the bridge engine needs about {need >> 20} MiB (reload.bridge_kv_mib="
+                f"{cfg.reload.bridge_kv_mib} of KV and its non-KV footprint"
+                + (", and its own copy of the weights" if not backends.for_config(cfg).retains_weights(cfg) else "")
+                + f") and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free")
+        if gpu:
+            if memory.unreadable:
+                return f"cannot read GPU memory: {memory.unreadable}"
+            for one in memory.gpus or ():
+                if need + reserve > one.free:
+                    return f"GPU {one.index}: {what}, but {one.free >> 20} MiB are free"
+            return None
+        available = ((health or {}).get("memory") or {}).get("host_available")
+        if available is None:
+            return "the engine does not report the host's memory on /health (hostd/memory.py)"
+        if need + reserve > available:
+            return f"{what}, but MemAvailable is {available >> 20} MiB"
         return None
 
     @staticmethod

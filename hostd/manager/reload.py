@@ -232,6 +232,8 @@ class Reload:
         memory = await self.model.probe.read_memory(self.target, props.get("MainPID", 0))
         strategy, why = self.choose_strategy(memory)
         self.op.strategy, self.strategy_reason = strategy.value, why
+        if strategy == Strategy.RESTART and self.current.reload.strategy != strategy.value:
+            self.op.notes.append(f"strategy restart: {why}")  # a fallback: the Operation says why, as the journal does
         if strategy == Strategy.RESTART:
             problem = self.model.probe.memory_problem(self.target, memory)
             if problem:
@@ -285,6 +287,11 @@ class Reload:
         """Start the second engine with the target config and verify it."""
         await self.model.systemd.start(self.model.next_unit, timeout=self.target.timeouts.start + 30)
         await self.verify(self.target, "next")
+        bridge = ((await self.model.probe.engine_health("next")) or {}).get("bridge")
+        if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
+            self.op.notes.append(f"bridge engine ran with {bridge}")
+            log.info("reload %d of %s: the bridge engine runs with %s", self.op.id, self.op.model, bridge,
+                     extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
 
     async def settle(self, slot: str) -> Optional[int]:
         """Wait until the requests running on SLOT's engine end, up to

@@ -112,7 +112,7 @@ class Supervisor:
         clear_directory(self.directory)
         command = self.backend.weights_command(self.name, self.cfg)
         log.info("starting %s", " ".join(redact.argv(command.argv)))
-        self.child = subprocess.Popen(command.argv, env=systemd.child_env(command.env), stdin=subprocess.DEVNULL)
+        self.child = subprocess.Popen(command.argv, env=systemd.child_env(command.env, command.unset), stdin=subprocess.DEVNULL)
 
     def ready(self) -> bool:
         """Every GPU's socket exists (and, for SGLang, its .ready file)."""

@@ -204,3 +204,69 @@ def test_without_the_weight_cache_no_daemon_runs_and_an_engine_restart_loads_fro
     assert engine.stop() == 0
     tree.start_engine(timeout=60)
     assert weights_client.status(tree.weights_socket).pid == weights.pid == tree.health()["weights_pid"]
+
+
+def engine_client(tree: ModelTree, slot: str, timeout: float = 30) -> httpx.Client:
+    from hostd import paths
+
+    socket_path = tree.runtime_dir / paths.ENGINE_SOCKETS[slot]
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://engine", timeout=timeout)
+
+
+def healthy(tree: ModelTree, slot: str) -> bool:
+    try:
+        with engine_client(tree, slot, 5) as http:
+            return http.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_two_engines_of_one_model_serve_side_by_side_and_only_the_next_runs_on_the_bridge_budget(
+        backend, short_root, checkpoint, trees):
+    """The overlap reload's two slots on one weights supervisor (TP 2): each
+    engine has its own upstream process and socket or port, both attach the
+    same weight daemon and answer completions, and only the next slot's
+    upstream command line carries the bridge's KV budget (64 MiB here)."""
+    (checkpoint / "config.json").write_text(json.dumps({
+        "architectures": ["FakeForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256}))
+    limits = {"max_num_seqs": 4} if backend == "vllm" else {"max_running_requests": 4}
+    tree = tree_for(short_root, checkpoint, backend, tensor_parallel_size=2, gpus=[0, 1], engine=limits,
+                    reload={"bridge_kv_mib": 64})
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    tree.start_engine(timeout=60)
+    bridge = tree._spawn("engine", "--slot", "next")
+    wait_for(lambda: healthy(tree, "next"), 60, "the next slot's /health", bridge.proc)
+
+    with engine_client(tree, "main") as main_http, engine_client(tree, "next") as next_http:
+        main, nxt = main_http.get("/health").json(), next_http.get("/health").json()
+        for http in (main_http, next_http):
+            answer = http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+    assert (main["slot"], nxt["slot"]) == ("main", "next")
+    assert main["upstream_pid"] != nxt["upstream_pid"]
+    assert main["weights_pid"] == nxt["weights_pid"] == weights.pid
+    assert main["weights_socket_inode"] == nxt["weights_socket_inode"]
+    assert main["engine_config"] == nxt["engine_config"]  # the same editable values
+
+    def argv(health: dict) -> list[str]:
+        return Path(f"/proc/{health['upstream_pid']}/cmdline").read_bytes().decode().split("\0")
+
+    main_argv, next_argv = argv(main), argv(nxt)
+    if backend == "vllm":
+        kv = ["--kv-cache-memory-bytes", str(64 << 20)]
+        where = "--uds"
+        assert next_argv[next_argv.index(where) + 1] == str(tree.runtime_dir / "vllm-engine-next.sock")
+    else:
+        kv = ["--max-total-tokens", str((64 << 20) // (2 * 1 * 64 * 2 * 2))]  # 2 layers, 1 KV head per rank, 64 dims
+        where = "--port"
+    assert main_argv[main_argv.index(where) + 1] != next_argv[next_argv.index(where) + 1]
+    assert " ".join(kv) in " ".join(next_argv) and kv[0] not in main_argv
+    assert nxt["bridge"].startswith(" ".join(kv)) and main["bridge"] == ""
+    assert "is the bridge: " + " ".join(kv) in bridge.log()
+
+    assert bridge.stop() == 0  # retire: the main engine serves on
+    with engine_client(tree, "main") as http:
+        assert http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1}).status_code == 200

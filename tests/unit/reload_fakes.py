@@ -10,7 +10,7 @@ weight daemon: the engine "runs" whatever the config on disk says when it is
 restarted, unless the test makes its start fail; it asks the model's backend
 whether a second engine may run (Backend.overlap_refusal), as the real probe
 does, so an upstream model is never driven through an overlap the product
-refuses.
+refuses, and reports the next slot's bridge budget as the real supervisor does.
 """
 
 from __future__ import annotations
@@ -156,7 +156,17 @@ class FakeProbe:
     async def engine_health(self, slot: str = "main") -> Optional[dict]:
         self.calls.append("health" if slot == "main" else f"health {slot}")
         engine = self.get_engine(slot)
-        return None if engine is None else {"engine_config": engine}
+        return None if engine is None else {"engine_config": engine, "bridge": self.bridge(slot)}
+
+    def bridge(self, slot: str) -> str:
+        """What the real engine supervisor of SLOT reports under "bridge"
+        (hostd/engine/upstream.py): the next slot of an upstream model runs on
+        its backend's bridge budget; "" otherwise."""
+        cfg = config.load_model(self.world.name, self.world.root).config
+        backend = backends.for_config(cfg)
+        if slot != "next" or not hasattr(backend, "bridge_summary"):
+            return ""
+        return backend.bridge_summary(cfg, backend.bridge(cfg))
 
     async def read_memory(self, cfg, pid: int) -> Memory:
         self.calls.append("memory")
@@ -167,8 +177,8 @@ class FakeProbe:
 
     def overlap_problem(self, cfg, health: Optional[dict], memory: Memory) -> Optional[str]:
         """The backend's own refusal first, as Probe.overlap_problem asks it
-        (vLLM and SGLang engines cannot run twice); then NO_ROOM, which stands
-        for the memory preflight."""
+        (SGLang's when config.json cannot size its bridge); then NO_ROOM,
+        which stands for the memory preflight."""
         return backends.for_config(cfg).overlap_refusal(cfg) or self.no_room
 
     async def switch(self, slot: str, outcome: str | None = None) -> dict:

