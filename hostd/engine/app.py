@@ -439,25 +439,29 @@ def _log_done(engine: Engine, job: Job, completion_tokens: int, finish: str | No
 # --- handlers ------------------------------------------------------------------
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
+async def _read_and_tokenize(request: web.Request, kind: type) -> tuple[Engine, Any, list[int]]:
+    """The request's body and its prompt as token ids: the cheap checks on the
+    loop first, then tokenizing (and a chat's template) on the preparation thread."""
     engine = request.app[ENGINE]
-    body = await read_request(request, CompletionRequest)
+    body = await read_request(request, kind)
     engine.check_model(body.model)
     engine.check_stop(body.stop)
+    if kind is ChatRequest:
+        engine.check_messages(body.messages)
+        return engine, body, await engine.prepared(engine.chat_prompt_ids, body.messages)
     engine.check_prompt(body.prompt)
-    prompt_ids = await engine.prepared(engine.prompt_ids, body.prompt)
+    return engine, body, await engine.prepared(engine.prompt_ids, body.prompt)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    engine, body, prompt_ids = await _read_and_tokenize(request, CompletionRequest)
     job = engine.job(body, prompt_ids, CompletionFormat, prompt_field="prompt", max_tokens_field="max_tokens",
                      max_tokens=body.max_tokens)
     return await _answer(request, engine, job, CompletionFormat)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
-    body = await read_request(request, ChatRequest)
-    engine.check_model(body.model)
-    engine.check_stop(body.stop)
-    engine.check_messages(body.messages)
-    prompt_ids = await engine.prepared(engine.chat_prompt_ids, body.messages)
+    engine, body, prompt_ids = await _read_and_tokenize(request, ChatRequest)
     if body.max_completion_tokens is not None:
         field_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     else:
