@@ -150,11 +150,69 @@ def test_sglangs_loopback_port_serves_its_supervisor_and_no_local_user(host):
 
 def test_the_gateways_api_keys_credential_is_not_in_the_engines_or_the_weights_view(host):
     serving(host)
+    # An engine started while the gateway runs (a reload, a crash) is the case
+    # that matters: the credential exists when its namespace is made.
+    host.systemctl("restart", "model-engine@tiny.service", timeout=180)
+    wait_for(lambda: completion_status(host) == 200, timeout=60, what="model tiny serving again")
     credential = "/run/credentials/model@tiny.service/api-keys"
     assert host.run(["cat", credential]).stdout.strip() == KEY  # there, for the gateway
+    uid = host.run(["id", "-u", "hostd-tiny"]).stdout.strip()
+    gateway = main_pid(host, "model@tiny.service")
+    via_proc = host.run(["nsenter", "-t", str(main_pid(host, "model-engine@tiny.service")), "-m", "-S", uid, "-G", uid,
+                         "cat", f"/proc/{gateway}/root{credential}"], check=False)
+    assert via_proc.returncode != 0 and KEY not in via_proc.stdout  # the gateway is not dumpable
     for unit in ("model-engine@tiny.service", "model-weights@tiny.service"):
         pid = main_pid(host, unit)
         seen = host.run(["nsenter", "-t", str(pid), "-m", "cat", credential], check=False)
         assert seen.returncode != 0 and KEY not in seen.stdout, unit
         listing = host.run(["nsenter", "-t", str(pid), "-m", "ls", "-A", "/run/credentials"], check=False)
         assert listing.stdout.strip() == "", (unit, listing.stdout)
+
+
+# --- B: a reload refuses what the check refuses --------------------------------------
+
+
+def test_a_reload_refuses_a_tree_hostctl_config_check_refuses_and_names_the_file(host):
+    serving(host)
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    bad = "/etc/hostd/models/tiny.d/70-badtype.yaml"
+    host.write_file(bad, "engine: {max_num_seqs: lots}\n")
+    host.write_file("/etc/hostd/models/tiny.d/90-reload.yaml", "engine: {max_num_seqs: 3}\n")
+    try:
+        check = host.run([host.python, "-m", "hostd.hostctl", "config", "--check"], check=False)
+        assert check.returncode == 1 and bad in check.stdout + check.stderr
+        reload = host.systemctl("reload", "model@tiny.service", check=False, timeout=180)
+        assert reload.returncode != 0
+        journal = host.run(["journalctl", "--no-pager", "-o", "cat", "--since", since,
+                            "-u", "model@tiny.service"]).stdout
+        assert bad in journal, journal[-3000:]
+        assert completion_status(host) == 200  # nothing changed
+    finally:
+        host.run(["rm", "-f", bad, "/etc/hostd/models/tiny.d/90-reload.yaml"])
+        host.systemctl("daemon-reload")
+
+
+# --- C: systemctl start returns when the model serves, or fails naming why -------------
+
+
+def test_start_of_a_model_that_cannot_serve_fails_naming_the_failed_unit_and_its_error(host):
+    port = reserved_port()
+    host.write_file("/etc/hostd/models/vq.yaml", (
+        f"backend: vllm\nmodel: {CHECKPOINT}\nlisten: 127.0.0.1:{port}\ntimeouts: {{start: 120, stop: 30}}\n"
+        "env:\n  HOSTD_VLLM: /nonexistent/vllm\n  HOSTD_TEST_GPU_UUID: GPU-12345678-1234-1234-1234-123456789abc\n"))
+    host.systemctl("daemon-reload")
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    try:
+        start = host.systemctl("start", "model@vq.service", check=False, timeout=180)
+        journal = host.run(["journalctl", "--no-pager", "-o", "cat", "--since", since, "-u", "model@vq.service"]).stdout
+        assert start.returncode != 0
+        said = [line for line in journal.splitlines() if "hostd: model vq cannot serve: model-" in line]
+        assert said, journal[-3000:]
+        failed = said[0].split("cannot serve: ")[1].split()[0]
+        assert failed in ("model-weights@vq.service", "model-engine@vq.service")
+        assert host.systemctl("is-active", "model@vq.service", check=False).stdout.strip() != "active"
+    finally:
+        host.systemctl("stop", "model@vq.service", check=False, timeout=120)
+        host.run(["rm", "-f", "/etc/hostd/models/vq.yaml"])
+        host.systemctl("reset-failed", check=False)
+        host.systemctl("daemon-reload")
