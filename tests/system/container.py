@@ -318,6 +318,11 @@ class SystemdContainer:
             f"--machine={self.machine}",
             *(b.nspawn_arg() for b in self.binds),
             *(f"--overlay={_escape(Path(d))}::{_escape(Path(d))}" for d in WRITABLE_USR if Path(d).is_dir()),
+            # What a host's PID 1 has and nspawn drops by default: systemd
+            # brings up the loopback device of each PrivateNetwork= unit
+            # (the engine and weights units) with it; without it that
+            # loopback stays down and SGLang's and vLLM's local ports fail.
+            "--capability=CAP_NET_ADMIN",
             *self._nspawn_args,
             "--",
             # firstboot=off: never prompt.  A pre-made /etc/machine-id also

@@ -16,7 +16,6 @@ import json
 import httpx
 import pytest
 
-from conftest import _Containers, require_container_support
 from container import SystemdContainer, wait_for
 from ports import reserved_port
 from test_model_units import main_pid, prepare_model
@@ -24,20 +23,6 @@ from test_upstream_units import CHECKPOINT, yaml_for
 
 KEY = "sk-hostile-neighbours-test-key"
 SG = "sg"
-
-
-@pytest.fixture(scope="module")
-def systemd_container(tmp_path_factory: pytest.TempPathFactory):
-    """The module's container, whose systemd may configure network devices
-    (CAP_NET_ADMIN), as PID 1 on a host may: it brings up the loopback device
-    of each unit's private network namespace (PrivateNetwork=). nspawn drops
-    that capability by default, and the loopback then stays down."""
-    require_container_support()
-    containers = _Containers(tmp_path_factory)
-    try:
-        yield containers(nspawn_args=["--capability=CAP_NET_ADMIN"])
-    finally:
-        containers.stop_all()
 
 
 @pytest.fixture(scope="module")
