@@ -25,6 +25,18 @@ at start with a message naming the file and the problem (instead of systemd's
 "Unit has no Listen setting"); the generator itself never fails, so a typo can
 never fail the boot.
 
+The public socket's ListenStream= never changes under a running socket: on a
+daemon-reload systemd 252 closes a running socket unit's descriptors whose
+address changed ("Socket unit configuration has changed while unit has been
+running, no open socket file descriptor left") and the socket stays dead
+until restarted by hand. So the address each model's socket was generated
+with is kept in STATE_DIR (root's, /run: it lasts until the next boot, as the
+sockets do), and while the socket runs (its runtime directory /run/hostd/NAME
+exists) the generator writes that address again: for a broken config (whose
+socket text then only gains the commands that fail its next start) and for a
+changed `listen:`, which is logged and takes effect when the model is next
+stopped and started.
+
     hostd-generator --dry-run      # print what would be written; write nothing
 """
 
@@ -35,10 +47,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hostd import backends, config, nvml, units
+from hostd import backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
 UNIT_DIR_ENV = "HOSTD_UNIT_DIR"
+STATE_DIR = Path("/run/hostd-generator")  # NAME.listen: the address model@NAME.socket was generated with
+STATE_DIR_ENV = "HOSTD_GENERATOR_STATE_DIR"  # moves it, for tests
 
 
 def log(message: str) -> None:
@@ -113,14 +127,19 @@ def _header(name: str, source: Path) -> str:
             f"[Unit]\nSourcePath={unit_value(str(source))}\n")
 
 
-def dropins(name: str, cfg, source: Optional[Path] = None) -> dict[str, str]:
+def socket_text(name: str, listen: str) -> str:
+    """The [Socket] settings of model@NAME.socket listening on LISTEN."""
+    return "[Socket]\n" + f"ListenStream={unit_value(listen)}\n" + model_user_lines(name)
+
+
+def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str] = None) -> dict[str, str]:
     """Relative path -> content of every file generated for model NAME (whose
-    YAML is SOURCE, by default /etc/hostd/models/NAME.yaml)."""
+    YAML is SOURCE, by default /etc/hostd/models/NAME.yaml); the socket
+    listens on LISTEN (by default the config's `listen:`)."""
     header = _header(name, source or config.model_file(name))
     timeouts = [f"TimeoutStartSec={cfg.timeouts.start}", f"TimeoutStopSec={cfg.timeouts.stop}"]
     files = {
-        f"{units.socket(name)}.d/{DROPIN}": header + "[Socket]\n" + f"ListenStream={unit_value(cfg.listen)}\n"
-        + model_user_lines(name),
+        f"{units.socket(name)}.d/{DROPIN}": header + socket_text(name, cfg.listen if listen is None else listen),
         f"{units.weights_socket(name)}.d/{DROPIN}": header + "[Socket]\n"
         + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n",
         f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg)) + "\n",
@@ -159,19 +178,24 @@ def _unit_quote(text: str) -> str:
     return f'"{text}"'
 
 
-def failing_dropins(name: str, source: Path, problem: str) -> dict[str, str]:
+def failing_dropins(name: str, source: Path, problem: str, listen: Optional[str] = None) -> dict[str, str]:
     """Drop-ins for a model whose config is invalid: its socket (started first
     by every unit of the model) fails at start, printing the file and the
-    problem to the journal; the descriptions say it in `systemctl status`."""
+    problem to the journal; the descriptions say it in `systemctl status`.
+    LISTEN: the address of the model's running socket, kept as it is (only
+    the commands of its next start change); None when it does not run."""
     header = _header(name, source)
     summary = " ".join(problem.split())
     message = f"hostd: model {name} is not started: invalid configuration: {summary}"
     description = (f"Description=hostd model {name}: INVALID CONFIG {unit_value(str(source))} "
                    f"(see journalctl -u {units.socket(name)})\n")
-    return {
-        f"{units.socket(name)}.d/{DROPIN}": header + description + "[Socket]\n"
+    if listen is None:
         # Any address: the socket never gets to listen (ExecStartPre= fails first).
-        + f"ListenStream=/run/hostd/{name}/invalid-config.sock\n"
+        socket = f"[Socket]\nListenStream=/run/hostd/{name}/invalid-config.sock\n"
+    else:
+        socket = socket_text(name, listen)
+    return {
+        f"{units.socket(name)}.d/{DROPIN}": header + description + socket
         + f"ExecStartPre=/bin/echo {_unit_quote(message)}\nExecStartPre=/bin/false\n",
         f"{units.umbrella(name)}.d/{DROPIN}": header + description,
     }
@@ -182,31 +206,80 @@ def _is_unit_instance(name: str) -> bool:
     return bool(name) and len(name) < 200 and all(c.isalnum() or c in ":_.-" for c in name)
 
 
-def plan(root: Optional[Path] = None) -> tuple[dict[str, str], list[str]]:
+def state_dir() -> Path:
+    return Path(os.environ.get(STATE_DIR_ENV) or STATE_DIR)
+
+
+def _kept_listen(name: str, state: Path) -> Optional[str]:
+    """The address model@NAME.socket runs with, when it runs and the generator
+    wrote it (STATE/NAME.listen), else None."""
+    if not paths.runtime_dir(name).is_dir():  # the socket's RuntimeDirectory=: it does not run
+        return None
+    try:
+        return (state / f"{name}.listen").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def plan(root: Optional[Path] = None, state: Optional[Path] = None) -> tuple[dict[str, str], list[str], dict[str, str]]:
     """Relative path -> content of every file to generate (drop-ins; a value
-    starting with "->" is a symlink target), and the names of the valid models."""
+    starting with "->" is a symlink target), the names of the valid models,
+    and model name -> the address its socket is generated with (for STATE;
+    without STATE no address is kept)."""
     files: dict[str, str] = {}
     done = []
+    listens: dict[str, str] = {}
     for name in config.list_models(root):
         source = config.model_file(name, root)
+        kept = _kept_listen(name, state) if state is not None and _is_unit_instance(name) else None
         try:
             cfg = config.load_model(name, root).config
         except Exception as exc:  # never fail the boot
             problem = str(exc) if isinstance(exc, config.ConfigError) else f"unexpected {type(exc).__name__}: {exc}"
             log(f"skipping model {name!r}: {problem}".replace("\n", "; "))
             if _is_unit_instance(name):
-                files.update(failing_dropins(name, source, problem))
+                files.update(failing_dropins(name, source, problem, kept))
+                if kept is not None:
+                    listens[name] = kept
             continue
-        files.update(dropins(name, cfg, source))
+        listen = cfg.listen
+        if kept is not None and kept != listen:
+            log(f"model {name!r}: listen: changed from {kept!r} to {listen!r} in {source}; "
+                f"{units.socket(name)} keeps listening on {kept!r} while it runs (changing the address of a "
+                f"running socket would close it) and takes the new one when the model is next stopped and "
+                f"started: systemctl stop {units.umbrella(name)} && systemctl start {units.umbrella(name)}")
+            listen = kept
+        files.update(dropins(name, cfg, source, listen))
+        listens[name] = listen
         if cfg.autostart:
             files[f"multi-user.target.wants/{units.umbrella(name)}"] = "->"
         done.append(name)
-    return files, done
+    return files, done, listens
 
 
-def generate(normal_dir: Path, unit_dir: Path, root: Optional[Path] = None) -> list[str]:
-    """Write drop-ins for every model; returns the names of the valid ones."""
-    files, done = plan(root)
+def write_state(state: Path, listens: dict[str, str]) -> None:
+    """Keep the address of each model's socket for the next run; forget the others."""
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for old in state.glob("*.listen"):
+        if old.name[: -len(".listen")] not in listens:
+            old.unlink(missing_ok=True)
+    for name, listen in listens.items():
+        path = state / f"{name}.listen"
+        try:
+            if path.read_text() == listen:
+                continue
+        except (OSError, UnicodeDecodeError):
+            pass
+        tmp = state / f".{name}.listen.tmp"
+        tmp.write_text(listen)
+        os.replace(tmp, path)
+
+
+def generate(normal_dir: Path, unit_dir: Path, root: Optional[Path] = None,
+             state: Optional[Path] = None) -> list[str]:
+    """Write drop-ins for every model; returns the names of the valid ones.
+    STATE: where the sockets' addresses are kept (main() passes state_dir())."""
+    files, done, listens = plan(root, state)
     for rel, text in files.items():
         path = normal_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,12 +288,18 @@ def generate(normal_dir: Path, unit_dir: Path, root: Optional[Path] = None) -> l
                 path.symlink_to(unit_dir / units.UMBRELLA)
         else:
             path.write_text(text)
+    try:
+        if state is not None:
+            write_state(state, listens)
+    except OSError as exc:
+        log(f"cannot record the sockets' addresses in {state} ({exc}); a later daemon-reload may close "
+            "a running model's socket if its config is broken or its listen: changed")
     return done
 
 
 def dry_run(unit_dir: Path) -> int:
     """Print what generate() would write, and write nothing."""
-    files, _ = plan()
+    files, _, _ = plan(state=state_dir())
     for rel, text in files.items():
         if text == "->":
             print(f"# {rel} -> {unit_dir / units.UMBRELLA}\n")
@@ -242,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         normal_dir = Path(argv[0]) if argv else Path("/run/systemd/generator")
-        generate(normal_dir, unit_dir)
+        generate(normal_dir, unit_dir, state=state_dir())
     except Exception as exc:  # never fail the boot
         log(f"failed: {type(exc).__name__}: {exc}")
     return 0

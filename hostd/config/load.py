@@ -522,6 +522,47 @@ def add_daemon_defaults(merged: Merged, root: Path) -> None:
 Overlay = tuple[str, "bytes | str"]
 
 
+def _model_sources(
+    name: str, root: Optional[Path] = None, overlay: Optional[Overlay] = None
+) -> tuple[Path, list[YamlFile], list[Problem]]:
+    """The config root, every readable file of model NAME parsed in the order
+    it applies (NAME.yaml, then its drop-ins; OVERLAY as merge_model says),
+    and the problems of the files that could not be read."""
+    root = config_root(root)
+    main = existing_model_file(name, root)
+    directory = dropin_dir(name, root)
+    overlay_path = None
+    if overlay is not None:
+        problem = dropin_name_problem(overlay[0])
+        if problem:
+            raise ValueError(problem)  # the caller's constant: a bug, not a config problem
+        overlay_path = directory / overlay[0]
+    problems: list[Problem] = []
+    try:
+        dropins = dropin_files(name, root)
+    except ConfigError as exc:
+        dropins, problems = [], problems + exc.problems
+    names = sorted({p.name for p in dropins} | ({overlay_path.name} if overlay_path else set()))
+    sources: list[YamlFile] = []
+    for path in [main, *(directory / n for n in names)]:
+        try:
+            if path == overlay_path:
+                sources.append(parse_file(overlay[1], str(path)))
+            else:
+                sources.append(read_yaml(path))
+        except ConfigError as exc:
+            problems += exc.problems
+    return root, sources, problems
+
+
+def _merged(root: Path, sources: list[YamlFile]) -> Merged:
+    merged = Merged()
+    add_daemon_defaults(merged, root)
+    for source in sources:
+        merged.add(source)
+    return merged
+
+
 def merge_model(
     name: str, root: Optional[Path] = None, overlay: Optional[Overlay] = None
 ) -> tuple[Merged, list[Problem]]:
@@ -532,32 +573,24 @@ def merge_model(
     directory) in its lexical place, its content going through every rule a
     file on disk meets (parse_file): what the tree would be if the file held
     it. Nothing is written."""
-    root = config_root(root)
-    main = existing_model_file(name, root)
-    directory = dropin_dir(name, root)
-    overlay_path = None
-    if overlay is not None:
-        problem = dropin_name_problem(overlay[0])
-        if problem:
-            raise ValueError(problem)  # the caller's constant: a bug, not a config problem
-        overlay_path = directory / overlay[0]
-    merged = Merged()
-    add_daemon_defaults(merged, root)
+    root, sources, problems = _model_sources(name, root, overlay)
+    return _merged(root, sources), problems
+
+
+def _shadowed_problems(root: Path, sources: list[YamlFile]) -> list[Problem]:
+    """What is wrong in each drop-in for its own types, whoever wins the merge:
+    drop-in K validated over the files before it (NAME.yaml, drop-ins < K), its
+    own problems kept. A wrong value that a later drop-in (the manager's
+    90-reload.yaml, say) shadows in the merged result is still a wrong value in
+    that file. The last file is the merged result's own: not repeated here."""
     problems: list[Problem] = []
-    try:
-        dropins = dropin_files(name, root)
-    except ConfigError as exc:
-        dropins, problems = [], problems + exc.problems
-    names = sorted({p.name for p in dropins} | ({overlay_path.name} if overlay_path else set()))
-    for path in [main, *(directory / n for n in names)]:
+    for k in range(1, len(sources) - 1):
+        merged = _merged(root, sources[: k + 1])
         try:
-            if path == overlay_path:
-                merged.add(parse_file(overlay[1], str(path)))
-            else:
-                merged.add(read_yaml(path))
+            validate(merged, model_type(merged))
         except ConfigError as exc:
-            problems += exc.problems
-    return merged, problems
+            problems += [p for p in exc.problems if p.file == sources[k].path and p not in problems]
+    return problems
 
 
 def model_type(merged: Merged) -> type:
@@ -582,7 +615,8 @@ def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay
     file name and content, see merge_model), what it would be if that drop-in
     held that content. The one answer to "would this drop-in be valid": every
     problem found is reported, the unreadable files' and the values' together."""
-    merged, problems = merge_model(name, root, overlay)
+    root, sources, problems = _model_sources(name, root, overlay)
+    merged = _merged(root, sources)
     problems += user_problems(name, root)
     try:
         config = validate(merged, model_type(merged))
@@ -590,6 +624,7 @@ def load_model(name: str, root: Optional[Path] = None, overlay: Optional[Overlay
         # With a file unreadable, a missing backend is its consequence, not news.
         if not problems or "backend" in merged.data:
             problems += exc.problems
+    problems += [p for p in _shadowed_problems(root, sources) if p not in problems]
     if problems:
         raise ConfigError(problems)
     return LoadedModel(name, config, merged)
@@ -691,34 +726,10 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
                     )
     for name in names:
         try:
-            load_model(name, root)
+            load_model(name, root)  # every file for its own types too (_shadowed_problems)
         except ConfigError as exc:
             problems += exc.problems
         account = account_problem(name) if schema.model_name_problem(name) is None else None
         if account:
             problems.append(Problem(str(model_file(name, root)), "", account))
-        problems += [p for p in dropin_problems(name, root) if p not in problems]
-    return problems
-
-
-def dropin_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
-    """What is wrong in each drop-in of NAME on its own: NAME.yaml with only
-    that drop-in over it. A wrong value is reported even when a later drop-in
-    (the manager's 90-reload.yaml, say) shadows it in the merged result."""
-    root = config_root(root)
-    try:
-        files = dropin_files(name, root)
-        main = read_yaml(model_file(name, root))
-    except ConfigError:
-        return []  # the merged check reports these
-    problems: list[Problem] = []
-    for path in files:
-        merged = Merged()
-        try:
-            add_daemon_defaults(merged, root)
-            merged.add(main)
-            merged.add(read_yaml(path))
-            validate(merged, model_type(merged))
-        except ConfigError as exc:
-            problems += [p for p in exc.problems if p.file == str(path)]
     return problems

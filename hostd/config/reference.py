@@ -41,6 +41,14 @@ name the file, the line and the key path. `hostctl config NAME` prints the
 effective config with the file each value came from; `hostctl config --check`
 lists every problem.
 
+Every file is checked for its own values, whoever wins the merge: each drop-in
+is validated over the files before it, so `engine: {{max_num_seqs: lots}}` in
+`70-x.yaml` is an error naming `70-x.yaml` even when `90-reload.yaml` sets
+`max_num_seqs` too. One loader applies this rule for everyone: `hostctl config
+--check`, `systemctl reload model@NAME` (refused, naming the file, changing
+nothing), the generator (the model's units fail at their next start) and the
+daemons.
+
 **Fixed** keys (everything outside `engine:`) describe the weights and how the
 units run: changing one needs `systemctl restart model@NAME`, which loads the
 weights again. **Editable** keys (under `engine:`, named as the backend names

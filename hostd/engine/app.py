@@ -11,17 +11,28 @@ their turn (first come, first served) and are never rejected for being many.
 ``prompt_tokens + max_tokens`` must fit in ``max_model_len``, else 400
 context_length_exceeded. While the process drains, new generation requests
 get 503 with Retry-After.
+
+Work is bounded before it is done, and never done on the event loop: a prompt
+(or a chat's messages) longer in characters than ``max_model_len`` times the
+tokenizer's longest token cannot fit and is refused unread; tokenizing and
+applying the chat template run on one preparation thread with its own copy of
+the tokenizer (Hugging Face tokenizers are not thread-safe; the loop's copy
+decodes completions); stop strings are capped in count and total length
+(openai_api.MAX_STOP_STRINGS, MAX_STOP_CHARS), since each generated token is
+checked against all of them on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +54,8 @@ from hostd.engine.openai_api import (
     CommonFields,
     CompletionFormat,
     CompletionRequest,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     Job,
     OpenAIError,
     encode,
@@ -76,6 +89,18 @@ class Limits:
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be at least 0, got {self.shutdown_timeout}")
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token of TOKENIZER stands for: the longest
+    vocabulary entry (byte-level BPE spells each byte as one character, and
+    SentencePiece a space as one), added tokens included. None when the
+    tokenizer lists no vocabulary: then no prompt is refused unread."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return None
+    return max((len(token) for token in vocab), default=None) or None
 
 
 # --- the engine's state and metrics ------------------------------------------
@@ -127,6 +152,11 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.idle.set()
+        # The preparation thread's own tokenizer: the loop's decodes completions meanwhile.
+        self._prep_tokenizer = copy.deepcopy(self.tokenizer)
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostd-prepare")
+        longest = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = None if longest is None else self.limits.max_model_len * longest
         self.requests_total = Counter(
             "hostd_engine_requests", "Generation requests answered, by endpoint and HTTP status "
             f"({STATUS_CLIENT_CLOSED}: the client left before the end)",
@@ -146,7 +176,56 @@ class Engine:
             return f"shutting down: {self.in_flight} request(s) in flight"
         return f"serving: {s.running} running, {s.waiting} waiting"
 
-    # --- request preparation (on the event loop thread: the tokenizer is not thread-safe)
+    # --- request preparation: checks on the loop, tokenizing on the preparation thread
+
+    async def prepared(self, prepare: Callable[..., list[int]], *args) -> list[int]:
+        """PREPARE(*ARGS) on the preparation thread, the only user of its tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, prepare, *args)
+
+    def close(self) -> None:
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+    def check_text_fits(self, chars: int, what: str, param: str) -> None:
+        """Refuse, unread, a text of CHARS characters that no tokenization fits in max_model_len."""
+        bound = self.max_prompt_chars
+        if bound is not None and chars > bound:
+            limit = self.limits.max_model_len
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, and your {what} is {chars} characters "
+                f"long: more than {limit} tokens of this model's tokenizer can hold ({bound} characters). "
+                f"Shorten the {what}.",
+                param=param, code="context_length_exceeded",
+            )
+
+    def check_stop(self, stop: str | list[str] | None) -> None:
+        """Stop strings are checked against the completion at every token, on the loop: bounded."""
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        if len(stops) > MAX_STOP_STRINGS:
+            raise OpenAIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                              param="stop")
+        total = sum(len(s) for s in stops)
+        if total > MAX_STOP_CHARS:
+            raise OpenAIError(400, f"stop strings are {total} characters long together; at most {MAX_STOP_CHARS} "
+                              "are allowed", param="stop")
+
+    def check_prompt(self, prompt: str | list) -> None:
+        """What can be refused before tokenizing a completions prompt."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            self.check_text_fits(len(prompt), "prompt", "prompt")
+
+    def check_messages(self, messages: list[ChatMessage]) -> None:
+        """What can be refused before templating a chat: the template holds every message's text."""
+        chars = 0
+        for message in messages:
+            content = message.content
+            if isinstance(content, list):
+                chars += sum(len(p.text or "") for p in content)
+            elif content:
+                chars += len(content)
+        self.check_text_fits(chars, "messages", "messages")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_name:
@@ -162,7 +241,7 @@ class Engine:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._prep_tokenizer.encode(prompt, add_special_tokens=True)
         if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             limit = self.vocab_size or 2**63
             bad = [t for t in prompt if not 0 <= t < limit]
@@ -196,18 +275,19 @@ class Engine:
                     )
                 content = "".join(p.text or "" for p in content)
             conversation.append({"role": message.role, "content": content or ""})
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self._prep_tokenizer, "chat_template", None):
             raise OpenAIError(
                 400, f"the model '{self.served_name}' has no chat template; use {COMPLETIONS} with a prompt",
                 param="messages",
             )
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = self._prep_tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                            tokenize=False)
         except Exception as error:  # jinja's TemplateError and raise_exception() in templates
             raise OpenAIError(
                 400, f"the model's chat template refused these messages: {error}", param="messages"
             ) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._prep_tokenizer.encode(text, add_special_tokens=False)
 
     def job(self, body: CommonFields, prompt_ids: list[int], fmt, *, prompt_field: str, max_tokens_field: str,
             max_tokens: int | None) -> Job:
@@ -361,21 +441,29 @@ def _log_done(engine: Engine, job: Job, completion_tokens: int, finish: str | No
 # --- handlers ------------------------------------------------------------------
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
+async def _read_and_tokenize(request: web.Request, kind: type) -> tuple[Engine, Any, list[int]]:
+    """The request's body and its prompt as token ids: the cheap checks on the
+    loop first, then tokenizing (and a chat's template) on the preparation thread."""
     engine = request.app[ENGINE]
-    body = await read_request(request, CompletionRequest)
+    body = await read_request(request, kind)
     engine.check_model(body.model)
-    prompt_ids = engine.prompt_ids(body.prompt)
+    engine.check_stop(body.stop)
+    if kind is ChatRequest:
+        engine.check_messages(body.messages)
+        return engine, body, await engine.prepared(engine.chat_prompt_ids, body.messages)
+    engine.check_prompt(body.prompt)
+    return engine, body, await engine.prepared(engine.prompt_ids, body.prompt)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    engine, body, prompt_ids = await _read_and_tokenize(request, CompletionRequest)
     job = engine.job(body, prompt_ids, CompletionFormat, prompt_field="prompt", max_tokens_field="max_tokens",
                      max_tokens=body.max_tokens)
     return await _answer(request, engine, job, CompletionFormat)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
-    body = await read_request(request, ChatRequest)
-    engine.check_model(body.model)
-    prompt_ids = engine.chat_prompt_ids(body.messages)
+    engine, body, prompt_ids = await _read_and_tokenize(request, ChatRequest)
     if body.max_completion_tokens is not None:
         field_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     else:
@@ -517,6 +605,7 @@ def build_app(
     app.router.add_get("/metrics", _metrics)
 
     async def stop_workers(app: web.Application) -> None:
+        app[ENGINE].close()
         runner = app[ENGINE].runner
         runner.cancel_all()
         await asyncio.to_thread(runner.join)

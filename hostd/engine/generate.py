@@ -19,10 +19,11 @@ Three layers, each usable alone:
   asyncio code as an async iterator. A request's slot is freed when its worker
   thread has stopped, so "running" counts model work, not open connections.
 
-The tokenizer is only ever used on the event loop thread (prompt encoding in
-app.py's ``Engine.prompt_ids`` and ``chat_prompt_ids``, decoding here in
-``Runner.stream``): Hugging Face fast tokenizers are not safe to use from
-several threads at once.
+The tokenizer given to ``Runner`` is only ever used on the event loop thread
+(decoding here in ``Runner.stream``): Hugging Face fast tokenizers are not
+safe to use from several threads at once. Prompt encoding and chat templates
+(app.py's ``Engine.prompt_ids`` and ``chat_prompt_ids``) run on a
+preparation thread with a copy of their own.
 
 Trust: the inputs come from the application (app.py), which has already
 validated them (openai_api.py's types); the model and tokenizer come from

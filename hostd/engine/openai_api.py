@@ -109,6 +109,14 @@ REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Stop strings: each generated token's text is searched for every one of them on
+# the event loop (generate.TextDecoder), so one request with a million of them
+# stalls every stream. OpenAI's API documents up to 4; 16 leaves room for
+# clients that send a few more, and keeps the per-token search small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096  # all of one request's stop strings together
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
 

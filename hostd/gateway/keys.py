@@ -14,6 +14,12 @@ hmac.compare_digest (constant time per key, and every key is compared, so
 the time taken does not say which key came close). A model configured with
 keys whose file cannot be read, or holds none, does not start: it never
 falls back to serving without keys.
+
+The engine and weights units run as the gateway's user (one uid per model)
+and run upstream code fed by the network: they see no /run/credentials
+(their units' TemporaryFileSystem=), and once the gateway holds keys it makes
+itself non-dumpable, so that a process of the same uid cannot read them
+through /proc/PID/root, /proc/PID/mem or ptrace either.
 """
 
 from __future__ import annotations
@@ -53,7 +59,22 @@ def load(configured: Optional[str]) -> Optional[list[bytes]]:
             if line.strip() and not line.lstrip().startswith("#")]
     if not keys:
         raise KeysError(f"gateway.api_keys: {path} holds no key (one key per line)")
+    not_inspectable()
     return keys
+
+
+PR_SET_DUMPABLE = 4
+
+
+def not_inspectable() -> None:
+    """Make this process non-dumpable: its /proc/PID entries become root's and
+    ptrace access needs CAP_SYS_PTRACE, which no model unit has."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: nothing to protect against here
 
 
 def authorized(keys: list[bytes], header: Optional[str]) -> bool:

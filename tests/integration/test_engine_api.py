@@ -50,6 +50,17 @@ _ENGINE_MAIN = textwrap.dedent("""
     logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     model = AutoModelForCausalLM.from_pretrained(args["checkpoint"])
     tokenizer = AutoTokenizer.from_pretrained(args["checkpoint"])
+    if args.get("encode_gate"):
+        # Encoding a text holding GATE waits until the file encode_gate exists
+        # (on whichever thread encodes: the tests see whether that blocks the loop).
+        cls, original = type(tokenizer), type(tokenizer).encode
+        def gated_encode(self, text, *a, **kw):
+            if isinstance(text, str) and "GATE" in text:
+                Path(args["encode_gate"] + ".waiting").touch()
+                while not Path(args["encode_gate"]).exists():
+                    time.sleep(0.01)
+            return original(self, text, *a, **kw)
+        cls.encode = gated_encode
     if args["step_delay"]:
         forward = model.forward
         def slow_forward(*a, **kw):
@@ -105,7 +116,7 @@ class Engine:
 
 
 def start_engine(checkpoint: Path, workdir: Path, *, max_num_seqs: int, max_model_len: int = 256,
-                 shutdown_timeout: float = 60.0, step_delay: float = 0.0) -> Engine:
+                 shutdown_timeout: float = 60.0, step_delay: float = 0.0, encode_gate: str | None = None) -> Engine:
     """Launch an engine process on workdir/engine.sock and wait until its on_ready has run.
 
     The one place that knows how an engine process is made: today it loads
@@ -116,7 +127,7 @@ def start_engine(checkpoint: Path, workdir: Path, *, max_num_seqs: int, max_mode
     args = {
         "checkpoint": str(checkpoint), "name": MODEL, "socket": str(workdir / "engine.sock"),
         "ready": str(workdir / "ready"), "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "shutdown_timeout": shutdown_timeout, "step_delay": step_delay,
+        "shutdown_timeout": shutdown_timeout, "step_delay": step_delay, "encode_gate": encode_gate,
     }
     log_path = workdir / "engine.log"
     with log_path.open("wb") as log:
@@ -284,6 +295,48 @@ def test_prompt_and_max_tokens_beyond_max_model_len_is_context_length_exceeded(e
     assert completion.value.code == "context_length_exceeded" and completion.value.param == "max_tokens"
     assert "256 tokens" in completion.value.message
     assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"
+
+
+def test_work_is_bounded_before_it_is_done_prompts_too_long_to_fit_and_stop_strings(engine: Engine):
+    client = engine.openai()
+    huge = "hello " * 800_000  # 4.8 MB: no tokenization of it fits in 256 tokens
+    with pytest.raises(openai.BadRequestError) as prompt:
+        client.completions.create(model=MODEL, prompt=huge, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as many:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stop=[f"s{i}" for i in range(17)])
+    with pytest.raises(openai.BadRequestError) as long_stop:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stop=["x" * 5000])
+
+    # Refused unread: counted in characters, not tokens.
+    assert prompt.value.code == "context_length_exceeded" and prompt.value.param == "prompt"
+    assert f"{len(huge)} characters" in prompt.value.message
+    assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"
+    assert many.value.param == "stop" and "at most 16" in many.value.message
+    assert long_stop.value.param == "stop" and "at most 4096" in long_stop.value.message
+    sixteen = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stop=[f"s{i}" for i in range(16)])
+    assert sixteen.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tokenizing_a_prompt_leaves_the_event_loop_free_for_health(make_engine, tmp_path: Path):
+    gate = tmp_path / "release-encoding"
+    engine = make_engine(max_num_seqs=1, encode_gate=str(gate))
+    answers: list = []
+
+    def send() -> None:
+        answers.append(engine.openai().completions.create(model=MODEL, prompt="GATE " + PROMPT, max_tokens=2))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    wait_until(lambda: Path(str(gate) + ".waiting").exists(), "the prompt's encoding has begun")
+    with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(engine.socket_path)), base_url="http://engine",
+                       timeout=10) as http:
+        health = http.get("/health")  # times out if encoding holds the loop
+    assert health.status_code == 200 and not answers
+    gate.touch()
+    sender.join(SAFETY_TIMEOUT_S)
+    assert answers and answers[0].choices[0].text is not None
 
 
 def test_unknown_model_is_not_found_and_unsupported_fields_are_refused(engine: Engine):

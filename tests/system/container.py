@@ -261,6 +261,7 @@ class SystemdContainer:
         binds: Sequence[Bind] = (),
         boot_timeout: float = 60.0,
         stop_timeout: float = 30.0,
+        nspawn_args: Sequence[str] = (),
     ) -> None:
         self.checkout = (checkout or find_checkout(Path(__file__))).resolve()
         self._own_workdir = workdir is None
@@ -271,6 +272,7 @@ class SystemdContainer:
         self.boot_timeout = boot_timeout
         self.stop_timeout = stop_timeout
         self._extra_binds = list(binds)
+        self._nspawn_args = list(nspawn_args)  # e.g. --capability=CAP_NET_ADMIN
 
         self.nspawn: subprocess.Popen[bytes] | None = None
         self.pid1: int | None = None
@@ -316,6 +318,12 @@ class SystemdContainer:
             f"--machine={self.machine}",
             *(b.nspawn_arg() for b in self.binds),
             *(f"--overlay={_escape(Path(d))}::{_escape(Path(d))}" for d in WRITABLE_USR if Path(d).is_dir()),
+            # What a host's PID 1 has and nspawn drops by default: systemd
+            # brings up the loopback device of each PrivateNetwork= unit
+            # (the engine and weights units) with it; without it that
+            # loopback stays down and SGLang's and vLLM's local ports fail.
+            "--capability=CAP_NET_ADMIN",
+            *self._nspawn_args,
             "--",
             # firstboot=off: never prompt.  A pre-made /etc/machine-id also
             # keeps systemd out of first-boot mode, so it does not run

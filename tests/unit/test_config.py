@@ -356,3 +356,29 @@ def test_the_quantization_tables_are_upstreams_methods(backend, fixture):
     assert schema.QUANTIZATION_METHODS[backend] == frozenset(methods)
     allowlist = {"vllm": vllm_backend, "sglang": sglang_backend}[backend].QUANTIZATION_ALLOWLIST
     assert {m for m in allowlist if m} <= schema.QUANTIZATION_METHODS[backend]
+
+
+def test_a_wrong_value_shadowed_by_a_later_dropin_is_refused_by_the_loader_as_by_the_check(root: Path):
+    """Issue 22 B: `hostctl config --check` named 70-badtype.yaml, but the
+    loader (what a reload, the generator and every daemon use) merged it
+    away under 90-reload.yaml and accepted the tree."""
+    bad = write(root, "models/tiny.d/70-badtype.yaml", "engine: {max_num_seqs: lots}\n")
+    write(root, "models/tiny.d/90-reload.yaml", "engine: {max_num_seqs: 8}\n")
+    found = problems_of(root)
+    assert [(p.file, p.key) for p in found] == [(str(bad), "engine.max_num_seqs")]
+    assert config.check(root, ["tiny"]) == found
+    # With the reload's overlay (what the manager validates before writing) too.
+    with pytest.raises(config.ConfigError) as overlay:
+        config.load_model("tiny", root, overlay=("90-reload.yaml", "engine: {max_num_seqs: 16}\n"))
+    assert [p.file for p in overlay.value.problems] == [str(bad)]
+
+
+def test_a_dropin_is_validated_over_the_files_before_it_not_over_the_main_file_alone(root: Path):
+    """A drop-in that switches the backend and one that sets that backend's
+    field read as one tree: no problem is made up for the second file."""
+    write(root, "models/tiny.d/10-vllm.yaml", "backend: vllm\n")
+    write(root, "models/tiny.d/20-limits.yaml", "engine: {max_num_batched_tokens: 512}\n")
+    write(root, "models/tiny.d/90-reload.yaml", "engine: {max_num_seqs: 8}\n")
+    loaded = config.load_model("tiny", root)
+    assert loaded.config.engine.max_num_batched_tokens == 512 and loaded.config.engine.max_num_seqs == 8
+    assert config.check(root, ["tiny"]) == []

@@ -143,3 +143,47 @@ def test_installed_wheel_finds_its_data_files_under_the_prefix_not_in_site_packa
     monkeypatch.setattr(install.sys, "prefix", str(tmp_path / "elsewhere"))
     with pytest.raises(FileNotFoundError, match="reinstall hostd"):
         install.data_dir("units")
+
+
+def _listen_streams(out: Path, name: str) -> list[str]:
+    text = (out / f"model@{name}.socket.d/50-hostd.conf").read_text()
+    return [line for line in text.splitlines() if line.startswith("ListenStream=")]
+
+
+def test_a_running_models_socket_address_survives_a_broken_dropin_and_a_changed_listen(tmp_path: Path, capsys,
+                                                                                       monkeypatch):
+    """systemd closes a running socket unit's descriptors when a daemon-reload
+    changes its ListenStream=: the generator must write the same address while
+    the socket runs, whatever the config says meanwhile."""
+    etc, state, run = tmp_path / "etc", tmp_path / "state", tmp_path / "run"
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(run))
+    model(etc, "m", "backend: builtin\nmodel: /m\nlisten: 127.0.0.1:8001\n")
+
+    def reload() -> str:
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        generator.generate(out, Path("/etc/systemd/system"), etc, state=state)
+        return (out / "model@m.socket.d/50-hostd.conf").read_text(), _listen_streams(out, "m")
+
+    first, listen = reload()
+    assert listen == ["ListenStream=127.0.0.1:8001"]
+    (run / "m").mkdir(parents=True)  # model@m.socket started: its RuntimeDirectory= exists
+
+    (etc / "models/m.d").mkdir()
+    (etc / "models/m.d/70-broken.yaml").write_text("engine: {max_num_seqs: [\n")
+    broken, listen = reload()
+    assert listen == ["ListenStream=127.0.0.1:8001"]  # not invalid-config.sock
+    assert "ExecStartPre=/bin/false" in broken and "70-broken.yaml" in broken  # its next start still fails
+
+    (etc / "models/m.d/70-broken.yaml").unlink()
+    again, _ = reload()
+    assert again == first
+
+    model(etc, "m", "backend: builtin\nmodel: /m\nlisten: 127.0.0.1:8002\n")
+    capsys.readouterr()
+    _, listen = reload()
+    assert listen == ["ListenStream=127.0.0.1:8001"]
+    assert "listen: changed from '127.0.0.1:8001' to '127.0.0.1:8002'" in capsys.readouterr().err
+
+    (run / "m").rmdir()  # the model was stopped: the next start takes the new address
+    _, listen = reload()
+    assert listen == ["ListenStream=127.0.0.1:8002"]
