@@ -8,4 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash packaging/setup.sh
 bash packaging/setup-upstream.sh
+# In CI the system modules run last-first, so that none leans on what an
+# earlier one left (tests/system/conftest.py); by hand, in file order.
+if [ "${CI:-}" = "true" ]; then
+    export HOSTD_SYSTEM_ORDER=${HOSTD_SYSTEM_ORDER:-reversed}
+fi
 exec .venv/bin/python -m pytest tests "$@"

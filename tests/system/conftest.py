@@ -90,3 +90,20 @@ def make_systemd_container(
         yield containers
     finally:
         containers.stop_all()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """HOSTD_SYSTEM_ORDER=reversed runs the system modules last-first (the
+    tests of one module keep their order), the other tiers untouched: CI runs
+    them so (packaging/run-tests.sh), so that no module can lean on what a
+    module before it left behind in the host or in its own container."""
+    if os.environ.get("HOSTD_SYSTEM_ORDER") != "reversed":
+        return
+    here = Path(__file__).resolve().parent
+    slots = [i for i, item in enumerate(items) if here in Path(str(item.path)).resolve().parents]
+    modules: dict[Path, list] = {}
+    for i in slots:
+        modules.setdefault(Path(str(items[i].path)), []).append(items[i])
+    reordered = [item for module in reversed(list(modules)) for item in modules[module]]
+    for i, item in zip(slots, reordered):
+        items[i] = item
