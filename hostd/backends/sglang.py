@@ -62,6 +62,11 @@ REPLICA_FLAGS = {
     "--nnodes": "the weight cache under hostd is single-node",
     "--disable-cuda-graph": "deprecated in SGLang 0.5.23; set engine.disable_decode_cuda_graph and "
     "engine.disable_prefill_cuda_graph instead (a reload can change them)",
+    # sglang/srt/sampling/custom_logit_processor.py (0.5.23) dill.loads() the
+    # `custom_logit_processor` of a public request once this flag is on: any
+    # client of the model would run code as the model's user.
+    "--enable-custom-logit-processor": "it lets every client of the model ship a callable the engine "
+    "unpickles and runs (dill); hostd serves the endpoint to the network",
 }
 
 # Refused while the weight cache holds the weights.

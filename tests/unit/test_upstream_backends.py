@@ -530,3 +530,13 @@ def test_values_are_not_read_as_flags(ckpt):
     cfg = make("vllm", ckpt, extra_args=["--trust-remote-code", "--seed", "-1"],
                engine_extra_args=["--chat-template", "q.jinja"])
     assert backends.for_config(cfg).refusals(cfg) == []
+
+
+@pytest.mark.parametrize("key", ["extra_args", "engine_extra_args"])
+@pytest.mark.parametrize("cache", ["auto", "off"])
+def test_sglang_custom_logit_processor_is_refused_with_or_without_the_cache(key, cache, ckpt):
+    """With it a public request's `custom_logit_processor` is unpickled (dill)
+    and run by the engine: remote code for every client."""
+    cfg = make("sglang", ckpt, weight_cache=cache, **{key: ["--enable-custom-logit-processor"]})
+    problems = backends.for_config(cfg).refusals(cfg)
+    assert any("--enable-custom-logit-processor" in p and "dill" in p for p in problems), problems
