@@ -94,6 +94,7 @@ async def forward(
     body: bytes | bytearray,
     *,
     drop: frozenset[str] = frozenset(),
+    add: Optional[dict[str, str]] = None,
     on_start: Optional[Callable[[int], None]] = None,
     on_chunk: Optional[Callable[[int], None]] = None,
     stream_error: Optional[dict] = None,
@@ -101,14 +102,15 @@ async def forward(
     """Send REQUEST (with BODY, already read) to URL and stream the answer back.
 
     DROP names request fields (lower case) that stop here besides the
-    hop-by-hop ones; ON_START(status) is called when the engine's response headers arrive;
+    hop-by-hop ones; ADD are fields the sender sets in their place; ON_START(status) is called when the engine's response headers arrive;
     ON_CHUNK(bytes) for every chunk written to the client;
     STREAM_ERROR is the OpenAI error object sent as a last SSE event when the
     engine fails mid-stream. Raises Unreachable or Broken (see the module)."""
+    headers = forwarded_headers(request.headers, drop)
+    if add:
+        headers.update(add)
     try:
-        upstream = await session.request(
-            request.method, url, headers=forwarded_headers(request.headers, drop), data=body or None,
-        )
+        upstream = await session.request(request.method, url, headers=headers, data=body or None)
     except (aiohttp.ClientConnectionError, OSError) as exc:
         raise Unreachable(str(exc)) from exc
     if on_start is not None:

@@ -42,6 +42,7 @@ import asyncio
 import logging
 import signal
 import socket
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -77,6 +78,10 @@ class Gateway:
         self.api_keys = api_keys
         # The key was for the gateway: the engine never sees it.
         self.drop_headers = frozenset({"authorization"}) if api_keys is not None else frozenset()
+        # vLLM takes X-Request-Id as its own request id: a client's choice could
+        # collide with another's (and aborts go by id), so the engine sees
+        # only hostd's, one per request.
+        self.drop_headers |= {"x-request-id"}
         self.admission = Admission(cfg.gateway.admission, cfg.gateway.queue_timeout, cfg.gateway.queue_max)
         self.admission.on_change = self._state_changed
         g = cfg.gateway
@@ -256,6 +261,7 @@ class Gateway:
         try:
             response = await forward.forward(
                 self.sessions[slot], target, request, body, drop=self.drop_headers,
+                add={"X-Request-Id": uuid.uuid4().hex},
                 on_start=first_byte, on_chunk=self._count_bytes, stream_error=self.stream_error,
             )
             gone = request.transport is None or request.transport.is_closing()

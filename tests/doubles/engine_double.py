@@ -36,6 +36,7 @@ def main() -> None:
         log.write(json.dumps({"method": request.method, "path": request.raw_path,
                               "probe": request.headers.get("X-Probe"),
                               "authorization": request.headers.get("Authorization"),
+                              "request_id": request.headers.getall("X-Request-Id", []),
                               "body_bytes": len(await request.read())}) + "\n")
         return await handler(request)
 

@@ -478,3 +478,16 @@ def test_many_clients_at_once_are_all_served(door: FrontDoor):
         codes = list(pool.map(lambda _: httpx.post(door.base_url + "/v1/completions", json=COMPLETION,
                                                    timeout=30).status_code, range(64)))
     assert codes == [200] * 64
+
+
+def test_the_engine_sees_hostds_own_request_id_never_the_clients(tmp_path: Path):
+    """vLLM takes X-Request-Id as its request id: a client must not choose it
+    (another client's id, or one id for many requests)."""
+    with front_door(tmp_path) as door:
+        for _ in range(2):
+            response = httpx.post(door.base_url + "/v1/completions", json=COMPLETION,
+                                  headers={"X-Request-Id": "victim-request"}, timeout=10)
+            assert response.status_code == 200
+        ids = [r["request_id"] for r in door.engine_saw() if r["path"] == "/v1/completions"]
+    assert len(ids) == 2 and all(len(one) == 1 for one in ids), ids
+    assert ids[0] != ids[1] and "victim-request" not in ids[0] + ids[1]
