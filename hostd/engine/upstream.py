@@ -42,7 +42,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from hostd import forward, memory, paths, sockets, systemd
+from hostd import forward, logs, memory, paths, sockets, systemd
 from hostd.config import redact
 from hostd.weights import client as weights_client
 from hostd.weights import protocol
@@ -252,7 +252,8 @@ class EngineSupervisor:
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
             listener = sockets.acquire(self.socket_path)
-            runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+            runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                   logger=logs.protocol_logger(log))
             await runner.setup()
             await web.SockSite(runner, listener).start()
             log.info("serving %s through %s engine pid %d", self.name, self.cfg.backend, self.proc.pid)
