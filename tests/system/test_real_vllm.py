@@ -43,7 +43,11 @@ BRIDGE_KV_MIB = 256
 def yaml_for(port: int) -> str:
     return (
         f"backend: vllm\nmodel: {CHECKPOINT}\ndevice: cpu\nlisten: 127.0.0.1:{port}\n"
-        "timeouts: {start: 900, stop: 120}\n"
+        # timeouts.start is also the umbrella's TimeoutStartSec, which bounds
+        # `systemctl reload`: an overlap reload runs two vLLM starts (about
+        # 3 min each on an idle 2-core machine; a run with another vLLM beside
+        # it took over 900 s for the two), so the reload gets twice one start.
+        "timeouts: {start: 1800, stop: 120}\n"
         # a small bridge: the tiny model's 256 positions x 4 sequences need far less
         f"reload: {{drain_timeout: 300, bridge_kv_mib: {BRIDGE_KV_MIB}}}\n"
         "env:\n"
