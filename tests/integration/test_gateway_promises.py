@@ -40,15 +40,6 @@ def gateway_tree(tmp_path: Path, checkpoint: Path, **gateway) -> ModelTree:
     return tree
 
 
-@pytest.fixture
-def trees():
-    """ModelTrees whose daemons are stopped at the end of the test."""
-    made: list[ModelTree] = []
-    yield made
-    for tree in made:
-        tree.stop_all()
-
-
 def start_engine(tree: ModelTree) -> None:
     tree.start_weights()
     tree.start_engine()

@@ -54,14 +54,6 @@ def tree_for(tmp_path: Path, checkpoint: Path, backend: str, **keys) -> ModelTre
     return tree
 
 
-@pytest.fixture
-def trees():
-    made: list[ModelTree] = []
-    yield made
-    for tree in made:
-        tree.stop_all()
-
-
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, short_root, checkpoint, trees):
     limits = {"max_num_seqs": 4} if backend == "vllm" else {"max_running_requests": 4, "context_length": 512}

@@ -102,13 +102,7 @@ def test_edit_saves_a_valid_dropin_and_refuses_an_invalid_one(tmp_path: Path, mo
     target = tmp_path / "models/tiny.d/95-override.yaml"
 
     def edit_with(text: str) -> subprocess.CompletedProcess:
-        script = tmp_path / "editor.sh"
-        script.write_text(f"#!/bin/sh\ncat > \"$1\" <<'YAML'\n{text}YAML\n")
-        script.chmod(0o755)
-        return subprocess.run(
-            [sys.executable, "-m", "hostd.hostctl", "--config-dir", str(tmp_path), "edit", "tiny"],
-            capture_output=True, text=True, env={**os.environ, "EDITOR": str(script)},
-        )
+        return edit_writing(tmp_path, text.encode())
 
     bad = edit_with("engine:\n  max_num_seqs: 0\n")
     assert bad.returncode == 1 and not target.exists()
