@@ -18,29 +18,16 @@ import openai
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_manager import DROPINS, engine_metric, hostctl, last_operation, model_state, op_property, read_file, \
-    wait_operation
-from ports import reserved_port
-from test_model_units import main_pid, prepare_model, status_code
+from test_manager import DROPINS, engine_metric, hostctl, last_operation, op_property, read_file, wait_operation
+from test_model_units import main_pid, status_code
+from test_overlap_units import MAIN, NEXT, active, serving_tiny
 
-MAIN = "model-engine@tiny.service"
-NEXT = "model-engine-next@tiny.service"
 SLOW_NEXT = "/run/systemd/system/model-engine-next@tiny.service.d/50-slow-start.conf"
 
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = reserved_port()
-    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
-    systemd_container.write_file(f"{DROPINS}/10-shutdown.yaml", "engine:\n  shutdown_timeout: 0\n")
-    systemd_container.base_url = f"http://127.0.0.1:{port}"
-    systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
-    wait_for(lambda: model_state(systemd_container) == "serving", timeout=120, what="serving per the manager")
-    return systemd_container
-
-
-def active(host: SystemdContainer, unit: str) -> str:
-    return host.systemctl("is-active", unit, check=False).stdout.strip()
+    return serving_tiny(systemd_container, {"10-shutdown.yaml": "engine:\n  shutdown_timeout: 0\n"})
 
 
 def test_a_failed_systemctl_reload_pins_the_previous_values_and_the_next_engine_start_runs_them(host):

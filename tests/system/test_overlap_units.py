@@ -27,14 +27,22 @@ MAIN = "model-engine@tiny.service"
 NEXT = "model-engine-next@tiny.service"
 
 
+def serving_tiny(container: SystemdContainer, dropins: dict[str, str] | None = None) -> SystemdContainer:
+    """Model tiny (default strategy) and hostd.service started, with DROPINS
+    (file name -> YAML) in tiny.d first; serving per the manager."""
+    port = reserved_port()
+    prepare_model(container, port, timeouts="{start: 120, stop: 60}")
+    for name, text in (dropins or {}).items():
+        container.write_file(f"{DROPINS}/{name}", text)
+    container.base_url = f"http://127.0.0.1:{port}"
+    container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
+    wait_for(lambda: model_state(container) == "serving", timeout=120, what="serving per the manager")
+    return container
+
+
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    port = reserved_port()
-    prepare_model(systemd_container, port, timeouts="{start: 120, stop: 60}")
-    systemd_container.base_url = f"http://127.0.0.1:{port}"
-    systemd_container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
-    wait_for(lambda: model_state(systemd_container) == "serving", timeout=120, what="serving per the manager")
-    return systemd_container
+    return serving_tiny(systemd_container)
 
 
 def under_load(host: SystemdContainer, action, clients: int = 4):
