@@ -167,21 +167,23 @@ def fake_nvml(monkeypatch, *, total: int, free: int, engine_pid: int, engine_byt
                         lambda handle: [SimpleNamespace(pid=engine_pid, usedGpuMemory=engine_bytes)])
 
 
-def on_gpu(world: World, monkeypatch) -> World:
+def on_gpu(world: World, monkeypatch, *, free: int, engine_bytes: int) -> World:
+    """WORLD's model on GPU 0 (80 GiB), hostd's own GPU preflight reading
+    NVML numbers: FREE bytes free, ENGINE_BYTES held by the serving engine."""
     model_yaml = world.root / "models/tiny.yaml"
     model_yaml.write_text(model_yaml.read_text().replace("device: cpu", "device: cuda") + "gpus: [0]\n")
     monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(world.root.parent / "run"))  # no weight daemon answers there
     world.probe = NvmlProbe(world)
     world.probe.engine_started()
+    fake_nvml(monkeypatch, total=80 * GiB, free=free, engine_pid=world.bus.unit(units.engine("tiny"))["MainPID"],
+              engine_bytes=engine_bytes)
     return world
 
 
 def test_the_gpu_preflight_refuses_with_insufficient_memory_when_nvml_says_it_would_not_fit(world, monkeypatch):
     # Under overlap, a second engine does not fit either, so the reload falls
     # back to restart, whose preflight refuses: the same answer for both.
-    world = on_gpu(world, monkeypatch)
-    engine_pid = world.bus.unit(units.engine("tiny"))["MainPID"]
-    fake_nvml(monkeypatch, total=80 * GiB, free=100 * MiB, engine_pid=engine_pid, engine_bytes=100 * MiB)
+    world = on_gpu(world, monkeypatch, free=100 * MiB, engine_bytes=100 * MiB)
 
     async def go():
         manager = await manager_of(world)
@@ -197,9 +199,7 @@ def test_the_gpu_preflight_refuses_with_insufficient_memory_when_nvml_says_it_wo
 
 def test_the_same_gpu_reload_is_accepted_when_nvml_reports_room(world, monkeypatch):
     # The positive control of the test above: only NVML's numbers differ.
-    world = on_gpu(world, monkeypatch)
-    engine_pid = world.bus.unit(units.engine("tiny"))["MainPID"]
-    fake_nvml(monkeypatch, total=80 * GiB, free=40 * GiB, engine_pid=engine_pid, engine_bytes=2 * GiB)
+    world = on_gpu(world, monkeypatch, free=40 * GiB, engine_bytes=2 * GiB)
 
     async def go():
         manager = await manager_of(world)
