@@ -293,28 +293,30 @@ class Reload:
             log.info("reload %d of %s: the bridge engine runs with %s", self.op.id, self.op.model, bridge,
                      extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
 
-    async def settle(self, slot: str) -> Optional[int]:
+    async def settle(self, slot: str) -> int:
         """Wait until the requests running on SLOT's engine end, up to
-        reload.drain_timeout; how many still run then (None: the gateway
-        could not tell)."""
+        reload.drain_timeout; how many still run then (0 also when the
+        gateway is older than settle: Probe.settle says so in the journal)."""
         timeout = self.current.reload.drain_timeout
         settled = await self.model.probe.settle(slot, timeout)
         if settled is None or settled.settled:
-            return 0 if settled is not None else None
+            return 0
         log.warning("reload %d of %s: %d request(s) still running on the %s engine after "
                     "reload.drain_timeout (%g s)", self.op.id, self.op.model, settled.remaining, slot, timeout,
                     extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
         return settled.remaining
 
-    async def retire_next(self) -> None:
-        """Stop the second engine once what it admitted has finished (up to
-        reload.drain_timeout; then its engine.shutdown_timeout applies)."""
-        try:
-            remaining = await self.settle("next")
-        except Exception as exc:  # the gateway does not answer: nothing to wait for through it
-            log.warning("reload %d of %s: cannot ask the gateway what runs on the next engine: %s",
-                        self.op.id, self.op.model, exc)
-            remaining = None
+    async def retire_next(self, served: bool = True) -> None:
+        """Stop the second engine; when it SERVED (the gateway switched to
+        it), once what it admitted has finished (up to reload.drain_timeout;
+        then its engine.shutdown_timeout applies)."""
+        remaining = 0
+        if served:
+            try:
+                remaining = await self.settle("next")
+            except Exception as exc:  # the gateway does not answer: nothing to wait for through it
+                log.warning("reload %d of %s: cannot ask the gateway what runs on the next engine: %s",
+                            self.op.id, self.op.model, exc)
         if remaining:
             self.op.notes.append(f"{remaining} request(s) still ran on the second engine after "
                                  f"reload.drain_timeout; it was stopped with engine.shutdown_timeout")
@@ -570,7 +572,7 @@ class Reload:
             try:
                 if switched and not interrupted:
                     await self.model.probe.switch("main", outcome.value)
-                await self.retire_next()
+                await self.retire_next(served=switched)
                 self.restore(failed)
             except Exception as again:  # logged for operators
                 log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
