@@ -72,6 +72,7 @@ VALUES = {
     "--lora-paths": "a=/srv/lora", "--mem-fraction-static": "0.5", "--schedule-conservativeness": "1.0",
     "--enable-lora": None, "--enable-sleep-mode": None, "--enforce-eager": None, "--enable-memory-saver": None,
     "--disable-cuda-graph": None, "--disable-decode-cuda-graph": None, "--disable-prefill-cuda-graph": None,
+    "--enable-custom-logit-processor": None,
 }
 
 
