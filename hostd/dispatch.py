@@ -41,7 +41,9 @@ def run(role: str, args: argparse.Namespace) -> int:
     """`hostd ROLE NAME` (ROLE: weights or engine); returns the exit code."""
     log = logging.getLogger(f"hostd.{role}")
     logs.setup(args.name, role)
-    cfg = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir)).config
+    root = hostd_config.config_root(args.config_dir)
+    cfg = hostd_config.load_model(args.name, root).config
+    logs.apply_level(hostd_config.load_daemon(root).log_level)  # load_model read hostd.yaml already
     try:
         backend = backends.for_config(cfg)
         backend.check(cfg, model_config(cfg) if role == "engine" else None)

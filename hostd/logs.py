@@ -74,6 +74,13 @@ def setup(model: str, component: str, level: int = logging.INFO) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def apply_level(level: str) -> None:
+    """hostd.yaml's log_level ("debug", "info", ...) for this process's hostd
+    loggers: read once the config is loaded (setup() runs before, so that a
+    broken config is itself logged)."""
+    logging.getLogger().setLevel(getattr(logging, level.upper()))
+
+
 class _ProtocolErrors(logging.LoggerAdapter):
     """aiohttp's server logger, for a server any client reaches: a client's
     protocol error (a malformed request line, header or body encoding:

@@ -86,7 +86,8 @@ class DaemonConfig(_Strict):
 
     log_level: Annotated[
         Literal["debug", "info", "warning", "error"],
-        _doc("Lowest level written to the journal by every hostd process."),
+        _doc("Lowest level written to the journal by every hostd process (the manager, each gateway, engine and "
+             "weights daemon, read when it starts; upstream vLLM and SGLang keep their own levels)."),
     ] = "info"
     admin_group: Annotated[
         str,

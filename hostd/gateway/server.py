@@ -438,7 +438,9 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
 
 def run(args: argparse.Namespace) -> int:
     logs.setup(args.name, "gateway")
-    cfg = hostd_config.load_model(args.name, hostd_config.config_root(args.config_dir)).config
+    root = hostd_config.config_root(args.config_dir)
+    cfg = hostd_config.load_model(args.name, root).config
+    logs.apply_level(hostd_config.load_daemon(root).log_level)  # load_model read hostd.yaml already
     try:
         api_keys = keys.load(cfg.gateway.api_keys)
     except keys.KeysError as exc:

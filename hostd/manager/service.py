@@ -33,6 +33,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, method, signal
 
 from hostd import config as hostd_config
+from hostd import logs
 from hostd.config import schema
 from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
@@ -326,7 +327,9 @@ async def serve(root: Path) -> None:
     systemd = await Systemd(bus).connect()
     manager = Manager(bus, systemd, root)
     try:
-        manager.authority.admin_group = hostd_config.load_daemon(root).admin_group
+        daemon = hostd_config.load_daemon(root)
+        manager.authority.admin_group = daemon.admin_group
+        logs.apply_level(daemon.log_level)
     except hostd_config.ConfigError as exc:
         log.error("hostd.yaml: %s; using defaults", exc)
     bus.export(api.ROOT_PATH, manager)
@@ -344,8 +347,6 @@ async def serve(root: Path) -> None:
 
 
 def run(args) -> int:
-    from hostd import logs
-
     logs.setup("", "manager")
     asyncio.run(serve(hostd_config.config_root(args.config_dir)))
     return 0
