@@ -180,6 +180,14 @@ def test_journal_follows_the_model_across_its_three_units(running):
     assert set(UNITS) <= units
     components = {e.get("HOSTD_COMPONENT") for e in entries}
     assert {"weights", "engine", "gateway"} <= components
+    # LogExtraFields= of the units: a line hostd's logging did not write (a
+    # process's stderr: vLLM's, tests/system/test_real_vllm.py) carries the
+    # name too, and hostd's own lines carry it once (journald drops the
+    # duplicate field; a list here would be unhashable).
+    for unit in UNITS:
+        shown = host.run(["systemctl", "show", "-p", "LogExtraFields", unit]).stdout.strip()
+        assert shown == "LogExtraFields=HOSTD_MODEL=tiny", (unit, shown)
+    assert {e["HOSTD_MODEL"] for e in entries} == {"tiny"}
 
 
 def test_restart_of_the_model_restarts_all_three(running):

@@ -142,6 +142,8 @@ def test_real_vllm_starts_under_systemctl_and_serves_the_openai_api(host):
     logged = host.run(["journalctl", f"HOSTD_MODEL={NAME}", "-o", "cat", "--no-pager"], check=False).stdout
     logged += host.run(["journalctl", "-u", f"model-weights@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
     assert "not retained" in logged
+    # vLLM's own stderr lines too (the units' LogExtraFields=)
+    assert "(APIServer pid=" in logged and "(EngineCore pid=" in logged, logged[-2000:]
     assert engine_health(host)["weights"] == "disk"
 
 
