@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from packaging.version import InvalidVersion, Version
+
 from hostd import nvml
 from hostd.config.load import ConfigError, read_regular_file
 from hostd.backends.base import Backend, Command
@@ -55,12 +57,17 @@ COMMON_OWNED_FLAGS = {
 }
 
 
-def version_tuple(text: str) -> tuple[int, ...]:
-    """(0, 31, 2) from '0.31.2', 'vllm 0.31.2+cu128' or '0.5.21.post1'."""
-    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not match:
-        return ()
-    return tuple(int(part) for part in match.groups() if part is not None)
+def found_version(text: str) -> Optional[Version]:
+    """The version in a program's answer ('0.31.2', 'vllm 0.31.2+cu128',
+    '0.5.21.post1', '0.33.0rc1'), by PEP 440 (packaging), so that a release
+    candidate sorts before its release; None when there is none."""
+    for word in text.split():
+        if re.match(r"v?\d+\.\d+", word):
+            try:
+                return Version(word)
+            except InvalidVersion:
+                continue
+    return None
 
 
 def canonical_flag(arg: str, aliases: dict[str, str]) -> Optional[str]:
@@ -266,8 +273,8 @@ def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tu
         text = _probe_version(tuple(argv), tuple(sorted(env.items())), stamp)
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
         return f"{what}: `{' '.join(argv)}` failed ({exc}); {how_to_fix}"
-    found = version_tuple(text)
-    if not found or found < minimum:
+    found = found_version(text)
+    if found is None or found < Version(".".join(map(str, minimum))):
         wanted = ".".join(map(str, minimum))
         return f"{what}: version {text or 'unknown'!r} is older than {wanted}, {why_minimum}; {how_to_fix}"
     return None

@@ -280,6 +280,8 @@ REFUSALS = [
     ("vllm", {"extra_args": ["--load-format", "auto"]}, "extra_args: --load-format is set by hostd"),
     ("vllm", {"env": {"HOSTD_VLLM": "/nonexistent/vllm"}}, "vllm: /nonexistent/vllm does not exist"),
     ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.30.2"}}, "vllm: version '0.30.2' is older than 0.32"),
+    # PEP 440: a release candidate comes before its release (a regex read 0.32.0)
+    ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.32.0rc1"}}, "vllm: version '0.32.0rc1' is older than 0.32"),
     ("sglang", {"env": {"PYTHONPATH": "/nonexistent"}}, "sglang: `"),
 ]
 
