@@ -9,7 +9,8 @@ data, `--no-legend`, `--no-pager`, `--version`, and its exit codes:
     0  success
     1  the operation failed, was rolled back or refused; any other error
     2  usage
-    3  the model is not running (status)
+    3  the model does not serve (status NAME, is-active): engine down,
+       degraded, paused, starting, stopping or stopped
     4  no such model
 
 Errors are one line on stderr (no bus, no manager, a refusal, a closed pipe,
@@ -44,8 +45,13 @@ EXIT_CODES = {
     "org.hostd1.Error.NoSuchModel": EXIT_NO_SUCH_MODEL,
     "org.hostd1.Error.NotRunning": EXIT_NOT_RUNNING,
 }
-# Model states in which `hostctl status NAME` exits 3 (systemctl: "not active").
+# Model states drawn as not running (the hollow dot of `hostctl status NAME`).
 NOT_RUNNING = ("stopped", "unknown")
+# The states in which a model answers requests: `status NAME` and `is-active`
+# exit 0 in these, 3 (systemctl: "not active") in every other. A reload
+# serves throughout (overlap) or answers 503 with Retry-After (restart): it
+# is active, as systemctl calls a unit that reloads.
+SERVING = ("serving", "reloading")
 
 
 def emit_json(args: argparse.Namespace, data) -> None:
@@ -315,9 +321,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         table(args, ["MODEL", "STATE", "BACKEND", "LISTEN", "ENGINE", "WEIGHTS", "RETAINED", "LAST OPERATION"],
               [[m["name"], m["state"], m["backend"], m["listen"], _pid(m["engine_pid"]), _pid(m["weights_pid"]),
                 "yes" if m["weights_retained"] else "no", m["_last_operation_text"]] for m in models])
-    if args.name and models[0]["state"] in NOT_RUNNING:
+    if args.name and models[0]["state"] not in SERVING:
         return EXIT_NOT_RUNNING
     return 0
+
+
+def cmd_is_active(args: argparse.Namespace) -> int:
+    """systemctl is-active's contract: the state on stdout, exit 0 only when
+    the model serves (3 otherwise, 4 for no such model)."""
+    with _client() as hostd:
+        state = hostd.model(args.name)["State"]
+    if not args.quiet:
+        print(state)
+    return 0 if state in SERVING else EXIT_NOT_RUNNING
 
 
 def print_detail(m: dict) -> None:
@@ -425,7 +441,7 @@ def common_options() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     common = common_options()
     parser = argparse.ArgumentParser(prog="hostctl", description=__doc__.splitlines()[0], parents=[common],
-                                     epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 not running, 4 no such model.")
+                                     epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 not serving, 4 no such model.")
     parser.add_argument("--version", action="version", version=f"hostctl (hostd) {hostd.__version__}")
     parser.add_argument(
         "--config-dir",
@@ -455,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("status", help="every model's overview, or one model's detail")
     p.add_argument("name", nargs="?", metavar="NAME")
     p.set_defaults(func=cmd_status)
+    p = command("is-active", help="print the model's state; exit 0 only when it serves")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing, exit code only")
+    p.set_defaults(func=cmd_is_active)
     p = command("operations", help="operations since the manager started")
     p.set_defaults(func=cmd_operations)
     p = command("cancel", help="cancel an operation (during its drain)")

@@ -193,9 +193,14 @@ def test_hostctl_status_overview_detail_json_and_exit_codes(host):
 
     missing = hostctl(host, "status", "ghost")
     assert missing.returncode == 4 and missing.stderr.count("\n") == 1 and "NoSuchModel" in missing.stderr
+    active = hostctl(host, "is-active", "tiny")
+    assert (active.returncode, active.stdout) == (0, "serving\n"), active
+    assert hostctl(host, "is-active", "ghost").returncode == 4
     host.systemctl("stop", "model@tiny.service", timeout=300)
     stopped = hostctl(host, "status", "tiny")
     assert stopped.returncode == 3 and stopped.stdout.startswith("○ tiny")
+    inactive = hostctl(host, "is-active", "-q", "tiny")
+    assert (inactive.returncode, inactive.stdout) == (3, ""), inactive
 
 
 def test_hostctl_reload_shows_each_stage_with_elapsed_time_and_the_engine_status(host):

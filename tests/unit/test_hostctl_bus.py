@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hostd import hostctl
 
 
@@ -74,3 +76,31 @@ def test_a_reload_waited_for_reports_its_end(monkeypatch, capsys):
     monkeypatch.setattr(hostctl, "_client", lambda: client)
     assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 0
     assert capsys.readouterr().out == "reload of tiny: done\n"
+
+
+class StateClient(FakeClient):
+    """A manager that answers STATE for every model."""
+
+    def __init__(self, state: str):
+        super().__init__()
+        self.state = state
+
+    def model(self, name: str) -> dict:
+        return {"Name": name, "State": self.state, "Backend": "builtin", "InFlight": 0, "Config": {},
+                "EditableFields": [], "LastOperation": "/"}
+
+
+@pytest.mark.parametrize("state, code", [
+    ("serving", 0), ("reloading", 0),
+    ("engine-down", 3), ("degraded", 3), ("paused", 3), ("starting", 3), ("stopping", 3), ("stopped", 3),
+    ("unknown", 3),
+])
+def test_is_active_and_status_exit_3_unless_the_model_serves(state, code, monkeypatch, capsys):
+    """systemctl's convention, which scripts test (`hostctl is-active -q m ||
+    alert`): before, `status NAME` exited 0 with the engine down or degraded."""
+    monkeypatch.setattr(hostctl, "_client", lambda: StateClient(state))
+    assert hostctl.main(["is-active", "m"]) == code
+    assert capsys.readouterr().out == f"{state}\n"
+    assert hostctl.main(["is-active", "--quiet", "m"]) == code
+    assert capsys.readouterr().out == ""
+    assert hostctl.main(["status", "m", "--json"]) == code
