@@ -74,21 +74,46 @@ def table(args: argparse.Namespace, header: list[str], rows: list[list]) -> None
         print(f"\n{len(rows)} model(s) listed." if header[0] == "MODEL" else f"\n{len(rows)} listed.")
 
 
+def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
+    """`config --check [NAME]`, or `--check --file F --as TARGET`: every
+    problem, one per line on stderr (or all in --json), exit 1 when any."""
+    if bool(args.file) != bool(args.as_):
+        print("hostctl config: --file and --as go together (--as NAME or NAME.d/FILE.yaml)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.file:
+        names = [args.as_.partition(".d/")[0]]
+        problems = config.check_candidate(Path(args.file), args.as_, root)
+        warnings: list[str] = []
+    else:
+        names = [args.name] if args.name else config.list_models(root)
+        problems = config.check(root, [args.name] if args.name else None)
+        warnings = config.load.exposure_warnings(root, [args.name] if args.name else None)
+    if args.json:
+        emit_json(args, {"ok": not problems, "root": str(root), "models": names, "warnings": warnings,
+                         "problems": [{"file": p.file, "line": p.line, "key": p.key, "message": p.message}
+                                      for p in problems]})
+        return 1 if problems else 0
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} problem(s) in {args.file or root}", file=sys.stderr)
+        return 1
+    if args.file:
+        print(f"{args.file}: ok as {args.as_} in {root}")
+    else:
+        print(f"{root}: ok ({len(names)} model(s): {', '.join(names) or 'none'})")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     root = config.config_root(args.config_dir)
     if args.check:
-        names = [args.name] if args.name else None
-        problems = config.check(root, names)
-        for warning in config.load.exposure_warnings(root, names):
-            print(f"warning: {warning}", file=sys.stderr)
-        for problem in problems:
-            print(problem, file=sys.stderr)
-        if problems:
-            print(f"{len(problems)} problem(s) in {root}", file=sys.stderr)
-            return 1
-        checked = names or config.list_models(root)
-        print(f"{root}: ok ({len(checked)} model(s): {', '.join(checked) or 'none'})")
-        return 0
+        return cmd_config_check(args, root)
+    if args.file or args.as_:
+        print("hostctl config: --file and --as need --check", file=sys.stderr)
+        return EXIT_USAGE
     if not args.name:
         print("hostctl config: give a model NAME, or --check", file=sys.stderr)
         return EXIT_USAGE
@@ -108,6 +133,25 @@ def cmd_config(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(show.render(loaded, redacted))
     return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """journalctl's own output, so its options and pager conventions hold:
+    every unit of the model and upstream's stderr carry HOSTD_MODEL=NAME
+    (the units' LogExtraFields=), the manager's lines about it too."""
+    argv = ["journalctl", f"HOSTD_MODEL={args.name}"]
+    if args.follow:
+        argv.append("--follow")
+    if args.lines:
+        argv += ["--lines", args.lines]
+    argv.append("--no-pager")  # hostctl never pages
+    if args.json:
+        argv += ["--output", "json" if args.json == "short" else "json-pretty"]
+    try:
+        return subprocess.call(argv)
+    except FileNotFoundError:
+        print("hostctl logs: journalctl is not installed", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _client():
@@ -435,6 +479,8 @@ def common_options() -> argparse.ArgumentParser:
                         help="no column headers and no footer")
     common.add_argument("--no-pager", action="store_true", default=argparse.SUPPRESS,
                         help="accepted for systemctl's sake: hostctl never pages")
+    common.add_argument("--config-dir", metavar="DIR", default=argparse.SUPPRESS,
+                        help="configuration root (default: $HOSTD_CONFIG_DIR or /etc/hostd)")
     return common
 
 
@@ -443,11 +489,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hostctl", description=__doc__.splitlines()[0], parents=[common],
                                      epilog="Exit codes: 0 ok, 1 failed, 2 usage, 3 not serving, 4 no such model.")
     parser.add_argument("--version", action="version", version=f"hostctl (hostd) {hostd.__version__}")
-    parser.add_argument(
-        "--config-dir",
-        metavar="DIR",
-        help="configuration root (default: $HOSTD_CONFIG_DIR or /etc/hostd)",
-    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, **kwargs) -> argparse.ArgumentParser:
@@ -456,7 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", help="show a model's effective config with origins, or --check all")
     p.add_argument("name", nargs="?", metavar="NAME")
     p.add_argument("--check", action="store_true", help="validate; list every problem")
+    p.add_argument("--file", metavar="F", help="with --check and --as: validate F as if installed there")
+    p.add_argument("--as", dest="as_", metavar="TARGET",
+                   help="NAME (F is NAME.yaml) or NAME.d/FILE.yaml (F is that drop-in)")
     p.set_defaults(func=cmd_config)
+
+    p = command("logs", help="the model's journal across its units (journalctl HOSTD_MODEL=NAME)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
+    p.add_argument("--lines", "-n", metavar="N", help="the last N lines only")
+    p.set_defaults(func=cmd_logs)
 
     p = command("reload", help="apply KEY=VALUE limits (or the config on disk) without reloading weights")
     p.add_argument("name", metavar="NAME")
@@ -492,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    for option, default in (("json", None), ("no_legend", False), ("no_pager", False)):
+    for option, default in (("json", None), ("no_legend", False), ("no_pager", False), ("config_dir", None)):
         if not hasattr(args, option):
             setattr(args, option, default)
     try:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -732,4 +734,87 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
         account = account_problem(name) if schema.model_name_problem(name) is None else None
         if account:
             problems.append(Problem(str(model_file(name, root)), "", account))
+    return problems + across_models_problems(root, names)
+
+
+# The engine key that reserves a fraction of each of a model's GPUs, per backend.
+GPU_FRACTION_KEYS = {"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static"}
+
+
+def across_models_problems(root: Path, names: list[str]) -> list[Problem]:
+    """What no single file shows: NAMES against every model of ROOT (those
+    that load): two models on one `listen` address (the second gateway could
+    not bind it), and a GPU whose models reserve more than all of it (the
+    engine fractions of the vllm and sglang models on it sum above 1)."""
+    loaded = {}
+    for name in list_models(root):
+        try:
+            loaded[name] = load_model(name, root).config
+        except ConfigError:
+            continue  # its own problems are reported on their own
+    problems: list[Problem] = []
+    for name in names:
+        cfg = loaded.get(name)
+        if cfg is None:
+            continue
+        for other, other_cfg in loaded.items():
+            if other < name and other_cfg.listen == cfg.listen:
+                problems.append(Problem(str(model_file(name, root)), "listen",
+                                        f"{cfg.listen!r} is also model {other!r}'s listen address "
+                                        f"({model_file(other, root)}): two gateways cannot serve one address"))
+    reserved: dict[int, list[tuple[str, float]]] = {}
+    for name, cfg in loaded.items():
+        key = GPU_FRACTION_KEYS.get(cfg.backend)
+        fraction = getattr(cfg.engine, key, None) if key and cfg.device == "cuda" else None
+        if fraction:
+            for gpu in cfg.gpus:
+                reserved.setdefault(gpu, []).append((name, fraction))
+    for gpu, shares in sorted(reserved.items()):
+        total = sum(fraction for _, fraction in shares)
+        mine = [name for name, _ in shares if name in names]
+        if total > 1.0 and mine:
+            listed = ", ".join(f"{name} {GPU_FRACTION_KEYS[loaded[name].backend]}={fraction}" for name, fraction in shares)
+            problems.append(Problem(str(model_file(mine[0], root)), "gpus",
+                                    f"GPU {gpu} is promised {total:.2f} of its memory ({listed}); "
+                                    f"the engines on one GPU can reserve at most all of it (1.0)"))
     return problems
+
+
+def check_candidate(candidate: Path, target: str, root: Optional[Path] = None) -> list[Problem]:
+    """Problems of CANDIDATE as if it were installed as TARGET, without
+    installing it: TARGET is a model NAME (its NAME.yaml) or NAME.d/FILE.yaml
+    (a drop-in of NAME). The check runs on a copy of ROOT's hostd.yaml and the
+    model's files with the candidate in place, so a drop-in is validated
+    merged with the files it lands among, and the problems name CANDIDATE and
+    ROOT's paths (for Ansible's validate:, Salt's check_cmd, Puppet's validate_cmd)."""
+    root = config_root(root)
+    name, _, dropin = target.partition(".d/")
+    if schema.model_name_problem(name):
+        return [Problem(target, "", f"--as: {schema.model_name_problem(name)}")]
+    if dropin and (dropin_name_problem(dropin) or "/" in dropin):
+        return [Problem(target, "", f"--as: {dropin_name_problem(dropin) or 'a drop-in is a file name in NAME.d/'}")]
+    try:
+        content = read_regular_file(candidate, str(candidate))
+    except ConfigError as exc:
+        return exc.problems
+    with tempfile.TemporaryDirectory(prefix="hostd-check-") as scratch:
+        copy = Path(scratch)
+        (copy / "models").mkdir()
+        if (root / "hostd.yaml").is_file():
+            shutil.copyfile(root / "hostd.yaml", copy / "hostd.yaml")
+        for other in list_models(root):  # the others: for the checks across models
+            if other != name or dropin:
+                shutil.copyfile(model_file(other, root), copy / "models" / f"{other}.yaml")
+        if dropin_dir(name, root).is_dir():
+            shutil.copytree(dropin_dir(name, root), copy / "models" / f"{name}.d")
+        placed = copy / "models" / (f"{name}.d/{dropin}" if dropin else f"{name}.yaml")
+        placed.parent.mkdir(parents=True, exist_ok=True)
+        placed.write_bytes(content)
+        if dropin and not (copy / "models" / f"{name}.yaml").exists():
+            return [Problem(target, "", f"--as: model {name!r} has no {model_file(name, root)} to drop in beside")]
+        problems = check(copy, [name])
+    def where(path: str) -> str:
+        if path == str(placed):
+            return str(candidate)
+        return path.replace(scratch, str(root), 1)
+    return [Problem(where(p.file), p.key, p.message.replace(scratch, str(root)), p.line) for p in problems]
