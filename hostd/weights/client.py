@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import hostd
 from hostd import sockets
 from hostd.weights import protocol
 
@@ -65,8 +66,14 @@ def status(path: Path) -> protocol.Status:
 def attach(path: Path, expected: protocol.Fingerprint) -> Attached:
     from hostd.weights import shared  # torch: only in the engine that maps the weights
 
-    response, fds, _ = _exchange(path, protocol.AttachRequest(fingerprint=expected))
+    request = protocol.AttachRequest(fingerprint=expected, protocol=protocol.PROTOCOL, hostd_version=hostd.__version__)
+    response, fds, _ = _exchange(path, request)
     try:
+        if isinstance(response, protocol.Attach):  # an older daemon does not check ours
+            problem = protocol.version_problem(response.status.protocol, response.status.hostd_version,
+                                               path.parent.name)
+            if problem:
+                raise WeightsRefused(f"{path}: {problem}")
         if isinstance(response, protocol.Mismatch):
             details = "; ".join(
                 f"{field}: daemon {getattr(response.daemon, field)!r}, engine {getattr(expected, field)!r}"

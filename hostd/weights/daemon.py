@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+import hostd
 from hostd import paths, sockets, systemd
 from hostd.weights import checkpoint, fingerprint, load, protocol, shared
 from hostd.weights import listener as listener_mod
@@ -90,6 +91,8 @@ class WeightDaemon:
             bytes_by_device={self.shared.device: self.shared.size},
             loaded_at=self.loaded_at,
             clients_served=self.clients_served,
+            protocol=protocol.PROTOCOL,
+            hostd_version=hostd.__version__,
         )
 
     def summary(self) -> str:
@@ -109,6 +112,11 @@ class WeightDaemon:
         assert self.shared and self.fingerprint
         if isinstance(request, protocol.StatusRequest):
             protocol.send_frame(conn, self.status())
+            return
+        problem = protocol.version_problem(request.protocol, request.hostd_version, self.name)
+        if problem:
+            log.warning("refused engine pid %d: %s", pid, problem)
+            protocol.send_frame(conn, protocol.Error(message=problem))
             return
         differing = self.fingerprint.differences(request.fingerprint)
         if differing:

@@ -9,7 +9,11 @@ big-endian length and are capped at MAX_FRAME, and a malformed, truncated or
 oversized frame closes that one connection and nothing else.
 
 Exchange: the engine sends one request per connection; the daemon answers
-with one response. An Attach response carries the shared memory: on CPU one
+with one response. Both carry PROTOCOL (absent: 1, the hostd before it was
+sent) and the sender's hostd version: the daemon refuses an attach of
+another protocol and the engine an answer of another, each saying that the
+model must be restarted, so that after an upgrade an engine never maps a
+table laid out by a different hostd. An Attach response carries the shared memory: on CPU one
 sealed memfd passed as SCM_RIGHTS ancillary data with the frame; on CUDA the
 IPC handle of one device allocation inside the message.
 """
@@ -25,6 +29,9 @@ import msgspec
 
 from hostd import sockets
 
+# The layout of these messages: raised when a change would let an engine
+# of one hostd misread a daemon of another (tests/unit/test_weights_protocol_version.py).
+PROTOCOL = 2
 MAX_FRAME = 16 << 20  # the largest tensor table of a real model is < 1 MiB
 HEADER = struct.Struct(">I")
 TIMEOUT = 30.0
@@ -69,6 +76,8 @@ class StatusRequest(msgspec.Struct, tag="status"):
 
 class AttachRequest(msgspec.Struct, tag="attach"):
     fingerprint: Fingerprint
+    protocol: int = 1
+    hostd_version: str = ""
 
 
 Request = Union[StatusRequest, AttachRequest]
@@ -126,6 +135,8 @@ class Status(msgspec.Struct, tag="status"):
     # Empty while the weights are held here or upstream; else why they are not
     # (an upstream backend without its weight cache: the engine loads from disk).
     not_retained: str = ""
+    protocol: int = 1
+    hostd_version: str = ""
 
 
 class Attach(msgspec.Struct, tag="attach"):
@@ -145,6 +156,17 @@ class Error(msgspec.Struct, tag="error"):
 
 
 Response = Union[Status, Attach, Mismatch, Error]
+
+def version_problem(theirs: int, their_version: str, model: str) -> str:
+    """Why a peer speaking protocol THEIRS cannot be served, or ""."""
+    if theirs == PROTOCOL:
+        return ""
+    from hostd import __version__
+
+    return (f"the engine and the weights daemon run different hostd versions (weights protocol {theirs}, "
+            f"hostd {their_version or 'from before the protocol had a version'}, against protocol {PROTOCOL}, hostd {__version__}): "
+            f"restart the model so that both run the installed hostd: systemctl restart model@{model}.service")
+
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import hostd
 from hostd import paths, sockets, systemd
 from hostd.config import redact
 from hostd.weights import fingerprint, protocol
@@ -186,6 +187,8 @@ class Supervisor:
             upstream_pids=list(dict.fromkeys(pids)),
             upstream_socket_inodes=upstream_sockets(self.directory),
             not_retained=self.not_retained or "",
+            protocol=protocol.PROTOCOL,
+            hostd_version=hostd.__version__,
         )
 
     def summary(self) -> str:
