@@ -31,7 +31,8 @@ import msgspec
 import msgspec.inspect
 import yaml
 
-from hostd import paths, units
+from hostd import accounts, paths, units
+from hostd.accounts import account_problem  # noqa: F401  (the check's rule, in its own room)
 from hostd.config import redact, schema
 
 MAX_FILE_BYTES = 1 << 20
@@ -653,30 +654,6 @@ def user_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
     return []
 
 
-def account_problem(name: str) -> Optional[str]:
-    """Why the account of model NAME's user, where it exists already, was not
-    made by hostd for this model (model@NAME.socket creates it with the
-    comment "hostd model NAME"), or None. systemd-sysusers keeps an existing
-    user and gives a new one the gid of an existing group of its name, so
-    such an account would carry whatever someone else granted it."""
-    import grp
-    import pwd
-
-    account = units.user(name)
-    try:
-        group = grp.getgrnam(account)
-    except KeyError:
-        group = None
-    try:
-        passwd = pwd.getpwnam(account)
-    except KeyError:
-        return f"the group {account} exists but no user of that name: it is not model {name!r}'s" if group else None
-    if passwd.pw_gecos != f"hostd model {name}" or (group is not None and group.gr_gid != passwd.pw_gid):
-        return (f"the user {account} exists and was not created by hostd for model {name!r} "
-                f"(comment {passwd.pw_gecos!r}); rename the model or remove that account")
-    return None
-
-
 def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[str]:
     """One line for each model file (NAME.yaml or a drop-in) that holds env:
     values or a secret flag's value and that every user may read (as ssh
@@ -729,7 +706,7 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
             load_model(name, root)  # every file for its own types too (_shadowed_problems)
         except ConfigError as exc:
             problems += exc.problems
-        account = account_problem(name) if schema.model_name_problem(name) is None else None
-        if account:
-            problems.append(Problem(str(model_file(name, root)), "", account))
+        # What model@NAME.socket's first command refuses (hostd/accounts.py).
+        if schema.model_name_problem(name) is None:
+            problems += [Problem(str(model_file(name, root)), "", found) for found in accounts.problems(name)]
     return problems
