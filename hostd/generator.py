@@ -156,7 +156,8 @@ def run_as(name: str) -> list[str]:
 
 
 def model_user_lines(name: str) -> str:
-    """model@NAME.socket, first of the model's units to start, creates the
+    """model@NAME.socket, first of the model's units to start, refuses an
+    account or directory that is not the model's own, then creates the
     model's user (as root: '+', since the template runs the socket's commands
     as the shared user; systemd-sysusers does nothing when the user exists)
     and hands it the private runtime directory (the socket's RuntimeDirectory=,
@@ -165,6 +166,9 @@ def model_user_lines(name: str) -> str:
     user = units.user(name)
     return (
         "ExecStartPre=\n"
+        # First, as root: the account and directories are the model's own
+        # (hostd/accounts.py), before systemd-sysusers keeps an existing user.
+        f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.accounts %i\n"
         f'ExecStartPre=+/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
         f"ExecStartPre=+/usr/bin/install -d -m 0700 -o {user} -g {user} /run/hostd/%i\n"
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 RUNTIME_ROOT = Path("/run/hostd")
 STATE_ROOT = Path("/var/lib/hostd")
+CACHE_ROOT = Path("/var/cache/hostd")  # CacheDirectory=hostd/%i of every model unit
 CONFIG_ROOT = Path("/etc/hostd")
 
 # Entries of STATE_ROOT (and names under RUNTIME_ROOT) that are not a model's:
@@ -86,3 +87,8 @@ def manager_state_root() -> Path:
 def state_dir(name: str) -> Path:
     """Per-model state; HOSTD_STATE_DIR moves the root for runs by hand and tests."""
     return Path(os.environ.get("HOSTD_STATE_DIR") or STATE_ROOT) / name
+
+
+def cache_dir(name: str) -> Path:
+    """Per-model caches (compile caches, HF_HOME); HOSTD_CACHE_DIR moves the root for tests."""
+    return Path(os.environ.get("HOSTD_CACHE_DIR") or CACHE_ROOT) / name

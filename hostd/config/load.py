@@ -33,7 +33,8 @@ import msgspec
 import msgspec.inspect
 import yaml
 
-from hostd import paths, units
+from hostd import accounts, paths, units
+from hostd.accounts import account_problem  # noqa: F401  (the check's rule, in its own room)
 from hostd.config import redact, schema
 
 MAX_FILE_BYTES = 1 << 20
@@ -655,35 +656,13 @@ def user_problems(name: str, root: Optional[Path] = None) -> list[Problem]:
     return []
 
 
-def account_problem(name: str) -> Optional[str]:
-    """Why the account of model NAME's user, where it exists already, was not
-    made by hostd for this model (model@NAME.socket creates it with the
-    comment "hostd model NAME"), or None. systemd-sysusers keeps an existing
-    user and gives a new one the gid of an existing group of its name, so
-    such an account would carry whatever someone else granted it."""
-    import grp
-    import pwd
-
-    account = units.user(name)
-    try:
-        group = grp.getgrnam(account)
-    except KeyError:
-        group = None
-    try:
-        passwd = pwd.getpwnam(account)
-    except KeyError:
-        return f"the group {account} exists but no user of that name: it is not model {name!r}'s" if group else None
-    if passwd.pw_gecos != f"hostd model {name}" or (group is not None and group.gr_gid != passwd.pw_gid):
-        return (f"the user {account} exists and was not created by hostd for model {name!r} "
-                f"(comment {passwd.pw_gecos!r}); rename the model or remove that account")
-    return None
-
-
 def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[str]:
     """One line for each model file (NAME.yaml or a drop-in) that holds env:
-    values or a secret flag's value and that every user may read (as ssh
-    refuses an unprotected key): the file, and the mode that keeps it
-    readable to root and the model's own user only."""
+    values or a secret flag's value and that others than root and the
+    model's own user may read (as ssh refuses an unprotected key): every
+    user (the mode), another group (0640 of the group users is not
+    private) or another owner; the file, who else reads it, and the owner,
+    group and mode that keep it to root and the model's user."""
     root = config_root(root)
     warnings = []
     for name in list_models(root) if names is None else names:
@@ -695,17 +674,42 @@ def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = 
             continue
         for path in files:
             try:
-                mode = path.stat().st_mode
+                st = path.stat()
                 data = read_yaml(path).data
             except (OSError, ConfigError):
                 continue  # check() reports unreadable files
-            if mode & stat.S_IROTH and redact.holds_secrets(data):
+            others = _other_readers(st, name)
+            if others and redact.holds_secrets(data):
                 group = units.user(name)
                 warnings.append(
-                    f"{path} holds env: values or secret flags and is readable by every user "
-                    f"(mode {stat.S_IMODE(mode):04o}); keep it to root and the model's user: "
-                    f"chgrp {group} {path} && chmod 0640 {path}")
+                    f"{path} holds env: values or secret flags and is readable by {others} "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o}); keep it to root and the model's user: "
+                    f"chown root:{group} {path} && chmod 0640 {path}")
     return warnings
+
+
+def _other_readers(st: os.stat_result, name: str) -> Optional[str]:
+    """Who besides root and model NAME's user may read a file of stat ST, or None."""
+    import grp
+    import pwd
+
+    def account(lookup, key):
+        try:
+            return lookup(key)
+        except KeyError:
+            return None
+
+    own = account(pwd.getpwnam, units.user(name))
+    own_group = account(grp.getgrnam, units.user(name))
+    if st.st_mode & stat.S_IROTH:
+        return "every user"
+    if st.st_mode & stat.S_IRGRP and st.st_gid not in {0, *([own_group.gr_gid] if own_group else [])}:
+        group = account(grp.getgrgid, st.st_gid)
+        return f"the group {group.gr_name if group else st.st_gid}'s members"
+    if st.st_mode & stat.S_IRUSR and st.st_uid not in {0, *([own.pw_uid] if own else [])}:
+        owner = account(pwd.getpwuid, st.st_uid)
+        return f"its owner {owner.pw_name if owner else f'uid {st.st_uid}'}"
+    return None
 
 
 def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[Problem]:
@@ -731,9 +735,9 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
             load_model(name, root)  # every file for its own types too (_shadowed_problems)
         except ConfigError as exc:
             problems += exc.problems
-        account = account_problem(name) if schema.model_name_problem(name) is None else None
-        if account:
-            problems.append(Problem(str(model_file(name, root)), "", account))
+        # What model@NAME.socket's first command refuses (hostd/accounts.py).
+        if schema.model_name_problem(name) is None:
+            problems += [Problem(str(model_file(name, root)), "", found) for found in accounts.problems(name)]
     return problems + across_models_problems(root, names)
 
 

@@ -181,7 +181,8 @@ class GatewayConfig(_Strict):
         _doc(
             "Absolute path of a file of API keys (one per line, '#' comments): every request but "
             "GET /health then needs 'Authorization: Bearer KEY'. The unit receives the file as the "
-            "systemd credential api-keys (LoadCredential=); the YAML never holds a key."
+            "systemd credential api-keys (LoadCredential=); the YAML never holds a key. "
+            "`systemctl reload model@NAME` gives a running gateway the file's new keys."
         ),
     ] = None
 

@@ -1,8 +1,11 @@
-"""The gateway's control socket: drain, resume, status, switch, settle.
+"""The gateway's control socket: drain, resume, status, switch, settle, keys.
 
 Trust model: /run/hostd/NAME/control.sock is 0600 in the private 0700 runtime
 directory, and every peer is checked with SO_PEERCRED (the gateway's uid or
-root); others are logged and disconnected before a byte is read. Clients
+root); others are logged and disconnected before a byte is read. The verb
+`keys` (new API keys) is root's alone: the engine and weights units run as the
+gateway's uid and run upstream code fed by the network, and a key they could
+set would open the public port to whoever they chose. Clients
 connect through sockets.connect (no symlinks; the owner and the peer
 checked). Requests are single JSON lines (at most MAX_LINE bytes) decoded
 against fixed msgspec
@@ -23,10 +26,12 @@ and a field an earlier gateway lacks has a default.
     <- GatewayStatus, for either switch
     -> {"verb": "settle", "slot": "main", "timeout": 120}   (overlap reload: wait until the requests
     <- {"ok": true, "protocol": 3, "settled": true, "remaining": 0}   running on that engine end)
+    -> {"verb": "keys", "source": "/etc/hostd/keys/qwen", "keys": ["sk-..."]}   (root only: new API keys,
+    <- {"ok": true, "protocol": 4, "keys": 2}                 read from SOURCE by hostd.gateway.keys)
     <- {"ok": false, "protocol": 2, "error": "..."}          a refusal, for any request
 
 PROTOCOL: 1 (no `protocol` in answers): a gateway from before switch took an
-`outcome`; 2: switch takes one; 3: settle. The gateway and the manager ship together, but
+`outcome`; 2: switch takes one; 3: settle; 4: keys. The gateway and the manager ship together, but
 a model's gateway keeps running across an upgrade of hostd.service, so the
 manager asks before it sends a field an older gateway would refuse
 (manager/probe.py).
@@ -88,10 +93,20 @@ class Settle(msgspec.Struct, tag_field="verb", tag="settle", forbid_unknown_fiel
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
-Request = Union[Drain, Resume, Status, Switch, Settle]
+class Keys(msgspec.Struct, tag_field="verb", tag="keys", forbid_unknown_fields=True):
+    """Serve with KEYS from now on (each one line of the keys file SOURCE,
+    which must be the file the gateway was started with); requests already
+    admitted are not touched. Root only (the module docstring)."""
+
+    source: Annotated[str, msgspec.Meta(min_length=1)]
+    keys: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+
+
+Request = Union[Drain, Resume, Status, Switch, Settle, Keys]
+ROOT_ONLY = (Keys,)  # verbs a peer of the gateway's own uid may not send
 _decoder = msgspec.json.Decoder(Request)
 
-PROTOCOL = 3  # see the module docstring
+PROTOCOL = 4  # see the module docstring
 
 
 class Answer(msgspec.Struct, kw_only=True):
@@ -118,6 +133,10 @@ class Settled(Answer, kw_only=True):
     remaining: int  # requests still running on it
 
 
+class KeysReplaced(Answer, kw_only=True):
+    keys: int  # how many keys the gateway serves with now
+
+
 class Resumed(Answer, kw_only=True):
     state: str
 
@@ -139,7 +158,7 @@ class GatewayStatus(Answer, kw_only=True):
 
 # The answer to each request.
 ANSWERS: dict[type, type] = {Drain: Drained, Resume: Resumed, Status: GatewayStatus, Switch: GatewayStatus,
-                             Settle: Settled}
+                             Settle: Settled, Keys: KeysReplaced}
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
@@ -154,7 +173,7 @@ def parse(line: bytes) -> Request:
     except msgspec.ValidationError as exc:
         message = str(exc)
         if "Invalid value" in message and "$.verb" in message:
-            message = f"{message}; expected verb drain, resume, status or switch"
+            message = f"{message}; expected verb drain, resume, status, switch, settle or keys"
         raise ControlError(message) from None
     except msgspec.DecodeError as exc:
         raise ControlError(f"not a JSON object: {exc}") from None
@@ -168,10 +187,12 @@ async def serve(listener: socket.socket, handle: Handler) -> asyncio.AbstractSer
 
 
 async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handle: Handler) -> None:
-    pid = sockets.trusted_peer(writer.get_extra_info("socket"))
+    conn = writer.get_extra_info("socket")
+    pid = sockets.trusted_peer(conn)
     try:
         if pid is None:
             return
+        root = sockets.peer_credentials(conn)[1] == 0
         while True:
             try:
                 line = await reader.readuntil(b"\n")
@@ -186,6 +207,11 @@ async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             except ControlError as exc:
                 log.warning("control: refused request from pid %d: %s", pid, exc)
                 await _answer(writer, Refusal(error=str(exc)))
+                continue
+            if isinstance(request, ROOT_ONLY) and not root:
+                log.warning("control: refused %s from pid %d: only root may send it", type(request).__name__.lower(), pid)
+                await _answer(writer, Refusal(error=f"only root may send {type(request).__name__.lower()} "
+                                                    "(systemctl reload model@NAME does, as root)"))
                 continue
             try:
                 answer = await handle(request)

@@ -9,6 +9,18 @@ systemd the unit receives that file as the credential `api-keys`
 from $CREDENTIALS_DIRECTORY and needs no access to the file itself; run by
 hand, the gateway reads the configured path.
 
+A credential is copied once, when the unit starts. New keys reach a running
+gateway through `systemctl reload model@NAME`: its first ExecReload= runs
+`python -m hostd.gateway.keys NAME` (push, below) as root, which reads the
+keys file named in the model's config on disk, as the loader reads files
+(a regular file, size-capped), and hands the keys to the gateway over its
+control socket (the verb `keys`, root's alone: control.py). The gateway
+swaps its list at once: requests already admitted run on, the next one is
+checked against the new keys. A file that cannot be read or holds no key
+is refused, naming it, and the gateway keeps the keys it has. Keys on or off,
+or another keys file, take `systemctl restart model@NAME` (the LoadCredential=
+line changes). A later restart of the gateway reads the file again.
+
 Trusts: nobody on the public port. Every configured key is compared with
 hmac.compare_digest (constant time per key, and every key is compared, so
 the time taken does not say which key came close). A model configured with
@@ -24,12 +36,16 @@ through /proc/PID/root, /proc/PID/mem or ptrace either.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
 CREDENTIAL = "api-keys"
+MAX_KEYS_BYTES = 24 << 10  # a keys file's size cap (~480 keys of 51 characters): one control request
+# (control.MAX_LINE, 64 KiB) carries its keys however short they are
 
 
 class KeysError(Exception):
@@ -45,20 +61,41 @@ def keys_path(configured: str) -> Path:
     return Path(configured)
 
 
+def read(path: Path) -> list[str]:
+    """The keys in the keys file PATH, one per line ('#' comments and blank
+    lines skipped); KeysError naming PATH when it cannot be read as a regular
+    UTF-8 file of at most MAX_KEYS_BYTES or holds no key. Opened as the
+    loader opens config files: a FIFO cannot hang the reader."""
+    from hostd.config.load import ConfigError, read_regular_file
+
+    try:
+        data = read_regular_file(path, str(path))
+        if len(data) > MAX_KEYS_BYTES:
+            raise KeysError(f"gateway.api_keys: the keys file {path} is larger than {MAX_KEYS_BYTES} bytes")
+        text = data.decode("utf-8")
+    except OSError as exc:
+        raise KeysError(f"gateway.api_keys: cannot read the keys file {path}: {exc.strerror or exc}") from None
+    except ConfigError as exc:
+        raise KeysError(f"gateway.api_keys: cannot use the keys file {path}: {exc.problems[0].message}") from None
+    except UnicodeDecodeError:
+        raise KeysError(f"gateway.api_keys: the keys file {path} is not UTF-8 text") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise KeysError(f"gateway.api_keys: {path} holds no key (one key per line)")
+    return keys
+
+
+def encoded(keys: list[str]) -> list[bytes]:
+    """KEYS as authorized() compares them."""
+    return [key.encode() for key in keys]
+
+
 def load(configured: Optional[str]) -> Optional[list[bytes]]:
     """The keys (None when the model has no keys configured); KeysError when
     they are configured but cannot be used."""
     if not configured:
         return None
-    path = keys_path(configured)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise KeysError(f"gateway.api_keys: cannot read the keys file {path}: {exc.strerror or exc}") from None
-    keys = [line.strip().encode() for line in text.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
-        raise KeysError(f"gateway.api_keys: {path} holds no key (one key per line)")
+    keys = encoded(read(keys_path(configured)))
     not_inspectable()
     return keys
 
@@ -89,3 +126,49 @@ def authorized(keys: list[bytes], header: Optional[str]) -> bool:
     presented = token.strip().encode("utf-8", "surrogateescape")
     matches = [hmac.compare_digest(presented, key) for key in keys]  # all of them, always
     return any(matches)
+
+
+# ---------------------------------------------------------------- new keys for a running gateway
+
+
+def push(name: str, root: Optional[Path] = None) -> str:
+    """Hand model NAME's running gateway the keys now in the keys file its
+    config on disk names (as root: the keys file is root's and the verb is
+    too); what was done, as one line. KeysError when the file cannot be used
+    or the gateway refuses; the gateway then keeps its keys."""
+    from hostd import config, paths
+    from hostd.gateway import control
+
+    try:
+        cfg = config.load_model(name, config.config_root(root)).config
+    except config.ConfigError as exc:
+        raise KeysError(f"cannot find model {name}'s keys file: its config does not load: {exc}") from None
+    configured = cfg.gateway.api_keys
+    if not configured:
+        return f"model {name} has no gateway.api_keys: no keys to replace"
+    fresh = read(Path(configured))
+    socket_path = paths.control_socket(name)
+    try:
+        answer = control.call(socket_path, control.Keys(source=configured, keys=fresh))
+    except control.ControlError as exc:
+        raise KeysError(f"the gateway of model {name} kept its keys: {exc}") from None
+    return f"model {name}: the gateway serves with {answer.keys} key(s) from {configured}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hostd.gateway.keys",
+        description="give model NAME's running gateway the keys in its keys file (systemctl reload model@NAME runs it)")
+    parser.add_argument("name", metavar="NAME")
+    parser.add_argument("--config-dir", metavar="DIR", help="configuration root (default: $HOSTD_CONFIG_DIR or /etc/hostd)")
+    args = parser.parse_args(argv)
+    try:
+        print(push(args.name, Path(args.config_dir) if args.config_dir else None))
+    except KeysError as exc:
+        print(f"hostd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,8 @@ metrics.py.
   another method) in OpenAI's error shape; the engine's internal endpoints
   are unreachable under any spelling.
 - With gateway.api_keys set, every request but GET /health needs
-  `Authorization: Bearer KEY` (401 otherwise); the key stops here.
+  `Authorization: Bearer KEY` (401 otherwise); the key stops here. Root
+  replaces the keys through the control socket (`systemctl reload`: keys.py).
 - A request's body is read first, within gateway.body_timeout (408) and the
   size, in-flight and per-client byte caps (413, 503), never inflated (a
   Content-Encoding is 415); only then is it admitted. Admitted
@@ -351,6 +352,8 @@ class Gateway:
                 self.reload_clock.begin(self._now(), serving=self.admission.state == State.SERVING)
             elif moved or request.outcome:
                 self.reload_clock.end(self._now(), request.outcome or result.state)
+        elif isinstance(request, control.Keys):
+            result = self.replace_keys(request)
         elif isinstance(request, control.Settle):
             log.info("settle: waiting for %d request(s) on the %s engine", self.admission.on_slot.get(request.slot, 0),
                      request.slot)
@@ -359,6 +362,23 @@ class Gateway:
             result = self.admission.snapshot(self.slot)
         self._report()
         return result
+
+    def replace_keys(self, request: control.Keys) -> control.KeysReplaced:
+        """Check the next requests against REQUEST's keys (root sent them:
+        control.py); admitted ones are not touched. Keys on or off, or
+        another file, change the unit (LoadCredential=): a restart."""
+        configured = self.cfg.gateway.api_keys
+        restart = f"systemctl restart model@{self.name}"
+        if self.api_keys is None or configured is None:
+            raise control.ControlError(f"this gateway was started without gateway.api_keys; keys on take `{restart}`")
+        if request.source != configured:
+            raise control.ControlError(f"this gateway was started with the keys file {configured}, not "
+                                       f"{request.source}; another keys file takes `{restart}`")
+        before = len(self.api_keys)
+        self.api_keys = keys.encoded(request.keys)
+        log.info("API keys replaced from %s: %d key(s), %d before; admitted requests run on", configured,
+                 len(self.api_keys), before)
+        return control.KeysReplaced(keys=len(self.api_keys))
 
     async def switch(self, slot: str) -> control.GatewayStatus:
         """New requests go to SLOT's engine from now on (an overlap reload);

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import httpx
 import pytest
+import yaml
 
 from hostd import sockets
 from hostd.gateway import control
@@ -491,3 +492,76 @@ def test_the_engine_sees_hostds_own_request_id_never_the_clients(tmp_path: Path)
         ids = [r["request_id"] for r in door.engine_saw() if r["path"] == "/v1/completions"]
     assert len(ids) == 2 and all(len(one) == 1 for one in ids), ids
     assert ids[0] != ids[1] and "victim-request" not in ids[0] + ids[1]
+
+
+# ---------------------------------------------------------------- key rotation (issue 22 item 18)
+
+
+def push_keys(tree: ModelTree) -> subprocess.CompletedProcess:
+    """What `systemctl reload model@NAME` runs first, as root (model@.service's ExecReload=)."""
+    return subprocess.run([sys.executable, "-m", "hostd.gateway.keys", tree.name], env=tree.env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_key_rotation_takes_effect_without_a_restart_and_admitted_streams_finish(tmp_path: Path):
+    with front_door(tmp_path, keys="sk-old\n") as door:
+        url = door.base_url + "/v1/completions"
+        pid = door.gateway.pid
+        body = {**COMPLETION, "stream": True, "max_tokens": 8, "chunk_delay": 0.25}
+        lines: list[str] = []
+        started = time.monotonic()
+
+        def stream() -> int:
+            with httpx.stream("POST", url, json=body, headers={"Authorization": "Bearer sk-old"},
+                              timeout=30) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                return response.status_code
+
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream)
+            wait_for(lambda: any(line.startswith("data: {") for line in lines), 10, "the stream's first chunk")
+            (tmp_path / "api.keys").write_text("# rotated\nsk-new\nsk-other\n")
+            pushed = push_keys(door.tree)
+            assert pushed.returncode == 0, pushed.stderr
+            assert "2 key(s)" in pushed.stdout
+            old = httpx.post(url, json=COMPLETION, headers={"Authorization": "Bearer sk-old"}, timeout=10)
+            assert old.status_code == 401
+            for key in ("sk-new", "sk-other"):
+                assert httpx.post(url, json=COMPLETION, headers={"Authorization": f"Bearer {key}"},
+                                  timeout=10).status_code == 200
+            assert streaming.result(30) == 200
+        assert time.monotonic() - started > 1.5  # the stream was in flight across the rotation
+        events = [line for line in lines if line]
+        assert sum(line.startswith("data: {") for line in events) == 8 and events[-1] == "data: [DONE]"
+        assert door.gateway.pid == pid and door.gateway.proc.poll() is None  # no restart
+        assert "API keys replaced" in door.gateway.log() and "sk-new" not in door.gateway.log()
+
+
+@pytest.mark.parametrize("content, words", [("# emptied\n", "holds no key"), (None, "cannot read the keys file")])
+def test_a_broken_keys_file_is_refused_and_the_old_keys_stay(tmp_path: Path, content, words):
+    with front_door(tmp_path, keys="sk-old\n") as door:
+        key_file = tmp_path / "api.keys"
+        if content is None:
+            key_file.unlink()
+        else:
+            key_file.write_text(content)
+        pushed = push_keys(door.tree)
+        assert pushed.returncode == 1 and words in pushed.stderr and str(key_file) in pushed.stderr
+        assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION,
+                          headers={"Authorization": "Bearer sk-old"}, timeout=10).status_code == 200
+
+
+def test_keys_on_for_a_gateway_started_without_them_take_a_restart(tmp_path: Path):
+    with front_door(tmp_path) as door:
+        pushed = push_keys(door.tree)
+        assert pushed.returncode == 0 and "no gateway.api_keys" in pushed.stdout  # nothing to do
+        key_file = tmp_path / "late.keys"
+        key_file.write_text("sk-late\n")
+        path = door.tree.config_dir / "models" / "tiny.yaml"
+        data = yaml.safe_load(path.read_text())
+        data["gateway"]["api_keys"] = str(key_file)
+        path.write_text(yaml.safe_dump(data))
+        pushed = push_keys(door.tree)
+        assert pushed.returncode == 1 and "systemctl restart model@tiny" in pushed.stderr
+        assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200

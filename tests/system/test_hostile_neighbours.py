@@ -43,11 +43,11 @@ def host(systemd_container: SystemdContainer):
     return c
 
 
-def completion_status(host: SystemdContainer, url: str | None = None, model: str = "tiny") -> int:
+def completion_status(host: SystemdContainer, url: str | None = None, model: str = "tiny", key: str = KEY) -> int:
     try:
         return httpx.post(
             (url or host.base_url) + "/v1/completions", timeout=30,
-            headers={"Authorization": f"Bearer {KEY}"},
+            headers={"Authorization": f"Bearer {key}"},
             json={"model": model, "prompt": "Once upon a time", "max_tokens": 4},
         ).status_code
     except httpx.HTTPError:
@@ -152,6 +152,27 @@ def test_the_gateways_api_keys_credential_is_not_in_the_engines_or_the_weights_v
         assert seen.returncode != 0 and KEY not in seen.stdout, unit
         listing = host.run(["nsenter", "-t", str(pid), "-m", "ls", "-A", "/run/credentials"], check=False)
         assert listing.stdout.strip() == "", (unit, listing.stdout)
+
+
+def test_systemctl_reload_gives_the_running_gateway_new_keys_and_restarts_nothing(host):
+    serving(host)
+    pids = {unit: main_pid(host, unit) for unit in ("model@tiny.service", "model-engine@tiny.service")}
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    rotated = "sk-rotated-by-systemctl-reload"
+    host.write_file("/etc/hostd/keys/tiny", f"# rotated\n{rotated}\n", mode=0o600)
+    try:
+        host.systemctl("reload", "model@tiny.service", timeout=180)
+        assert completion_status(host, key=rotated) == 200
+        assert completion_status(host) == 401  # the old key is gone
+        assert {unit: main_pid(host, unit) for unit in pids} == pids  # nothing restarted
+        journal = host.run(["journalctl", "--no-pager", "-o", "cat", "--since", since,
+                            "-u", "model@tiny.service"]).stdout
+        assert "API keys replaced from /etc/hostd/keys/tiny: 1 key(s), 1 before" in journal, journal[-3000:]
+        assert rotated not in journal
+    finally:
+        host.write_file("/etc/hostd/keys/tiny", KEY + "\n", mode=0o600)
+        host.systemctl("reload", "model@tiny.service", timeout=180)
+    assert completion_status(host) == 200
 
 
 # --- B: a reload refuses what the check refuses --------------------------------------

@@ -1,7 +1,9 @@
 """Model names under a real systemd 252 (issue 22, items 6 and 16): a model
 named `admin` never gets a user in the admin group, a model named
 `checkpoints` never takes the shared checkpoint directory, and two names
-that once mapped to one user (`Tiny`, `tiny-37616f64`) get two. One container
+that once mapped to one user (`Tiny`, `tiny-37616f64`) get two; a model whose
+user someone else made, or whose state directory is another account's, is
+not started and takes neither (item 6, at the socket's start). One container
 for the module; only sockets are started (they create the model's user)."""
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from container import SystemdContainer
 from ports import reserved_port
 from test_model_units import prepare_model, stat
 
-NAMES = ("admin", "checkpoints", "Tiny", "tiny-37616f64")
+NAMES = ("admin", "checkpoints", "Tiny", "tiny-37616f64", "squat", "stale")
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +50,32 @@ def test_two_names_that_shared_a_user_now_get_two(host):
     assert owners["Tiny"] != owners["tiny-37616f64"], owners
     uids = {host.run(["id", "-u", user]).stdout for user in owners.values()}
     assert len(uids) == 2
+
+
+def socket_journal(host: SystemdContainer, name: str, since: str) -> str:
+    return host.run(["journalctl", "--no-pager", "-o", "cat", "--since", since, "-u", f"model@{name}.socket"]).stdout
+
+
+def test_a_user_someone_else_made_stops_the_models_socket_and_keeps_its_powers_off_the_model(host):
+    host.run(["useradd", "--system", "--no-create-home", "--comment", "a neighbour's service", "hostd-squat"])
+    uid = host.run(["id", "-u", "hostd-squat"]).stdout.strip()
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    started = host.systemctl("start", "model@squat.socket", check=False, timeout=60)
+    assert started.returncode != 0
+    journal = socket_journal(host, "squat", since)
+    assert (f"hostd: model squat is not started: the user hostd-squat (uid {uid}) exists and was not created "
+            "by hostd for model 'squat'") in journal, journal[-3000:]
+    assert host.run(["getent", "passwd", "hostd-squat"]).stdout.split(":")[4] == "a neighbour's service"
+    assert host.run(["test", "-e", "/var/lib/hostd/squat"], check=False).returncode != 0  # nothing made for it
+
+
+def test_a_state_directory_of_another_account_stops_the_socket_and_is_left_alone(host):
+    host.run(["install", "-d", "-o", "nobody", "-g", "nogroup", "/var/lib/hostd/stale"])
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    started = host.systemctl("start", "model@stale.socket", check=False, timeout=60)
+    assert started.returncode != 0
+    journal = socket_journal(host, "stale", since)
+    assert "/var/lib/hostd/stale is owned by nobody (uid 65534), not by root or model 'stale''s user hostd-stale" \
+        in journal, journal[-3000:]
+    assert stat(host, "/var/lib/hostd/stale")["owner"] == "nobody"
+    assert host.run(["getent", "passwd", "hostd-stale"], check=False).stdout == ""  # sysusers never ran

@@ -71,6 +71,25 @@ def test_config_check_warns_about_a_file_with_secrets_every_user_may_read(tmp_pa
     assert "warning" not in capsys.readouterr().err
 
 
+def test_config_check_warns_about_a_file_with_secrets_another_group_or_owner_may_read(tmp_path, capsys):
+    """0640 is private only with a private group: a file of the group users,
+    or owned by another account, is readable by others too."""
+    path = make_model(tmp_path, 0o640)
+    os.chown(path, 0, 100)  # root:users
+    hostctl.main(["--config-dir", str(tmp_path), "config", "--check", "vq"])
+    err = capsys.readouterr().err
+    assert f"warning: {path} holds env: values" in err and "the group users" in err
+    assert f"chown root:hostd-vq {path} && chmod 0640 {path}" in err
+    os.chown(path, 65534, 0)  # nobody:root
+    hostctl.main(["--config-dir", str(tmp_path), "config", "--check", "vq"])
+    err = capsys.readouterr().err
+    assert f"warning: {path} holds env: values" in err and "readable by its owner nobody" in err
+    os.chown(path, 0, 100)
+    path.chmod(0o600)  # the group cannot read it: fine
+    hostctl.main(["--config-dir", str(tmp_path), "config", "--check", "vq"])
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_polkit_is_asked_with_the_model_and_the_verb():
     asked = []
 

@@ -141,7 +141,9 @@ def test_every_unit_of_a_model_runs_as_the_models_user():
         assert "User=hostd-m\nGroup=hostd-m" in files[f"{unit}.d/50-hostd.conf"]
     assert "SocketUser=hostd-m\nSocketGroup=hostd-m" in files["model-weights@m.socket.d/50-hostd.conf"]
     socket_dropin = files["model@m.socket.d/50-hostd.conf"]
-    assert "ExecStartPre=\nExecStartPre=+/usr/bin/systemd-sysusers --inline \"u hostd-m " in socket_dropin
+    pre = [line for line in socket_dropin.splitlines() if line.startswith("ExecStartPre=")]
+    assert pre[0] == "ExecStartPre=" and pre[1].endswith(" -m hostd.accounts %i")  # the account's check first
+    assert pre[2].startswith("ExecStartPre=+/usr/bin/systemd-sysusers --inline \"u hostd-m ")
     assert "ExecStartPre=+/usr/bin/install -d -m 0700 -o hostd-m -g hostd-m /run/hostd/%i" in socket_dropin
 
 
