@@ -10,6 +10,8 @@ compares them (manager/probe.py).
   the daemon's memfd (RssShmem), shared by every engine, so a second engine
   needs about this much more, not the weights again.
 - host_available: MemAvailable of /proc/meminfo.
+- host_total: MemTotal, what the builtin engine's unset KV budget is a share
+  of (hostd/engine/budget.py), so the manager can size a new engine's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def snapshot() -> dict:
         return {
             "anonymous": _kib_field("/proc/self/status", "RssAnon"),
             "host_available": _kib_field("/proc/meminfo", "MemAvailable"),
+            "host_total": _kib_field("/proc/meminfo", "MemTotal"),
         }
     except (OSError, ValueError):
         return {}
+
+
+def host_total() -> int | None:
+    """MemTotal in bytes; None when /proc cannot tell."""
+    try:
+        return _kib_field("/proc/meminfo", "MemTotal")
+    except (OSError, ValueError):
+        return None

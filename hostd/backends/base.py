@@ -107,6 +107,13 @@ class Backend(abc.ABC):
         loads them from disk each start), or None when they are."""
         return None
 
+    def engine_kv_bytes(self, cfg, device_total: Optional[int]) -> Optional[int]:
+        """Bytes of KV cache CFG's engine allocates at start beyond the shared
+        weights (per GPU, of host memory on CPU), when the engine sizes it
+        from CFG (builtin's paged cache); DEVICE_TOTAL is the device's
+        memory. None when the engine does not, or it cannot be told here."""
+        return None
+
     def memory_fraction(self, cfg) -> Optional[float]:
         """The fraction of each GPU the engine sizes its memory pool by, which
         includes the daemon-held weights; None when it sizes by need."""

@@ -55,6 +55,22 @@ class BuiltinBackend(Backend):
             ]
         return []
 
+    def engine_kv_bytes(self, cfg, device_total):
+        """The paged cache of engine.batching continuous (hostd/engine/budget.py,
+        the engine's own arithmetic); None with batching none, or when the
+        checkpoint's config.json cannot size it."""
+        if cfg.engine.batching != "continuous":
+            return None
+        from hostd.engine import budget  # no torch: the manager imports it
+
+        try:
+            return budget.for_checkpoint(
+                Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
+                max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
+                device_total=device_total)
+        except (OSError, ValueError):
+            return None
+
     def uses_gpu(self, cfg) -> bool:
         return cfg.device == "cuda"
 

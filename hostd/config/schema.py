@@ -272,13 +272,39 @@ class BuiltinEngine(_Strict):
 
     max_num_seqs: Annotated[
         int,
-        _doc("Requests generated at once; more wait their turn.", ge=1, le=4096),
+        _doc(
+            "Requests generated at once (continuous batching: the batch size); "
+            "more wait their turn.",
+            ge=1,
+            le=4096,
+        ),
     ] = 8
     max_model_len: Annotated[
         Optional[PositiveInt],
         _doc(
             "Prompt plus completion tokens one request may use; unset: the "
             "model's max_position_embeddings."
+        ),
+    ] = None
+    batching: Annotated[
+        Literal["continuous", "none"],
+        _doc(
+            "continuous: every running request in one batched loop over a paged "
+            "KV cache (transformers' continuous batching; docs/builtin.md). "
+            "none: one worker thread per request with its own cache, the engine "
+            "before batching (kept for comparison and for a transformers "
+            "without continuous batching)."
+        ),
+    ] = "continuous"
+    kv_cache_mib: Annotated[
+        Optional[Annotated[int, Meta(ge=1, le=1 << 24)]],
+        _doc(
+            "batching continuous: MiB of the paged KV cache, allocated at start "
+            "(GPU memory on cuda, host memory on cpu); requests beyond it wait "
+            "for blocks. It must hold one request of max_model_len. Unset: "
+            "max_num_seqs requests of max_model_len tokens, capped at 20 % of "
+            "the device's memory so that a second engine fits beside it for an "
+            "overlap reload (hostd/engine/budget.py)."
         ),
     ] = None
     shutdown_timeout: Annotated[

@@ -79,8 +79,12 @@ class Limits:
     max_num_seqs: int  # requests generating at once; later ones wait their turn
     max_model_len: int  # prompt plus completion tokens of one request
     shutdown_timeout: float  # seconds admitted requests get after SIGTERM
+    batching: str = "continuous"  # "continuous": batch.BatchRunner; "none": generate.Runner, a thread per request
+    kv_cache_bytes: int | None = None  # continuous: the paged KV cache; None: budget.kv_cache_bytes's unset rule
 
     def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "none"):
+            raise ValueError(f"batching must be 'continuous' or 'none', got {self.batching!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
@@ -115,15 +119,30 @@ class _RunnerCollector:
     def collect(self):
         engine = self._engine
         s, limits = engine.runner.stats, engine.limits
+        running, waiting = engine.running_waiting()
         gauges = [
-            ("hostd_engine_requests_running", "Requests generating now (holding one of max_num_seqs slots)", s.running),
-            ("hostd_engine_requests_waiting", "Requests admitted and waiting for a slot", s.waiting),
+            ("hostd_engine_requests_running", "Requests generating now (holding one of max_num_seqs slots and, "
+             "batched, KV blocks) (vllm:num_requests_running)", running),
+            ("hostd_engine_requests_waiting", "Requests admitted and waiting for a slot or for KV blocks "
+             "(vllm:num_requests_waiting)", waiting),
             ("hostd_engine_requests_running_max", "Most requests generating at once since start", s.running_max),
             ("hostd_engine_requests_waiting_max", "Most requests waiting at once since start", s.waiting_max),
             ("hostd_engine_max_num_seqs", "Configured limit on requests generating at once", limits.max_num_seqs),
             ("hostd_engine_max_model_len", "Configured limit on prompt plus completion tokens", limits.max_model_len),
             ("hostd_engine_draining", "1 while shutting down, else 0", int(engine.draining)),
         ]
+        blocks = engine.kv_blocks()
+        if blocks is not None:
+            used, total = blocks
+            gauges += [
+                ("hostd_engine_kv_blocks_used", "KV cache blocks held by requests (vLLM: kv_cache_usage_perc's count)",
+                 used),
+                ("hostd_engine_kv_blocks_total", "KV cache blocks of the paged cache (engine.kv_cache_mib)", total),
+                ("hostd_engine_kv_cache_usage_perc", "Fraction of the KV cache blocks in use, 0 to 1 "
+                 "(vllm:kv_cache_usage_perc)", used / total if total else 0.0),
+            ]
+        gauges.append(("hostd_engine_avg_generation_throughput_toks_per_s", "Tokens generated per second over the "
+                       "last 10 s (vllm:avg_generation_throughput_toks_per_s)", s.tokens_per_second()))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("hostd_engine_prompt_tokens", "Prompt tokens of requests that started generating",
@@ -168,6 +187,19 @@ class Engine:
     def changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    def running_waiting(self) -> tuple[int, int]:
+        """Requests generating, and requests waiting (for a slot, or batched: holding one, waiting for KV blocks)."""
+        s = self.runner.stats
+        held_back = self.runner.waiting_for_kv() if hasattr(self.runner, "waiting_for_kv") else 0
+        held_back = min(held_back, s.running)
+        return s.running - held_back, s.waiting + held_back
+
+    def kv_blocks(self) -> tuple[int, int] | None:
+        """(used, total) blocks of the paged KV cache; None without one (batching: none)."""
+        if not hasattr(self.runner, "kv_blocks_used"):
+            return None
+        return self.runner.kv_blocks_used(), self.runner.kv_blocks_total
 
     def summary(self) -> str:
         """The one-line human status (systemd's STATUS=)."""
@@ -335,16 +367,23 @@ class Engine:
 
     def health(self) -> dict:
         s = self.runner.stats
+        running, waiting = self.running_waiting()
         info = {
             "status": "shutting_down" if self.draining else "ok",
             "model": self.served_name,
             "pid": os.getpid(),
             "max_num_seqs": self.limits.max_num_seqs,
             "max_model_len": self.limits.max_model_len,
-            "running": s.running,
-            "waiting": s.waiting,
+            "batching": self.limits.batching,
+            "running": running,
+            "waiting": waiting,
             "running_max": s.running_max,
+            "tokens_per_s": round(s.tokens_per_second(), 2),
         }
+        blocks = self.kv_blocks()
+        if blocks is not None:
+            info |= {"kv_blocks_used": blocks[0], "kv_blocks_total": blocks[1],
+                     "kv_block_tokens": self.runner.page_size, "kv_cache_bytes": self.runner.kv_cache_bytes}
         extra = self.health_info
         if callable(extra):
             try:
@@ -563,6 +602,23 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 # --- the application -------------------------------------------------------------
 
 
+def make_runner(model, tokenizer, limits: Limits) -> Runner:
+    """The runner LIMITS ask for: one batched loop (batch.BatchRunner), or a worker thread per request."""
+    if limits.batching == "none":
+        return Runner(model, tokenizer, limits.max_num_seqs)
+    from hostd.engine import batch, budget
+
+    kv = limits.kv_cache_bytes
+    if kv is None:
+        config = model.config.get_text_config().to_dict()
+        dtype = str(model.dtype).removeprefix("torch.")
+        kv = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=limits.max_num_seqs,
+                                   max_model_len=limits.max_model_len,
+                                   per_token=budget.bytes_per_token(config, dtype), device_total=None)
+    return batch.BatchRunner(model, tokenizer, limits.max_num_seqs, max_model_len=limits.max_model_len,
+                             kv_cache_bytes=kv)
+
+
 def build_app(
     model,
     tokenizer,
@@ -588,7 +644,7 @@ def build_app(
         vocab_size = None
     engine = Engine(
         tokenizer=tokenizer,
-        runner=Runner(model, tokenizer, limits.max_num_seqs),
+        runner=make_runner(model, tokenizer, limits),
         served_name=served_name,
         limits=limits,
         vocab_size=vocab_size,

@@ -36,6 +36,7 @@ import asyncio
 import collections
 import inspect
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,11 @@ import torch
 # tokenizers which change a token's text by its left neighbour (SentencePiece's
 # leading space) decode the completion as they would inside the whole text.
 _DECODE_CONTEXT_TOKENS = 5
+
+# tokens_per_second (/metrics, /health): the rate over this many recent seconds,
+# from samples taken at most this often.
+THROUGHPUT_WINDOW_S = 10.0
+THROUGHPUT_SAMPLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -109,8 +115,8 @@ def _new_cache(model: torch.nn.Module):
         return DynamicCache()
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Choose the next token from the last position's logits."""
+def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose the next token from the last position's logits (batch.py's sampler uses it too)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
@@ -157,7 +163,7 @@ def generate_tokens(
             return
         with torch.inference_mode():
             output = model(input_ids=inputs, use_cache=True, logits_to_keep=1, **{cache_keyword: cache})
-            token = _pick(output.logits[0, -1], params, generator)
+            token = pick_token(output.logits[0, -1], params, generator)
         yield token
         if token in eos:
             return
@@ -262,6 +268,32 @@ class RunnerStats:
     waiting_max: int = 0
     prompt_tokens: int = 0  # prompt tokens of generations that got a slot
     generated_tokens: int = 0  # tokens the model produced, shown to a client or not
+    # (monotonic time, generated_tokens) at most every THROUGHPUT_SAMPLE_S, for tokens_per_second
+    _samples: collections.deque = field(default_factory=collections.deque, repr=False)
+
+    def note_tokens(self, now: float | None = None) -> None:
+        """Remember generated_tokens now (called as tokens arrive), for tokens_per_second."""
+        now = time.monotonic() if now is None else now
+        samples = self._samples
+        if samples and now - samples[-1][0] < THROUGHPUT_SAMPLE_S:
+            samples[-1] = (samples[-1][0], self.generated_tokens)
+            return
+        samples.append((now, self.generated_tokens))
+        # Keep one sample from before the window: the count the window starts from.
+        while len(samples) > 2 and now - samples[1][0] > THROUGHPUT_WINDOW_S:
+            samples.popleft()
+
+    def tokens_per_second(self, now: float | None = None) -> float:
+        """Tokens generated per second over the last THROUGHPUT_WINDOW_S (0 when none came in it)."""
+        now = time.monotonic() if now is None else now
+        inside = [(t, n) for t, n in self._samples if now - t <= THROUGHPUT_WINDOW_S]
+        before = [n for t, n in self._samples if now - t > THROUGHPUT_WINDOW_S]
+        if not inside:
+            return 0.0
+        if before:
+            return (self.generated_tokens - before[-1]) / THROUGHPUT_WINDOW_S
+        start = inside[0][0] - THROUGHPUT_SAMPLE_S  # the first sample already counts up to half a second of tokens
+        return self.generated_tokens / max(now - start, THROUGHPUT_SAMPLE_S)
 
 
 @dataclass
@@ -348,6 +380,7 @@ class Runner:
         def arrived(item) -> None:  # on the loop thread
             if isinstance(item, int):
                 stats.generated_tokens += 1
+                stats.note_tokens()
             queue.put_nowait(item)
 
         def put(item) -> None:  # on the worker thread

@@ -33,6 +33,7 @@ import msgspec
 import torch
 
 from hostd import memory, paths, systemd
+from hostd.engine import budget
 from hostd.weights import checkpoint, client, fingerprint, shared
 
 log = logging.getLogger("hostd.engine")
@@ -103,6 +104,13 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
     return model, info
 
 
+def device_memory(device: str) -> int | None:
+    """The memory the unset KV budget is a share of (budget.py): GPU 0's total, or the host's MemTotal."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return memory.host_total()
+
+
 def serve(args: argparse.Namespace, cfg) -> int:
     """The builtin engine (BuiltinBackend.run_engine)."""
     from transformers import AutoTokenizer
@@ -123,15 +131,26 @@ def serve(args: argparse.Namespace, cfg) -> int:
         return 1
     systemd.status("loading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    if cfg.device == "cpu":
+    if cfg.device == "cpu" and cfg.engine.batching == "none":
         # One request per thread: give each its share of the cores rather than
-        # letting every request's matmuls fight over all of them.
+        # letting every request's matmuls fight over all of them. (Batched,
+        # one loop runs the model: it keeps all of them.)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.engine.max_num_seqs))
     positions = getattr(model.config, "max_position_embeddings", None) or 2048
+    max_model_len = cfg.engine.max_model_len or positions
+    kv_cache_bytes = None
+    if cfg.engine.batching == "continuous":
+        kv_cache_bytes = budget.for_checkpoint(
+            Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
+            max_num_seqs=cfg.engine.max_num_seqs, max_model_len=max_model_len,
+            device_total=device_memory(cfg.device))
+        info["kv_cache_bytes"] = kv_cache_bytes
     limits = server.Limits(
         max_num_seqs=cfg.engine.max_num_seqs,
-        max_model_len=cfg.engine.max_model_len or positions,
+        max_model_len=max_model_len,
         shutdown_timeout=cfg.engine.shutdown_timeout,
+        batching=cfg.engine.batching,
+        kv_cache_bytes=kv_cache_bytes,
     )
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))

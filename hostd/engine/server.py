@@ -143,8 +143,17 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
             log.info("stopped before serving")
             return 0
 
-        app = build_app(model, tokenizer, limits, served_name=served_name, health_info=health_info, log=log)
-        engine = app[ENGINE]
+        try:
+            app = build_app(model, tokenizer, limits, served_name=served_name, health_info=health_info, log=log)
+            engine = app[ENGINE]
+            if hasattr(engine.runner, "warm_up"):  # the batched loop: one generation through it too
+                await engine.runner.warm_up()
+        except Exception as error:
+            log.exception("the engine cannot serve with batching=%s: %s", limits.batching, logs.one_line(error))
+            if "app" in locals():
+                await app.shutdown()
+                await app.cleanup()
+            return 1
         engine.on_change = lambda: status.set(engine.summary())
         runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                                shutdown_timeout=CANCEL_GRACE_S, logger=logs.protocol_logger(log))

@@ -231,15 +231,24 @@ class Probe:
         if memory.unreadable:  # verify and rollback still guard
             log.warning("GPU preflight skipped for %s: %s", self.name, memory.unreadable)
             return None
-        fraction = backends.for_config(cfg).memory_fraction(cfg)
+        backend = backends.for_config(cfg)
+        fraction = backend.memory_fraction(cfg)
         for gpu in memory.gpus or ():
             available = gpu.free + gpu.engine
-            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20)
+            kv = None if fraction else backend.engine_kv_bytes(cfg, gpu.total)
+            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20) + (kv or 0)
             if need > available:
+                if fraction:
+                    why = (f"fraction {fraction} of {gpu.total / 2**30:.1f} GiB, less the daemon-held weights; "
+                           "lower the memory fraction")
+                elif kv:
+                    why = (f"its context and a KV cache of {kv >> 20} MiB; lower engine.kv_cache_mib, "
+                           "max_num_seqs or max_model_len")
+                else:
+                    why = "for its context"
                 return (
-                    f"GPU {gpu.index}: the new engine needs about {need / 2**30:.1f} GiB "
-                    f"({'fraction ' + str(fraction) + ' of ' + format(gpu.total / 2**30, '.1f') + ' GiB, less the daemon-held weights' if fraction else 'for its context'}), "
-                    f"but only {available / 2**30:.1f} GiB would be free; lower the memory fraction"
+                    f"GPU {gpu.index}: the new engine needs about {need / 2**30:.1f} GiB ({why}), "
+                    f"but only {available / 2**30:.1f} GiB would be free"
                 )
         return None
 
@@ -277,7 +286,9 @@ class Probe:
         vllm and sglang run a bridge there, whose need their backend knows
         (Backend.bridge_need: _bridge_problem). Otherwise (builtin) the second
         engine needs what the serving one uses beyond the shared weights (its
-        footprint), and reload.overlap_reserve_mib must stay free besides. CPU: the footprint is the engine's anonymous memory against
+        footprint), its KV cache swapped for the one the new config sizes
+        (Backend.engine_kv_bytes, the builtin engine's paged cache:
+        _second_engine), and reload.overlap_reserve_mib must stay free besides. CPU: the footprint is the engine's anonymous memory against
         the host's MemAvailable, both as the engine reports them on /health
         (hostd/memory.py: this sandbox cannot read them). GPU: NVML's per-process figure for
         the engine (device used - the daemon's share where NVML cannot see our
@@ -291,15 +302,17 @@ class Probe:
         if bridge is not None:
             return self._bridge_problem(cfg, backend.uses_gpu(cfg), bridge, health, memory, reserve)
         if backend.uses_gpu(cfg):
-            return self._overlap_gpu(cfg, memory, reserve)
+            return self._overlap_gpu(cfg, memory, reserve, backend, health)
         reported = (health or {}).get("memory") or {}
         if "anonymous" not in reported or "host_available" not in reported:
             return "the engine does not report its memory on /health (hostd/memory.py)"
-        footprint, available = reported["anonymous"], reported["host_available"]
+        available = reported["host_available"]
+        footprint = _second_engine(cfg, backend, health, reported["anonymous"], reported.get("host_total"))
         if footprint + reserve > available:
             return (
                 f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
-                f"the shared weights) and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
+                f"the shared weights{_kv_words(cfg, backend, reported.get('host_total'))}) and "
+                f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
                 f"must stay free, but MemAvailable is {available >> 20} MiB"
             )
         return None
@@ -331,17 +344,39 @@ class Probe:
         return None
 
     @staticmethod
-    def _overlap_gpu(cfg, memory: "Memory", reserve: int) -> Optional[str]:
+    def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[dict]) -> Optional[str]:
         if memory.unreadable:
             return f"cannot read GPU memory: {memory.unreadable}"
         for gpu in memory.gpus or ():
-            if gpu.engine + reserve > gpu.free:
+            need = _second_engine(cfg, backend, health, gpu.engine, gpu.total)
+            if need + reserve > gpu.free:
+                kv = _kv_words(cfg, backend, gpu.total)
                 return (
-                    f"GPU {gpu.index}: a second engine needs about {gpu.engine >> 20} MiB and "
+                    f"GPU {gpu.index}: a second engine needs about {need >> 20} MiB"
+                    f"{' (' + kv.removeprefix(', ') + ')' if kv else ''} and "
                     f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
                     f"but {gpu.free >> 20} MiB are free"
                 )
         return None
+
+
+def _second_engine(cfg, backend, health: Optional[dict], serving: int, device_total: Optional[int]) -> int:
+    """What a second engine of CFG takes beyond the shared weights: what the
+    serving one takes (SERVING), with its KV cache (its /health's
+    kv_cache_bytes: allocated and touched at start, so inside SERVING)
+    replaced by the one CFG's engine will allocate (Backend.engine_kv_bytes),
+    when the backend can tell."""
+    target = backend.engine_kv_bytes(cfg, device_total)
+    if target is None:
+        return serving
+    held = (health or {}).get("kv_cache_bytes")
+    held = held if isinstance(held, int) and held >= 0 else 0
+    return max(0, serving - held) + target
+
+
+def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
+    target = backend.engine_kv_bytes(cfg, device_total)
+    return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
 
 
 class GpuMemory(NamedTuple):

@@ -1,0 +1,411 @@
+"""Generate every admitted request in one batched loop over a paged KV cache.
+
+One job: the builtin engine's default runner (``engine.batching: continuous``).
+It has generate.Runner's interface (``stream``, ``stats``, ``cancel_all``,
+``join``) and its admission (at most ``max_num_seqs`` requests hold a slot,
+the rest wait in arrival order), but instead of one worker thread per request
+it hands every admitted request to transformers' continuous batching
+(``transformers.generation.continuous_batching.ContinuousBatchingManager``):
+one background thread runs the model once per step for all of them, prefill
+and decode batched together, each request's keys and values in blocks of one
+preallocated paged cache of ``kv_cache_bytes`` (hostd/engine/budget.py).
+
+What hostd adds to the library, and why:
+
+- **Per-request sampling** (``_Sampler``). The library samples one way for the
+  whole batch (greedy or not, one global seed). hostd's requests each choose:
+  greedy at temperature 0, else temperature, top_p and a seed of their own.
+  ``_Sampler`` is a continuous-batching logits processor that picks each row's
+  token with generate.pick_token -- the very function of the one-request path,
+  with the request's own torch.Generator -- and hands the library a score row
+  whose only finite entry is that token, so the library's argmax takes it.
+  Greedy output therefore equals generate.Runner's token for token (the
+  tests pin it), and a seeded request repeats itself whatever it was batched
+  with.
+- **Delivery to asyncio** (``_Router``). Each step's outputs reach the event
+  loop in one ``call_soon_threadsafe``; outputs for a request that has gone
+  (cancelled, stopped by a stop string) are dropped rather than queued
+  forever.
+- **Stop strings and cancellation** stay the application's: TextDecoder finds
+  a stop string on the loop, and the request is cancelled in the library
+  (``cancel_request``), which frees its blocks at its next step.
+
+What it relies on in transformers (5.24, where it is tested): the manager's
+``logit_processor`` and ``output_router`` attributes, replaced before its
+batch processor exists; ``ContinuousBatchingLogitsProcessor``'s
+``prepare_tensor_args`` / ``__call__`` protocol; ``batch_processor.cache``
+(num_blocks, compute_free_capacity) and ``.scheduler.waiting_requests`` for
+the metrics. ``check_supported`` refuses, at start, a transformers without
+them, saying to set ``engine.batching: none``.
+
+Not done here (docs/builtin.md): CUDA graphs and torch.compile (the sampler
+reads its rows on the host), prefix caching, async double-buffering,
+speculative decoding.
+
+Trust: as generate.py -- inputs validated by app.py, model and tokenizer from
+the process that built them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hostd.engine.generate import (
+    Delta,
+    GenerationCancelled,
+    Runner,
+    SamplingParams,
+    TextDecoder,
+    eos_token_ids,
+    model_device,
+    pick_token,
+)
+
+log = logging.getLogger("hostd.engine")
+
+# Tokens per KV block (the library's page_size). vLLM's default block is 16
+# tokens; on CPU small blocks waste least of a small budget. On CUDA the
+# library's own default (256) suits its flash and decode kernels.
+PAGE_SIZE = {"cpu": 16, "cuda": 256}
+# Tokens one step may carry (prefill chunks plus one per decoding request):
+# vLLM's max_num_batched_tokens. Bounds the activations of a step; a longer
+# prompt is prefilled in chunks.
+MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+class BatchingUnsupported(RuntimeError):
+    """This transformers lacks what the batched runner relies on (module docstring)."""
+
+
+def check_supported() -> None:
+    """Raise BatchingUnsupported, saying what to do, when transformers lacks what this runner uses."""
+    import transformers
+
+    problem = None
+    try:
+        from transformers.generation.continuous_batching import cb_logits_processors, continuous_api
+    except ImportError as error:
+        problem = f"transformers.generation.continuous_batching cannot be imported ({error})"
+    else:
+        base = getattr(cb_logits_processors, "ContinuousBatchingLogitsProcessor", None)
+        manager = getattr(continuous_api, "ContinuousBatchingManager", None)
+        if base is None or manager is None or not hasattr(continuous_api, "OutputRouter"):
+            problem = "its continuous batching lacks ContinuousBatchingLogitsProcessor or OutputRouter"
+        elif not hasattr(base, "prepare_tensor_args") or "supported_kwargs" not in base.__annotations__:
+            problem = "its continuous-batching logits processors have another protocol"
+    if problem:
+        raise BatchingUnsupported(
+            f"transformers {transformers.__version__}: {problem}; the batched engine is tested with "
+            "transformers 5.24. Install that version, or set engine.batching: none in the model's config "
+            "to serve with one worker thread per request."
+        )
+
+
+def _sampler_class():
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    class _Sampler(ContinuousBatchingLogitsProcessor):
+        """Picks each row's token as the one-request path would (module docstring).
+
+        Each request carries its sequence number (``hostd_seq``) as a
+        logits-processor argument; ``samplers`` maps it to the request's
+        parameters and generator. Written on the event loop, read on the
+        generation thread: single dict operations, atomic under the GIL; a row
+        whose request has gone is picked greedily and then dropped."""
+
+        supported_kwargs = {"hostd_seq": int}
+        ignored_kwargs = ()
+
+        def __init__(self, samplers: dict) -> None:
+            self.samplers = samplers
+
+        def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+            int32_tensor.fill_(-1)
+
+        def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
+            return torch.tensor([r.state.logit_processor_kwargs.get("hostd_seq", -1) for r in requests_with_new_token],
+                                dtype=torch.int32, device="cpu")
+
+        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+            rows = tensor_arg[: scores.size(0)].tolist()
+            sampled = [(row, entry) for row, seq in enumerate(rows)
+                       if (entry := self.samplers.get(seq)) is not None and entry[0].temperature != 0]
+            if not sampled:
+                return scores  # all greedy: the library's argmax is generate.pick_token's
+            picks = torch.argmax(scores, dim=-1)
+            for row, (params, generator) in sampled:
+                picks[row] = pick_token(scores[row], params, generator)
+            chosen = torch.full_like(scores, -math.inf)
+            chosen.scatter_(1, picks.unsqueeze(1), 0.0)
+            return chosen
+
+    return _Sampler
+
+
+def _router_class():
+    from transformers.generation.continuous_batching.continuous_api import OutputRouter
+
+    class _Router(OutputRouter):
+        """Hands each step's outputs to the event loop in one call; BatchRunner drops those of requests gone."""
+
+        def __init__(self, runner: "BatchRunner") -> None:
+            super().__init__()
+            self._runner = runner
+
+        def deliver(self, output) -> None:
+            self.deliver_batch([output])
+
+        def deliver_batch(self, outputs) -> None:
+            loop = self._runner._loop
+            if loop is None:
+                return  # nothing was ever streamed: only the warm-up's outputs, read nowhere
+            try:
+                loop.call_soon_threadsafe(self._runner._arrived, list(outputs))
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+
+    return _Router
+
+
+@dataclass
+class _Request:
+    """One request handed to the library, as the loop sees it."""
+
+    queue: asyncio.Queue
+    seen: int = 0  # generated tokens already queued
+
+
+class _Cancelled:
+    """Queued to a request by cancel_all."""
+
+
+@dataclass
+class _Failed:
+    error: str
+
+
+@dataclass
+class BatchRunner(Runner):
+    """generate.Runner's interface over one continuous-batching loop (module docstring).
+
+    ``max_model_len`` and ``kv_cache_bytes`` size the paged cache: at least
+    one request of ``max_model_len`` tokens must fit, else ValueError at
+    construction, naming the numbers. Construct it on the thread of the event
+    loop that will stream from it.
+    """
+
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        check_supported()
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers.generation.continuous_batching.cb_logits_processors import (
+            ContinuousBatchingLogitsProcessorList,
+        )
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+        from transformers.generation.logits_process import LogitsProcessorList
+
+        self.model.eval()
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        device = model_device(self.model)
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        config = self.model.config.get_text_config()
+        page = PAGE_SIZE[kind]
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
+        self.kv_bytes_per_token = per_token
+        num_blocks = self.kv_cache_bytes // (per_token * page)
+        need = math.ceil(self.max_model_len / page)
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV budget of {self.kv_cache_bytes} bytes holds {num_blocks * page} tokens "
+                f"({per_token} bytes each), fewer than one request of max_model_len={self.max_model_len}; "
+                f"raise engine.kv_cache_mib to at least {(need * page * per_token + (1 << 20) - 1) >> 20} "
+                "or lower max_model_len"
+            )
+        cb_config = ContinuousBatchingConfig(
+            page_size=page,
+            num_blocks=num_blocks,
+            max_batch_tokens=max(MAX_BATCH_TOKENS[kind], self.max_num_seqs),
+            max_requests_per_batch=self.max_num_seqs,
+            max_blocks_per_request=0,  # no flash decode fast path: it needs flash_attn_with_kvcache
+            allow_block_sharing=False,  # no prefix caching: blocks used = blocks the requests hold
+            use_async_batching=False,
+            use_cuda_graph=False,  # the sampler reads its rows on the host between kernels
+            auto_switch_to_flash=kind == "cuda",
+            max_memory_percent=1.0,  # the budget is ours (kv_cache_bytes), not a share of what is free
+            scheduler_type="fifo",
+        )
+        generation = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=self.max_model_len)
+        self._samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._seq = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._cancels: set = set()  # Runner's; unused here
+        self._device = device
+        manager = ContinuousBatchingManager(self.model, generation, cb_config)
+        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([_sampler_class()(self._samplers)]))
+        processors.tensors_required = 1  # one int32 row: each request's hostd_seq
+        manager.logit_processor = processors
+        manager.output_router = _router_class()(self)
+        manager.warmup()  # builds the batch processor and allocates the cache now, so that errors stop the start
+        self.cache = manager.batch_processor.cache
+        if device.type == "cpu":
+            # Touch every page of the cache now: RssAnon then counts all of it,
+            # which is what the overlap preflight reads on CPU (hostd/memory.py).
+            self.cache.cache_tensor.fill_(0)
+        self.kv_blocks_total = int(self.cache.num_blocks)
+        self.page_size = page
+        self._manager = manager
+        manager.start()
+        log.info("continuous batching: %d KV blocks of %d tokens (%d bytes), max_num_seqs=%d, %d tokens per step",
+                 self.kv_blocks_total, page, self.kv_cache_bytes, self.max_num_seqs, cb_config.max_batch_tokens)
+
+    # --- what /health and /metrics read (on the loop thread) -----------------
+
+    def kv_blocks_used(self) -> int:
+        try:
+            free = float(self.cache.compute_free_capacity(relative=True))
+        except Exception:  # a library that changed under us: report none rather than fail a scrape
+            return 0
+        return max(0, min(self.kv_blocks_total, round((1.0 - free) * self.kv_blocks_total)))
+
+    def waiting_for_kv(self) -> int:
+        """Requests holding a slot that the library has not scheduled yet (no room in the cache)."""
+        processor = getattr(self._manager, "batch_processor", None)
+        scheduler = getattr(processor, "scheduler", None)
+        try:
+            return len(scheduler.waiting_requests) if scheduler is not None else 0
+        except Exception:
+            return 0
+
+    # --- delivery (on the loop thread) ----------------------------------------
+
+    def _arrived(self, outputs: list) -> None:
+        for output in outputs:
+            request = self._requests.get(output.request_id)
+            if request is None:
+                continue  # cancelled or ended: dropped
+            if output.error is not None:
+                request.queue.put_nowait(_Failed(str(output.error)))
+                continue
+            tokens = output.generated_tokens
+            for token in tokens[request.seen:]:
+                if token >= 0:  # the library's placeholder for a token not yet read back is -1
+                    request.queue.put_nowait(int(token))
+                    self.stats.generated_tokens += 1
+                    request.seen += 1
+            self.stats.note_tokens()
+
+    # --- generation --------------------------------------------------------------
+
+    async def warm_up(self) -> None:
+        """One short greedy generation through the batched loop, so that lazy set-up is not paid by a request."""
+        prompt = self.tokenizer.encode("Hello", add_special_tokens=True) or [0]
+        async for _ in self.stream(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                   count=False):
+            pass
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, *, count: bool = True
+                     ) -> AsyncIterator[Delta]:
+        """As generate.Runner.stream: wait for a slot, then one Delta per token; the last has finish_reason.
+
+        Closing the iterator or cancelling the task cancels the request in the
+        library and frees the slot at once (the library frees its KV blocks at
+        its next step)."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: the model needs at least one token to continue")
+        await self._acquire()
+        self._loop = asyncio.get_running_loop()
+        seq = next(self._seq)
+        request_id = f"hostd-{seq}"
+        generator = None
+        if params.temperature != 0:
+            generator = torch.Generator(device=self._device)
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+        request = _Request(asyncio.Queue())
+        self._requests[request_id] = request
+        self._samplers[seq] = (params, generator)
+        eos_ids = frozenset() if params.ignore_eos else self.eos_ids
+        finished = False
+        try:
+            if count:
+                self.stats.prompt_tokens += len(prompt_ids)
+            added = self._manager.add_request(
+                list(prompt_ids), request_id=request_id, max_new_tokens=params.max_tokens, streaming=True,
+                eos_token_id=sorted(eos_ids) if eos_ids else -1, hostd_seq=seq,
+            )
+            if added is None:
+                raise GenerationCancelled("the batching loop refused the request: it is stopping")
+            decoder = TextDecoder(self.tokenizer, prompt_ids, params.stop)
+            count_tokens = 0
+            last = None
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, _Failed):
+                    finished = True
+                    raise RuntimeError(f"the batching loop failed this request: {item.error}")
+                if isinstance(item, _Cancelled):
+                    finished = True  # the library was told already
+                    raise GenerationCancelled("the engine stopped this generation while shutting down")
+                count_tokens += 1
+                last = item
+                if item in eos_ids:
+                    finished = True
+                    break
+                text, stopped = decoder.add(item)
+                if stopped:
+                    yield Delta(text, count_tokens, "stop")
+                    return
+                if count_tokens >= params.max_tokens:
+                    finished = True
+                    break
+                yield Delta(text, count_tokens)
+            if last in eos_ids:
+                yield Delta(decoder.flush(), count_tokens, "stop")
+            else:
+                yield Delta(decoder.flush(), count_tokens, "length")
+        finally:
+            self._requests.pop(request_id, None)
+            self._samplers.pop(seq, None)
+            if not finished:
+                self._manager.cancel_request(request_id)
+            self._release()
+
+    # --- shutdown ------------------------------------------------------------------
+
+    def cancel_all(self) -> None:
+        """Stop every generation and refuse new ones (shutdown). On the loop thread."""
+        self._closed = True
+        for request_id, request in list(self._requests.items()):
+            self._manager.cancel_request(request_id)
+            request.queue.put_nowait(_Cancelled())
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(GenerationCancelled("the engine is shutting down"))
+        self._changed()
+
+    def join(self) -> None:
+        """Stop the batching loop's thread (after cancel_all: within one step). Blocking."""
+        if self._manager.is_running():
+            self._manager.stop(block=True, timeout=60)

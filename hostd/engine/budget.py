@@ -1,0 +1,90 @@
+"""The builtin engine's KV budget: how many bytes its paged KV cache holds.
+
+One job: the arithmetic that the engine (which allocates the cache at start,
+hostd/engine/batch.py) and the manager's reload preflight (which must know
+what a new engine will take before starting it, hostd/manager/probe.py
+through BuiltinBackend) both do, in one place and without torch, so that the
+two can never disagree.
+
+- bytes per token: keys and values of every layer, ``2 * layers * kv_heads *
+  head_dim * dtype bytes`` (Qwen2.5-7B in bf16: 56 KiB; the tiny test model:
+  256 B).
+- the budget: ``engine.kv_cache_mib`` when set; unset, what every one of
+  ``max_num_seqs`` requests needs at ``max_model_len`` tokens, capped at
+  DEFAULT_SHARE of the device's memory (the GPU's total, or the host's
+  MemTotal on CPU), so that a second engine of the same config fits beside
+  it for an overlap reload or a standby (two budgets and the shared weights
+  within the device).
+
+Trust: the model's config.json is the administrator's checkpoint; the numbers
+are checked for being positive integers and nothing else is read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+# The unset budget's cap, as a fraction of the device's memory. Two engines
+# (the serving one and an overlap or standby engine beside it) take at most
+# 2 * 0.2 = 40 %, which leaves the shared weights of a 7B model (15 GB of an
+# H200's 141 GB, 11 %) and reload.overlap_reserve_mib room. A larger default
+# would make the overlap preflight fall back to restart on a busy GPU.
+DEFAULT_SHARE = 0.2
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _positive(config: dict, key: str) -> Optional[int]:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def bytes_per_token(config: dict, dtype: str) -> int:
+    """KV bytes one token takes in every layer of a model whose config.json is CONFIG, in DTYPE.
+
+    ValueError naming the key when the config lacks what it takes (then the
+    engine cannot size its cache: the error says which key)."""
+    config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    layers = _positive(config, "num_hidden_layers")
+    heads = _positive(config, "num_attention_heads")
+    if layers is None or heads is None:
+        raise ValueError("config.json lacks num_hidden_layers or num_attention_heads (positive integers): "
+                         "the KV cache cannot be sized for this model")
+    kv_heads = _positive(config, "num_key_value_heads") or heads
+    head_dim = _positive(config, "head_dim")
+    if head_dim is None:
+        hidden = _positive(config, "hidden_size")
+        if hidden is None:
+            raise ValueError("config.json lacks head_dim and hidden_size: the KV cache cannot be sized for this model")
+        head_dim = hidden // heads
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_len: int, per_token: int,
+                   device_total: Optional[int]) -> int:
+    """The KV budget in bytes (see the module docstring). DEVICE_TOTAL None
+    (unknown): the unset budget is what the batch needs, uncapped."""
+    if kv_cache_mib is not None:
+        return kv_cache_mib << 20
+    need = max_num_seqs * max_model_len * per_token
+    if device_total is None:
+        return need
+    return max(min(need, int(DEFAULT_SHARE * device_total)), per_token * max_model_len)
+
+
+def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int], max_num_seqs: int,
+                   max_model_len: Optional[int], device_total: Optional[int]) -> int:
+    """kv_cache_bytes for the checkpoint directory CHECKPOINT (its config.json):
+    DTYPE 'auto' is the checkpoint's own, max_model_len None its max_position_embeddings."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if dtype == "auto":  # as hostd/weights/checkpoint.py's resolve_dtype reads it
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+        dtype = dtype if dtype in DTYPE_BYTES else "float32"
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    length = max_model_len or _positive(text, "max_position_embeddings") or 2048
+    return kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, max_model_len=length,
+                          per_token=bytes_per_token(config, dtype), device_total=device_total)

@@ -1,0 +1,60 @@
+"""The builtin engine's KV budget (hostd/engine/budget.py) and how the reload preflight charges it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hostd import config
+from hostd.engine import budget
+from hostd.manager.probe import Memory, Probe
+
+MiB = 1 << 20
+
+QWEN_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
+           "max_position_embeddings": 32768, "dtype": "bfloat16"}
+
+
+def test_bytes_per_token_is_keys_and_values_of_every_layer():
+    assert budget.bytes_per_token(QWEN_7B, "bfloat16") == 56 * 1024  # 2 * 28 * 4 * 128 * 2
+    assert budget.bytes_per_token({**QWEN_7B, "head_dim": 64}, "float32") == 2 * 28 * 4 * 64 * 4
+
+
+def test_the_unset_budget_fits_the_batch_and_is_capped_at_a_share_of_the_device():
+    per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
+    small = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=8, max_model_len=4096, per_token=per_token,
+                                  device_total=141 << 30)
+    assert small == 8 * 4096 * per_token
+    capped = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=64, max_model_len=32768, per_token=per_token,
+                                   device_total=141 << 30)
+    assert capped == int(budget.DEFAULT_SHARE * (141 << 30))
+    assert budget.kv_cache_bytes(kv_cache_mib=300, max_num_seqs=64, max_model_len=32768, per_token=per_token,
+                                 device_total=141 << 30) == 300 * MiB
+
+
+def write_model(root: Path, engine: str) -> object:
+    checkpoint = root / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(QWEN_7B))
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    models = root / "etc" / "models"
+    models.mkdir(parents=True)
+    (models / "m.yaml").write_text(f"backend: builtin\nmodel: {checkpoint}\ndevice: cpu\nengine: {engine}\n")
+    return config.load_model("m", root / "etc").config
+
+
+def test_the_overlap_preflight_swaps_the_serving_kv_cache_for_the_new_configs(tmp_path):
+    cfg = write_model(tmp_path, "{max_num_seqs: 4, max_model_len: 1024, kv_cache_mib: 1000}")
+    serving = {"kv_cache_bytes": 500 * MiB,
+               "memory": {"anonymous": 800 * MiB, "host_available": 1500 * MiB, "host_total": 64 << 30}}
+    # 800 - 500 + 1000 = 1300 MiB, and the 256 MiB reserve: 1556 > 1500
+    problem = Probe("m").overlap_problem(cfg, serving, Memory(None, ""))
+    assert "about 1300 MiB" in problem and "KV cache of 1000 MiB" in problem
+    serving["memory"]["host_available"] = 1600 * MiB
+    assert Probe("m").overlap_problem(cfg, serving, Memory(None, "")) is None
+
+
+def test_the_thread_per_request_engine_has_no_kv_budget_to_charge(tmp_path):
+    cfg = write_model(tmp_path, "{batching: none, max_num_seqs: 4}")
+    serving = {"memory": {"anonymous": 800 * MiB, "host_available": 1100 * MiB}}
+    assert Probe("m").overlap_problem(cfg, serving, Memory(None, "")) is None  # 800 + 256 reserve fits
