@@ -138,9 +138,12 @@ def gateway_has_switch(tree: ModelTree) -> bool:
 # ---------------------------------------------------------------- load and measurements
 
 
-def client_loop(port: int, model: str, max_tokens: int, until: float, out: list[Outcome]) -> None:
+def client_loop(port: int, model: str, max_tokens: int, until: float, out: list[Outcome],
+                stop: Optional[threading.Event] = None) -> None:
+    """One client's requests, back to back, until UNTIL (monotonic) or STOP is set
+    (tests/gpu_system runs this load through the real manager)."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-    while time.monotonic() < until:
+    while time.monotonic() < until and not (stop is not None and stop.is_set()):
         started = time.monotonic()
         admitted = False
         try:

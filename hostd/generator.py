@@ -13,7 +13,9 @@ For each valid model it writes, into NORMAL_DIR:
   /50-hostd.conf: start/stop timeouts from `timeouts:`; the engines and the
   weights daemon run as the model's own user; for CUDA models the
   GPUs (CUDA_VISIBLE_DEVICES, counted in PCI bus order) and DeviceAllow= for
-  the NVIDIA devices, each GPU by the minor number NVML reports for it
+  the NVIDIA devices, each GPU by the minor number NVML reports for it (a
+  model whose `gpus:` names a GPU that NVML says this host lacks is treated
+  as a broken config, below: its start fails at once, saying so)
 - multi-user.target.wants/model@NAME.service for `autostart: true`
 
 Every drop-in names the YAML it came from (SourcePath=, as podman's Quadlet
@@ -76,12 +78,27 @@ def log(message: str) -> None:
         pass
 
 
+class NoSuchGpu(ValueError):
+    """The config's `gpus` names an index that NVML says this host lacks."""
+
+
 def nvml_minor_numbers(indices: list[int]) -> list[int]:
     """The /dev/nvidiaN minor number of each GPU index, from NVML. NVML counts
     GPUs in PCI bus order; the units set CUDA_DEVICE_ORDER=PCI_BUS_ID so that
     CUDA's indices (the config's `gpus`) count the same way. The minor number
-    need not equal the index (it follows the driver's probe order)."""
+    need not equal the index (it follows the driver's probe order).
+    NoSuchGpu when an index is not one of this host's GPUs: otherwise the
+    model's weights unit would start, import torch for seconds and fail with
+    CUDA's "invalid device ordinal", naming no key."""
     with nvml.session() as pynvml:
+        count = pynvml.nvmlDeviceGetCount()
+        missing = [i for i in indices if i >= count]
+        if missing:
+            have = f"{count} GPU" + ("" if count == 1 else "s")
+            raise NoSuchGpu(
+                f"gpus: {list(indices)}: this host has {have} (NVML, indices 0 to {count - 1} in PCI bus "
+                f"order), so GPU {', '.join(map(str, missing))} does not exist; name GPUs this host has "
+                "(nvidia-smi -L lists them in the same order)")
         return [pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
 
 
@@ -99,6 +116,8 @@ def gpu_lines(name: str, cfg) -> list[str]:
     ]
     try:
         minors = nvml_minor_numbers(list(cfg.gpus))
+    except NoSuchGpu:
+        raise  # the model's config is wrong for this host: plan() makes its start fail, saying so
     except Exception as exc:  # no driver or NVML at generation time
         # Without the minor numbers no single GPU can be named; allowing every
         # NVIDIA GPU keeps the model working, and the log says so.
@@ -236,15 +255,18 @@ def plan(root: Optional[Path] = None, state: Optional[Path] = None) -> tuple[dic
     for name in config.list_models(root):
         source = config.model_file(name, root)
         kept = _kept_listen(name, state) if state is not None and _is_unit_instance(name) else None
-        try:
-            cfg = config.load_model(name, root).config
-        except Exception as exc:  # never fail the boot
-            problem = str(exc) if isinstance(exc, config.ConfigError) else f"unexpected {type(exc).__name__}: {exc}"
+
+        def skip(problem: str) -> None:
             log(f"skipping model {name!r}: {problem}".replace("\n", "; "))
             if _is_unit_instance(name):
                 files.update(failing_dropins(name, source, problem, kept))
                 if kept is not None:
                     listens[name] = kept
+
+        try:
+            cfg = config.load_model(name, root).config
+        except Exception as exc:  # never fail the boot
+            skip(str(exc) if isinstance(exc, config.ConfigError) else f"unexpected {type(exc).__name__}: {exc}")
             continue
         listen = cfg.listen
         if kept is not None and kept != listen:
@@ -253,7 +275,12 @@ def plan(root: Optional[Path] = None, state: Optional[Path] = None) -> tuple[dic
                 f"running socket would close it) and takes the new one when the model is next stopped and "
                 f"started: systemctl stop {units.umbrella(name)} && systemctl start {units.umbrella(name)}")
             listen = kept
-        files.update(dropins(name, cfg, source, listen))
+        try:
+            generated = dropins(name, cfg, source, listen)
+        except NoSuchGpu as exc:
+            skip(f"{source}: {exc}")
+            continue
+        files.update(generated)
         listens[name] = listen
         if cfg.autostart:
             files[f"multi-user.target.wants/{units.umbrella(name)}"] = "->"

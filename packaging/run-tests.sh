@@ -3,7 +3,8 @@
 # need (packaging/setup.sh, and the real vLLM and SGLang of the upstream tier:
 # packaging/setup-upstream.sh, reused once built), then runs every tier: unit,
 # integration, upstream (real vLLM/SGLang parsers), system (a real systemd in
-# systemd-nspawn containers, real vLLM included) and gpu (skips without CUDA).
+# systemd-nspawn containers, real vLLM included), gpu and gpu_system (both skip
+# without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash packaging/setup.sh

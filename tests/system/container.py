@@ -251,7 +251,17 @@ class SystemdContainer:
 
     ``units_dir`` is a host directory bound writable onto
     ``/etc/systemd/system``; :meth:`install_unit` writes there and reloads.
+
+    A machine whose systemd is not the host's own (the GPU machine: no
+    systemd at all, Debian 12's packages unpacked beside it) overrides the
+    four hooks below: which nspawn runs and with what environment, what
+    stops a boot here, and which parts of /usr are made writable.
     """
+
+    #: The systemd-nspawn that boots the container.
+    nspawn_binary = "systemd-nspawn"
+    #: Host directories under /usr that the container sees writable (WRITABLE_USR).
+    writable_usr: tuple[str, ...] = WRITABLE_USR
 
     def __init__(
         self,
@@ -308,7 +318,7 @@ class SystemdContainer:
 
     def nspawn_command(self) -> list[str]:
         return [
-            "systemd-nspawn",
+            self.nspawn_binary,
             "--directory=/",
             "--volatile=yes",
             "--register=no",
@@ -317,7 +327,7 @@ class SystemdContainer:
             "--boot",
             f"--machine={self.machine}",
             *(b.nspawn_arg() for b in self.binds),
-            *(f"--overlay={_escape(Path(d))}::{_escape(Path(d))}" for d in WRITABLE_USR if Path(d).is_dir()),
+            *(f"--overlay={_escape(Path(d))}::{_escape(Path(d))}" for d in self.writable_usr if Path(d).is_dir()),
             # What a host's PID 1 has and nspawn drops by default: systemd
             # brings up the loopback device of each PrivateNetwork= unit
             # (the engine and weights units) with it; without it that
@@ -331,6 +341,14 @@ class SystemdContainer:
             "systemd.firstboot=off",
             f"systemd.unit={TEST_TARGET}",
         ]
+
+    def support_problem(self) -> str | None:
+        """Why this container cannot be booted here, or None."""
+        return host_support_problem()
+
+    def nspawn_env(self) -> dict[str, str] | None:
+        """The environment nspawn runs with (None: this process's)."""
+        return None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -348,7 +366,7 @@ class SystemdContainer:
         """Boot the container and wait until it is up; returns self."""
         if self.nspawn is not None:
             raise ContainerError("container already started")
-        problem = host_support_problem()
+        problem = self.support_problem()
         if problem:
             raise ContainerError(problem)
         self._prepare_workdir()
@@ -361,6 +379,7 @@ class SystemdContainer:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a ^C in pytest must not hit nspawn directly
+            env=self.nspawn_env(),
         )
         try:
             deadline = started + self.boot_timeout

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -52,6 +53,47 @@ def test_generator_writes_dropins_for_good_models_and_failing_ones_for_broken_on
     link = out / "multi-user.target.wants/model@gpu.service"
     assert link.is_symlink() and os.readlink(link) == "/etc/systemd/system/model@.service"
     assert not (out / "multi-user.target.wants/model@good.service").exists()
+
+
+class OneGpu:
+    """pynvml on a host with one GPU, whose /dev node is /dev/nvidia3."""
+
+    @staticmethod
+    def nvmlDeviceGetCount():
+        return 1
+
+    @staticmethod
+    def nvmlDeviceGetHandleByIndex(index):
+        if index != 0:
+            raise RuntimeError("NVML_ERROR_INVALID_ARGUMENT")
+        return "handle-0"
+
+    @staticmethod
+    def nvmlDeviceGetMinorNumber(handle):
+        return 3
+
+
+def test_a_model_on_a_gpu_the_host_lacks_gets_a_start_that_fails_naming_gpus(tmp_path: Path, capsys, monkeypatch):
+    """Before, `gpus: [1]` on a one-GPU host got DeviceAllow= for every NVIDIA
+    GPU (NVML's error was taken for "no driver") and a weights unit that
+    imported torch for seconds before CUDA refused the ordinal. Now the GPU
+    the config names by mistake is the start's error."""
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(OneGpu))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "there", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [0]\n")
+    model(etc, "missing", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [0, 1]\nautostart: true\n")
+
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["there"]
+
+    assert "DeviceAllow=/dev/nvidia3 rw" in (out / "model-engine@there.service.d/50-hostd.conf").read_text()
+    err = capsys.readouterr().err
+    assert "skipping model 'missing'" in err and "this host has 1 GPU" in err
+    socket = (out / "model@missing.socket.d/50-hostd.conf").read_text()
+    assert ("hostd: model missing is not started: invalid configuration: "
+            f"{etc}/models/missing.yaml: gpus: [0, 1]: this host has 1 GPU (NVML, indices 0 to 0") in socket
+    assert "GPU 1 does not exist" in socket and "ExecStartPre=/bin/false" in socket
+    assert not (out / "model-weights@missing.service.d").exists()
+    assert not (out / "multi-user.target.wants/model@missing.service").exists()  # nor at boot
 
 
 def test_invalid_config_message_is_quoted_for_the_unit_file_command_line():

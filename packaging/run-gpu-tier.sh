@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU system tier (tests/gpu_system) in one command, on the GPU machine:
+#
+#   bash packaging/run-gpu-tier.sh [pytest arguments]
+#
+# On that machine (no systemd, no network; the image's python3 with torch):
+# installs the carried wheels (.gpu/wheels, from packaging/fetch-gpu-tier.sh)
+# and hostd itself from this checkout into that python3, writes the random
+# Qwen2.5-7B-shaped checkpoint (`hostd make-checkpoint --size 7b`) while the
+# container boots, prepares what systemd-nspawn needs of the host, and runs
+# the tier, which unpacks .gpu/debs, boots Debian 12's systemd 252 and drives
+# hostd there. Results (results.json, journal.txt, pytest.log) go to
+# $OUT (the device tool's folder) or /var/tmp/hostd-gpu-tier/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+out=${OUT:-/var/tmp/hostd-gpu-tier/results}
+checkpoints=/var/tmp/hostd-gpu-tier/checkpoints
+mkdir -p "$out" "$checkpoints"
+start=$SECONDS
+say() { echo "[run-gpu-tier +$((SECONDS - start))s] $*"; }
+
+[ -d .gpu/debs ] && [ -d .gpu/wheels ] || { echo ".gpu/ is missing: run packaging/fetch-gpu-tier.sh on the CPU machine and carry .gpu" >&2; exit 2; }
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+
+# hostd from this checkout, as a package (not editable: the units then run
+# nothing from the checkout, wherever the device tool put it). A bare machine,
+# given back after the run: installing into the image's python3 is harmless.
+$py -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check .gpu/wheels/*.whl . \
+    > "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 2; }
+$py -c 'import hostd.main, msgspec, dbus_fast, sdnotify, openai, pynvml, torch; print("python:", torch.__version__, "cuda", torch.cuda.is_available())' || exit 2
+say "installed hostd and the wheels"
+
+# The checkpoint beside the boot (the tier waits for NAME.done).
+( t=$SECONDS; $py -m hostd.main make-checkpoint --size 7b "$checkpoints/qwen" > "$out/checkpoint.log" 2>&1 \
+    && touch "$checkpoints/qwen.done" && echo "checkpoint written in $((SECONDS - t)) s" >> "$out/checkpoint.log" ) &
+
+# What systemd-nspawn needs of a host without systemd (issue 23's probe).
+[ -s /etc/machine-id ] || tr -d - < /proc/sys/kernel/random/uuid > /etc/machine-id
+mkdir -p /run/systemd/nspawn
+mountpoint -q /run/systemd/nspawn || mount -t tmpfs tmpfs /run/systemd/nspawn
+
+say "running tests/gpu_system"
+# Within the device tool's 10 minutes a command: at the limit pytest gets
+# SIGINT, so its fixtures still stop the container and write the journal.
+limit=${HOSTD_GPU_TIER_LIMIT:-$((530 - (SECONDS - start)))}
+HOSTD_GPU_TIER_RESULTS=$out HOSTD_GPU_TIER_CHECKPOINTS=$checkpoints PYTHONUNBUFFERED=1 \
+    timeout -s INT -k 30 "$limit" $py -m pytest tests/gpu_system -v -rA -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log"
+rc=${PIPESTATUS[0]}
+wait
+cat "$out/checkpoint.log" | tail -2
+say "done, pytest exit status $rc"
+exit "$rc"
