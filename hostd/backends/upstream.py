@@ -468,8 +468,13 @@ class UpstreamBackend(Backend):
     def bridge_args(self, cfg, bridge: Bridge) -> list[str]:
         """The flags that put the bridge on BRIDGE's budget (after all others)."""
 
+    def bridge_env(self, cfg) -> dict[str, str]:
+        """Variables the bridge's command sets on top of the model's env:."""
+        return {}
+
     def bridge_summary(self, cfg, bridge: Bridge) -> str:
         """What the bridge runs with, for the Operation's notes and the journal."""
-        return " ".join([*self.bridge_args(cfg, bridge), *(f"-u {name}" for name in self.bridge_cleared_env)])
+        return " ".join([*self.bridge_args(cfg, bridge), *(f"-u {name}" for name in self.bridge_cleared_env),
+                         *(f"{name}={value}" for name, value in sorted(self.bridge_env(cfg).items()))])
 
 

