@@ -193,3 +193,28 @@ def test_a_main_engine_killed_while_it_restarts_rolls_back_while_the_bridge_serv
     assert calls.index("switch next") < calls.index("switch main")  # the bridge served throughout
     assert "drain" not in calls
     assert assert_one_engine_serving_what_the_files_say(world, {}, previous) == "previous"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bridge_killed_after_the_switch_still_ends_with_the_reload_done_on_the_main_engine(tmp_path, backend):
+    """The bridge dies with -9 while the main engine restarts: the reload
+    goes on (the restart does not need it), hands the gateway back to the
+    main engine and stops the dead bridge's unit. Until the main engine
+    answers, no engine serves: the gateway answers new requests 503
+    (docs/operations.md says so)."""
+    world = world_for(tmp_path, backend)
+    previous = dict(world.probe.engine)
+    settle = world.probe.settle
+
+    async def bridge_dies(slot: str, timeout: float):
+        if slot == "main":
+            world.probe.next_engine = None
+            world.bus.set_state(NEXT, "failed")
+        return await settle(slot, timeout)
+
+    world.probe.settle = bridge_dies
+    patch = {field(backend): 3}
+    op = asyncio.run(world.reload(patch))
+    assert (op.state, op.error) == (R.State.DONE, "")
+    assert ("stop", NEXT) in world.bus.job_log
+    assert assert_one_engine_serving_what_the_files_say(world, {**previous, **patch}, previous) == "target"
