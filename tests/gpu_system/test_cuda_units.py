@@ -394,7 +394,7 @@ def reloads_under_load(c: SystemdContainer, name: str, doors, gpu) -> availabili
     sampler = availability.MemorySampler(gpu is not None)
     sampler.start()
     threads = [threading.Thread(target=availability.client_loop,
-                                args=(port, MODEL, 32, float("inf"), run.outcomes), kwargs={"stop": stop})
+                                args=(port, MODEL, 32, stop, run.outcomes))
                for _ in range(4)]
     for thread in threads:
         thread.start()

