@@ -7,7 +7,6 @@ with the reason. Memory is read from NVML, as an operator would see it.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -22,7 +21,6 @@ pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is needed to read GP
 
 from hostd.checkpoints import random_model  # noqa: E402
 from tests.local import ModelTree, wait_for  # noqa: E402
-from hostd.engine import batch  # noqa: E402
 from hostd.weights import client  # noqa: E402
 
 MiB = 1 << 20
@@ -89,7 +87,12 @@ def test_cuda_ipc_restarts_share_one_copy_agree_with_disk_and_free_everything(tm
     weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     baseline = settle(nvml, 0.5)
     tree = ModelTree(tmp_path, name="gpu")
-    tree.write_config(checkpoint, device="cuda")
+    # Pinned to the one-request engine (batching: none): its NVML total is a
+    # no-copy engine's (context and activations), bounded by the weights. The
+    # batched engine adds a KV cache and step buffers that outgrow this small
+    # checkpoint's weights (failed on the H200 2026-12-01, 1.4 GiB of weights);
+    # its one copy is checked by tests/gpu_system at 7B, KV cache subtracted.
+    tree.write_config(checkpoint, device="cuda", batching="none")
     try:
         daemon = tree.start_weights(timeout=600)
         held = client.status(tree.weights_socket)
@@ -108,19 +111,13 @@ def test_cuda_ipc_restarts_share_one_copy_agree_with_disk_and_free_everything(tm
             assert health["weights_pid"] == daemon.pid
             assert health["weights_socket_inode"] == socket_inode
             assert health["tensors_outside_shared"] == 0  # every tensor points into the IPC block
-            # NVML: the engine adds its CUDA context, activations, the paged
-            # KV cache it reports (the batched engine allocates it at start,
-            # engine.kv_cache_mib) and one step's float32 logits (up to
-            # MAX_BATCH_TOKENS rows of the vocabulary), not a weight-sized
-            # allocation: a copy of the weights would exceed the bound.
-            kv = health.get("kv_cache_bytes") or 0
-            vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-            step_logits = batch.MAX_BATCH_TOKENS["cuda"] * vocab * 4
-            engine_total = settle(nvml, 1.0) - with_daemon - kv
-            assert engine_total < weight_bytes + step_logits, (engine_total / MiB, kv / MiB, weight_bytes / MiB)
+            # NVML: the engine adds its CUDA context and activations, not a
+            # weight-sized allocation.
+            engine_total = settle(nvml, 1.0) - with_daemon
+            assert engine_total < weight_bytes, (engine_total / MiB, weight_bytes / MiB)
             per_process = process_used(nvml, engine.pid)
             if per_process is not None:  # NVML sees PIDs only outside PID namespaces
-                assert per_process - kv < weight_bytes + step_logits
+                assert per_process < weight_bytes
             assert engine.stop() == 0
         assert len(set(outputs)) == 1 and outputs[0]
         # The daemon's one-pass load (hashing while copying into the block)
