@@ -88,3 +88,45 @@ def test_the_main_engine_has_no_rebuild_verb(tmp_path: Path, tiny_checkpoint: Pa
             assert http.post("/hostd/rebuild", json={"engine": {"max_num_seqs": 2}}).status_code == 404
     finally:
         tree.stop_all()
+
+
+def test_the_gateway_fails_over_to_the_standby_at_once_and_back_when_the_engine_answers_again(
+        tmp_path: Path, tiny_checkpoint: Path):
+    port = free_port()
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, fixed={"listen": f"127.0.0.1:{port}", "standby": True}, max_num_seqs=4)
+    base_url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    outcomes: list[str] = []
+    try:
+        tree.start_weights()
+        main = tree.start_engine()
+        start_standby(tree)
+        tree.start_gateway()
+        wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+
+        def one(_: int) -> str:
+            try:
+                client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0)
+                return "ok"
+            except openai.APIStatusError as exc:
+                return f"status {exc.status_code}"
+            except openai.APIError as exc:
+                return f"error {exc}"
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes += pool.map(one, range(4))
+            main.stop(signal.SIGKILL)
+            outcomes_after = list(pool.map(one, range(6)))  # new requests, right after the kill
+        assert outcomes == ["ok"] * 4 and outcomes_after == ["ok"] * 6, (outcomes, outcomes_after)
+        status = tree.control("status")
+        assert (status["slot"], status["failed_over"], status["state"]) == ("standby", "main", "serving")
+        assert sum(status["rejected"].values()) == 0
+        assert "hostd_gateway_failovers_total 1.0" in httpx.get(base_url + "/metrics").text
+
+        tree.start_engine()  # what systemd's Restart= does
+        wait_for(lambda: tree.control("status")["slot"] == "main", 60, "new requests back on the main engine")
+        assert tree.control("status")["failed_over"] == ""
+        assert one(0) == "ok"
+    finally:
+        tree.stop_all()
