@@ -60,7 +60,7 @@ them) are the engine's limits: `systemctl reload model@NAME` or
 # Why a key has the name and default it has, where the table's one line
 # cannot say it: printed after the backend's fixed keys.
 NOTES = {
-    "builtin": """\
+    schema.BuiltinModel: """\
 Why `standby` is named so and is off by default: it is the "warm standby" of
 DESIGN.md and of NVIDIA Dynamo's shadow engine, one per model, so a boolean.
 It is opt-in because it holds a second engine's memory all the time (on CPU the
@@ -157,8 +157,8 @@ def render() -> str:
         out += ["", f"## Backend `{backend}`", "", model.__doc__, ""]
         out += ["Fixed keys of this backend besides the shared ones:", ""]
         out += table(model, skip=tuple(shared) + ("engine",))
-        if backend in NOTES:
-            out += ["", NOTES[backend]]
+        if model in NOTES:
+            out += ["", NOTES[model]]
         engine = schema.ENGINE_TYPES[backend]
         out += ["", f"### `engine:` — editable. {engine.__doc__}", ""]
         out += table(engine, prefix="engine.")

@@ -141,8 +141,12 @@ def rebuilder(cfg, backend, tensors: list, health_of):
     mapped at start) with that section's limits; HEALTH_OF(cfg) is its
     /health facts. Raises RebuildRefused for what the engine would refuse at
     start."""
-    from hostd import dispatch
     from hostd.engine import server
+
+    try:
+        model_config = json.loads((Path(cfg.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        model_config = {}  # the start read it: a checkpoint changed under a running engine
 
     def rebuild(section: object) -> "server.Rebuilt":
         started = time.monotonic()
@@ -151,7 +155,7 @@ def rebuilder(cfg, backend, tensors: list, health_of):
         except msgspec.ValidationError as exc:
             raise server.RebuildRefused(f"engine: {exc}") from None
         new = msgspec.structs.replace(cfg, engine=engine)
-        problems = backend.engine_refusals(new, dispatch.model_config(new) or {})
+        problems = backend.engine_refusals(new, model_config)
         if problems:
             raise server.RebuildRefused("; ".join(problems))
         model_dir = Path(cfg.model)
