@@ -64,7 +64,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
     parser.add_argument("--socket", metavar="PATH", help="serve HTTP here (default /run/hostd/NAME/engine.sock)")
     parser.add_argument("--slot", choices=sorted(paths.ENGINE_SOCKETS), default="main",
-                        help="engine slot: main (engine.sock) or next (engine-next.sock, during an overlap reload)")
+                        help="engine slot: main (engine.sock), next (engine-next.sock, during an overlap reload) "
+                        "or standby (engine-standby.sock, the warm standby)")
     parser.add_argument("--weights", metavar="PATH", help="weight daemon socket (default /run/hostd/NAME/weights.sock)")
     parser.add_argument("--state-dir", metavar="DIR", help="digest cache (default /var/lib/hostd/NAME)")
     parser.add_argument("--from-disk", action="store_true",

@@ -9,13 +9,16 @@ For each valid model it writes, into NORMAL_DIR:
 
 - model@NAME.socket.d/50-hostd.conf: ListenStream= from `listen:`
 - model@NAME.service.d, model-engine@NAME.service.d, model-engine-next@NAME.service.d
-  (the overlap reload's second engine), model-weights@NAME.service.d
+  (the overlap reload's second engine), model-engine-standby@NAME.service.d
+  (the warm standby), model-weights@NAME.service.d
   /50-hostd.conf: start/stop timeouts from `timeouts:`; the engines and the
   weights daemon run as the model's own user; for CUDA models the
   GPUs (CUDA_VISIBLE_DEVICES, counted in PCI bus order) and DeviceAllow= for
   the NVIDIA devices, each GPU by the minor number NVML reports for it (a
   model whose `gpus:` names a GPU that NVML says this host lacks is treated
   as a broken config, below: its start fails at once, saying so)
+- model@NAME.service.d/50-hostd-standby.conf: Wants=model-engine-standby@NAME
+  for `standby: true`
 - multi-user.target.wants/model@NAME.service for `autostart: true`
 
 Every drop-in names the YAML it came from (SourcePath=, as podman's Quadlet
@@ -52,6 +55,7 @@ from typing import Optional
 from hostd import backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
+STANDBY_DROPIN = "50-hostd-standby.conf"  # model@NAME.service.d: Wants= the standby (`standby: true`)
 UNIT_DIR_ENV = "HOSTD_UNIT_DIR"
 STATE_DIR = Path("/run/hostd-generator")  # NAME.listen: the address model@NAME.socket was generated with
 STATE_DIR_ENV = "HOSTD_GENERATOR_STATE_DIR"  # moves it, for tests
@@ -163,9 +167,14 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
         + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n",
         f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg)) + "\n",
     }
-    for unit in (units.engine(name), units.engine(name, "next"), units.weights(name)):
+    for unit in (units.engine(name), units.engine(name, "next"), units.engine(name, "standby"), units.weights(name)):
         body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg))
         files[f"{unit}.d/{DROPIN}"] = header + "[Service]\n" + body + "\n"
+    if getattr(cfg, "standby", False):
+        # The umbrella wants the warm standby as it wants the main engine: a
+        # start of the model starts it, a restart restarts it (its PartOf=).
+        files[f"{units.umbrella(name)}.d/{STANDBY_DROPIN}"] = (
+            header + "[Unit]\n" + f"Wants={units.engine(name, 'standby')}\n")
     return files
 
 

@@ -341,6 +341,8 @@ def model_summary(hostd, name: str) -> dict:
         "weights_pid": props.get("WeightsPID", 0), "weights_retained": props.get("WeightsRetained", False),
         "weights_not_retained_reason": props.get("WeightsNotRetainedReason", ""),
         "engine_status": props.get("EngineStatus", ""), "in_flight": props["InFlight"],
+        "standby": props.get("Standby", False), "standby_state": props.get("StandbyState", ""),
+        "standby_pid": props.get("StandbyPID", 0),
         "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
         "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
                                                           "WeightsReused", "CreatedUSec", "FinishedUSec")},
@@ -385,13 +387,15 @@ def print_detail(m: dict) -> None:
     dot = "●" if m["state"] not in NOT_RUNNING else "○"
     print(f"{dot} {m['name']} - {m['backend']} model, {m['state']}, {m['in_flight']} in flight")
     units_ = m["units"] or []
-    pids = {0: m["gateway_pid"], 2: m["engine_pid"], 3: m["weights_pid"]}
+    pids = {0: m["gateway_pid"], 2: m["engine_pid"], 3: m["weights_pid"], 5: m.get("standby_pid", 0)}
     rows = [
         ("Listen", m["listen"] or "-"),
         ("Units", "\n".join(f"{u}" + (f" (PID {pids[i]})" if pids.get(i) else "") for i, u in enumerate(units_))),
         ("Weights", f"retained by PID {m['weights_pid']}" if m["weights_retained"] else
          f"not retained ({m['weights_not_retained_reason']})" if m["weights_not_retained_reason"] else "not retained"),
         ("Engine", m["engine_status"] or "-"),
+        ("Standby", (f"{m['standby_state'] or 'unknown'}" + (f" (PID {m['standby_pid']})" if m.get("standby_pid") else ""))
+         if m.get("standby") else "none (standby: false)"),
         ("Limits", json.dumps(m["engine"], sort_keys=True)),
         ("Editable", ", ".join(m["editable"]) or "-"),
         ("Last op", m["_last_operation_text"]),

@@ -31,8 +31,9 @@ SUN_PATH_MAX = 107  # bytes, without the terminating NUL
 WEIGHTS_SOCKET = "weights.sock"
 ENGINE_SOCKET = "engine.sock"
 # The engine slots of a model (units.py names their units): "main" serves at
-# rest; "next" runs only during an overlap reload, beside main.
-ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock"}
+# rest; "next" runs only during an overlap reload, beside main; "standby" runs
+# beside main at all times for a model with `standby: true` (builtin only).
+ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock", "standby": "engine-standby.sock"}
 CONTROL_SOCKET = "control.sock"
 # Where each slot's `vllm serve --uds` listens, behind hostd's engine socket of
 # that slot: two engines of one model (an overlap reload) never share one.

@@ -17,7 +17,11 @@ ENGINE = "model-engine@.service"
 # The second engine slot: started only by an overlap reload, beside ENGINE, and
 # stopped once ENGINE serves the new config again (docs/operations.md).
 ENGINE_NEXT = "model-engine-next@.service"
-ENGINES = {"main": ENGINE, "next": ENGINE_NEXT}
+# The warm standby (`standby: true`, builtin): attached to the same weights
+# with the committed config, serving nothing until a reload rebuilds it on the
+# new config or the main engine dies (docs/operations.md, The standby engine).
+ENGINE_STANDBY = "model-engine-standby@.service"
+ENGINES = {"main": ENGINE, "next": ENGINE_NEXT, "standby": ENGINE_STANDBY}
 WEIGHTS = "model-weights@.service"
 WEIGHTS_SOCKET = "model-weights@.socket"
 MANAGER = "hostd.service"

@@ -27,7 +27,7 @@ class BuiltinBackend(Backend):
     def run_engine(self, args, cfg) -> int:
         from hostd.engine import main
 
-        return main.serve(args, cfg)
+        return main.serve(args, cfg, self)
 
     def refusals(self, cfg) -> list[str]:
         """What no engine could serve. Limits beyond what the model can do (a

@@ -57,6 +57,23 @@ them) are the engine's limits: `systemctl reload model@NAME` or
 """
 
 
+# Why a key has the name and default it has, where the table's one line
+# cannot say it: printed after the backend's fixed keys.
+NOTES = {
+    schema.BuiltinModel: """\
+Why `standby` is named so and is off by default: it is the "warm standby" of
+DESIGN.md and of NVIDIA Dynamo's shadow engine, one per model, so a boolean.
+It is opt-in because it holds a second engine's memory all the time (on CPU the
+engine's anonymous memory beyond the shared weights, on a GPU its CUDA context
+and activations; docs/benchmarks.md measures both), while the default overlap
+reload already answers no 503 and pays for a second engine only during a
+reload. Turn it on where a reload must serve the new config within about a
+second or an engine crash must not answer 503: the standby takes both. A
+host sized for one engine per GPU would lose that memory silently if it were
+on by default.""",
+}
+
+
 def describe(t: mi.Type) -> str:
     """A short human description of a msgspec type with its constraints."""
     if isinstance(t, mi.Metadata):
@@ -140,6 +157,8 @@ def render() -> str:
         out += ["", f"## Backend `{backend}`", "", model.__doc__, ""]
         out += ["Fixed keys of this backend besides the shared ones:", ""]
         out += table(model, skip=tuple(shared) + ("engine",))
+        if model in NOTES:
+            out += ["", NOTES[model]]
         engine = schema.ENGINE_TYPES[backend]
         out += ["", f"### `engine:` — editable. {engine.__doc__}", ""]
         out += table(engine, prefix="engine.")

@@ -466,6 +466,20 @@ class BuiltinModel(_ModelBase, kw_only=True):
         Literal["cpu", "cuda"],
         _doc("Where the weights live: 'cpu' (shared memfd) or 'cuda' (CUDA IPC)."),
     ] = "cpu"
+    standby: Annotated[
+        bool,
+        _doc(
+            "Keep a warm standby engine (model-engine-standby@NAME.service): "
+            "a second engine process attached to the same weights with the "
+            "committed config, warmed up, serving nothing. A reload rebuilds it "
+            "on the new config in its own process (no imports, no process start) "
+            "and serves from it within about a second while the main engine "
+            "restarts; when the main engine dies the gateway sends new requests "
+            "to it at once. It costs a second engine's memory at all times "
+            "(docs/operations.md, The standby engine). Takes effect at the next "
+            "`systemctl restart model@NAME` (with a daemon-reload)."
+        ),
+    ] = False
     engine: BuiltinEngine = msgspec.field(default_factory=BuiltinEngine)
 
 

@@ -14,6 +14,15 @@ PID and socket inode are checked before and after mapping (client.py).
 `--from-disk` loads the checkpoint itself instead: the cold start that the
 benchmarks compare against, never used by the units.
 
+In the standby slot (model-engine-standby@NAME, `standby: true`) the engine
+also answers the manager's rebuild verb (server.py, POST /hostd/rebuild):
+rebuild() builds a new skeleton, attaches the tensors this process mapped at
+start (the same daemon allocation; nothing is copied or fetched again) and
+takes the new engine section's limits; server.py warms it up and swaps it
+in. What the config cannot serve (a max_model_len beyond the model's
+positions, a value out of range) is refused as a start would refuse it, and
+the old model keeps serving.
+
 Refuses to start (exit 1, reason in the journal) when the weights cannot be
 had: a daemon holding other weights, a cache that changed while attaching
 (what the config itself asks that the engine cannot do, such as a
@@ -60,8 +69,10 @@ class Phases:
         self._last = now
 
 
-def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, dict]:
-    """The model with its weights, and facts about where they came from."""
+def load_model(cfg, name: str, args, phases: Phases, keep: list | None = None) -> tuple[torch.nn.Module, dict]:
+    """The model with its weights, and facts about where they came from.
+    KEEP, when given, receives the attached tensors (and what maps them), for
+    a rebuild on the same weights."""
     model_dir = Path(cfg.model)
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -71,6 +82,7 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
     model = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=True)
     phases.mark("build_skeleton")
     systemd.status("loading weights from disk" if args.from_disk else "attaching weights")
+    attached = None
     if args.from_disk:
         skeleton = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=False)
         tensors = checkpoint.load_tensors(model_dir, skeleton, device)
@@ -90,6 +102,9 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
             "shared_ptr": attached.block.data_ptr(),
             "shared_bytes": attached.block.numel(),
         }
+    if keep is not None:
+        keep[:] = [list(tensors), attached]  # the mapping lives as long as the process
+        tensors = keep[0]
     checkpoint.attach(model, tensors)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -111,26 +126,12 @@ def device_memory(device: str) -> int | None:
     return memory.host_total()
 
 
-def serve(args: argparse.Namespace, cfg) -> int:
-    """The builtin engine (BuiltinBackend.run_engine)."""
-    from transformers import AutoTokenizer
-
+def limits_for(cfg, model):
+    """The engine's Limits for CFG's engine section on MODEL: its batching and
+    KV budget (continuous), and on CPU without batching the torch threads
+    each request gets."""
     from hostd.engine import server
 
-    phases = Phases()
-    phases.mark("process_and_imports")
-    # STATUS= says which start-up phase runs (systemctl status, and the
-    # manager relays it on a reload's Operation as EngineStatus).
-    systemd.status("building the model")
-    try:
-        with systemd.ExtendTimeout():
-            model, info = load_model(cfg, args.name, args, phases)
-    except (client.WeightsRefused, OSError, ValueError) as exc:
-        log.error("cannot get the weights of %s: %s", args.name, exc)
-        systemd.status(f"failed: {exc}")
-        return 1
-    systemd.status("loading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     if cfg.device == "cpu" and cfg.engine.batching == "none":
         # One request per thread: give each its share of the cores rather than
         # letting every request's matmuls fight over all of them. (Batched,
@@ -144,21 +145,95 @@ def serve(args: argparse.Namespace, cfg) -> int:
             Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
             max_num_seqs=cfg.engine.max_num_seqs, max_model_len=max_model_len,
             device_total=device_memory(cfg.device))
-        info["kv_cache_bytes"] = kv_cache_bytes
-    limits = server.Limits(
+    return server.Limits(
         max_num_seqs=cfg.engine.max_num_seqs,
         max_model_len=max_model_len,
         shutdown_timeout=cfg.engine.shutdown_timeout,
         batching=cfg.engine.batching,
         kv_cache_bytes=kv_cache_bytes,
     )
+
+
+def rebuilder(cfg, backend, tensors: list, health_of):
+    """The standby's rebuild (server.py's ``rebuild``): given an engine
+    section, the model built again on TENSORS (the weights this process
+    mapped at start) with that section's limits; HEALTH_OF(cfg) is its
+    /health facts. Raises RebuildRefused for what the engine would refuse at
+    start."""
+    from hostd.engine import server
+
+    try:
+        model_config = json.loads((Path(cfg.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        model_config = {}  # the start read it: a checkpoint changed under a running engine
+
+    def rebuild(section: object) -> "server.Rebuilt":
+        started = time.monotonic()
+        try:
+            engine = msgspec.convert(section, type=type(cfg.engine))
+        except msgspec.ValidationError as exc:
+            raise server.RebuildRefused(f"engine: {exc}") from None
+        new = msgspec.structs.replace(cfg, engine=engine)
+        problems = backend.engine_refusals(new, model_config)
+        if problems:
+            raise server.RebuildRefused("; ".join(problems))
+        model_dir = Path(cfg.model)
+        model = checkpoint.build_skeleton(model_dir, checkpoint.resolve_dtype(model_dir, cfg.dtype), meta_buffers=True)
+        skeleton = time.monotonic()
+        checkpoint.attach(model, tensors)
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        attached = time.monotonic()
+        try:
+            limits = limits_for(new, model)
+        except ValueError as exc:
+            raise server.RebuildRefused(f"engine: {exc}") from None
+        phases = {"build_skeleton": round(skeleton - started, 4), "attach": round(attached - skeleton, 4)}
+        return server.Rebuilt(model=model, limits=limits, health_info=health_of(new, phases), phases_s=phases)
+
+    return rebuild
+
+
+def serve(args: argparse.Namespace, cfg, backend=None) -> int:
+    """The builtin engine (BuiltinBackend.run_engine, which hands in BACKEND:
+    the standby slot's rebuild asks it what the engine refuses)."""
+    from transformers import AutoTokenizer
+
+    from hostd.engine import server
+
+    phases = Phases()
+    phases.mark("process_and_imports")
+    # STATUS= says which start-up phase runs (systemctl status, and the
+    # manager relays it on a reload's Operation as EngineStatus).
+    systemd.status("building the model")
+    standby = getattr(args, "slot", "main") == "standby" and backend is not None
+    keep: list = []
+    try:
+        with systemd.ExtendTimeout():
+            model, info = load_model(cfg, args.name, args, phases, keep if standby else None)
+    except (client.WeightsRefused, OSError, ValueError) as exc:
+        log.error("cannot get the weights of %s: %s", args.name, exc)
+        systemd.status(f"failed: {exc}")
+        return 1
+    systemd.status("loading the tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    limits = limits_for(cfg, model)
+    info["kv_cache_bytes"] = limits.kv_cache_bytes
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = {
         "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
+        "slot": getattr(args, "slot", "main"),
         "phases_s": phases.seconds,
     }
+
+    def health_info(engine_cfg=None, rebuild_s=None):
+        facts = health if engine_cfg is None else {
+            **health, "engine_config": msgspec.to_builtins(engine_cfg.engine), "rebuild_s": rebuild_s}
+        # On CPU the overlap preflight compares the engine's memory with the
+        # host's (memory.py); on a GPU it asks NVML, and /health reads nothing.
+        return (lambda: {**facts, "memory": memory.snapshot()}) if cfg.device == "cpu" else (lambda: facts)
 
     def ready() -> None:
         phases.mark("warm_up_and_listen")
@@ -181,9 +256,8 @@ def serve(args: argparse.Namespace, cfg) -> int:
         socket_path=Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot),
         on_ready=ready,
         on_status=status,
-        # On CPU the overlap preflight compares the engine's memory with the
-        # host's (memory.py); on a GPU it asks NVML, and /health reads nothing.
-        health_info=(lambda: {**health, "memory": memory.snapshot()}) if cfg.device == "cpu" else (lambda: health),
+        health_info=health_info(),
         log=log,
+        rebuild=rebuilder(cfg, backend, keep[0], health_info) if standby else None,
     )
 

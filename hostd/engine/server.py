@@ -16,17 +16,34 @@ Shutdown (SIGTERM or SIGINT): stop listening, answer 503 with Retry-After to
 any new request on an open connection, let admitted requests (streams
 included) finish for up to ``Limits.shutdown_timeout`` seconds, then cancel
 what is left, and return exit code 0. A second signal cancels at once.
+
+Rebuild (the warm standby only: run_server's ``rebuild``): ``POST
+/hostd/rebuild`` with ``{"engine": {...}}`` builds the model again in this
+process on the same mapped weights with that engine section (``rebuild``
+returns a Rebuilt: new skeleton, new limits, new /health facts), warms it up,
+and only then swaps it in: a new application on the same listening socket
+takes new connections, the old one closes its connections as their requests
+end, finishes what it admitted (up to its shutdown_timeout) and stops. No imports, no process start, no new socket.
+Answers 200 with the new /health, 422 with {"error"} when the section is
+refused (the old model keeps serving, untouched), 409 while another rebuild
+runs or the process shuts down. The route is the manager's: no backend's
+public routes list it, so the gateway never forwards a client to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import os
 import signal
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -39,7 +56,36 @@ STATUS_INTERVAL_S = 1.0  # on_status is called at most about this often
 
 _log = logging.getLogger("hostd.engine")
 
-__all__ = ["Limits", "run_server"]
+__all__ = ["Limits", "REBUILD_PATH", "Rebuilt", "RebuildRefused", "run_server"]
+
+REBUILD_PATH = "/hostd/rebuild"  # the standby's control verb (module docstring)
+REBUILD_MAX_BODY = 64 << 10  # bytes: an engine section is a few hundred
+
+
+class RebuildRefused(Exception):
+    """The engine section a rebuild was given cannot be served (the old model keeps serving)."""
+
+
+@dataclass
+class Rebuilt:
+    """What ``rebuild`` returns: the model built again on the same weights,
+    its limits and its /health facts (as run_server's health_info)."""
+
+    model: Any
+    limits: Limits
+    health_info: "dict | Callable[[], dict] | None" = None
+    phases_s: dict[str, float] = field(default_factory=dict)  # seconds per rebuild phase, for /health
+
+
+@dataclass
+class _Serving:
+    """The application that takes new connections now, and what it runs on."""
+
+    app: web.Application
+    engine: Engine
+    runner: web.AppRunner
+    site: "web.SockSite | None" = None
+    sock: "socket.socket | None" = None  # the listening socket the site owns (closed by its stop)
 
 
 class _StatusLine:
@@ -95,9 +141,13 @@ def run_server(
     on_status: "Callable[[str], None] | None" = None,
     health_info: "dict | Callable[[], dict] | None" = None,
     log: logging.Logger | None = None,
+    rebuild: "Callable[[object], Rebuilt] | None" = None,
 ) -> int:
     """Serve MODEL as SERVED_NAME within LIMITS until SIGTERM or SIGINT;
-    returns the process exit code.
+    returns the process exit code. With REBUILD (the warm standby), POST
+    /hostd/rebuild rebuilds the model in this process (module docstring):
+    REBUILD(the request's engine section) runs on a worker thread and raises
+    RebuildRefused for a section it cannot serve.
 
     Warms the model up first, then listens on the socket systemd passed or
     else on ``socket_path`` (hostd/sockets.py's acquire: 0600 in a private
@@ -109,12 +159,12 @@ def run_server(
     log = log or _log
     return asyncio.run(_serve(
         model, tokenizer, limits, served_name=served_name, socket_path=Path(socket_path), on_ready=on_ready,
-        status=_StatusLine(on_status, log, STATUS_INTERVAL_S), health_info=health_info, log=log,
+        status=_StatusLine(on_status, log, STATUS_INTERVAL_S), health_info=health_info, log=log, rebuild=rebuild,
     ))
 
 
 async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: Path, on_ready, status: _StatusLine,
-                 health_info, log: logging.Logger) -> int:
+                 health_info, log: logging.Logger, rebuild=None) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -143,29 +193,24 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
             log.info("stopped before serving")
             return 0
 
+        rebuilder = _Rebuilder(rebuild, tokenizer, served_name, status, log, stop, hurry) if rebuild else None
         try:
-            app = build_app(model, tokenizer, limits, served_name=served_name, health_info=health_info, log=log)
-            engine = app[ENGINE]
-            if hasattr(engine.runner, "warm_up"):  # the batched loop: one generation through it too
-                await engine.runner.warm_up()
+            serving = await _application(model, tokenizer, limits, served_name, health_info, log, status, rebuilder)
         except Exception as error:
             log.exception("the engine cannot serve with batching=%s: %s", limits.batching, logs.one_line(error))
-            if "app" in locals():
-                await app.shutdown()
-                await app.cleanup()
             return 1
-        engine.on_change = lambda: status.set(engine.summary())
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=CANCEL_GRACE_S, logger=logs.protocol_logger(log))
-        await runner.setup()
+        engine = serving.engine
         try:
             listener = sockets.acquire(socket_path, bind=functools.partial(sockets.bind_private, backlog=socket.SOMAXCONN))
         except (sockets.UnsafePath, OSError) as error:
             log.error("cannot listen: %s", error)
-            await runner.cleanup()
+            await serving.runner.cleanup()
             return 1
-        site = web.SockSite(runner, listener)
-        await site.start()
+        serving.sock = listener
+        serving.site = web.SockSite(serving.runner, listener)
+        await serving.site.start()
+        if rebuilder is not None:
+            rebuilder.serving = serving
         log.info("serving %s on unix:%s (max_num_seqs=%d, max_model_len=%d)", served_name, listener.getsockname(),
                  limits.max_num_seqs, limits.max_model_len)
         if on_ready is not None:
@@ -177,17 +222,24 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
 
         await stop.wait()
 
+        if rebuilder is not None:  # a rebuild under way finishes (or gives up) first; none starts now
+            async with rebuilder.lock:
+                serving = rebuilder.serving
+            engine = serving.engine
         engine.draining = True
         status.set(engine.summary(), now=True)
-        await site.stop()  # closes the listening socket; open connections stay
+        await serving.site.stop()  # closes the listening socket; open connections stay
         sockets.release(listener)  # and its file, if still ours
         if engine.in_flight:
             log.info("waiting for %d request(s) in flight", engine.in_flight)
-        if not await _wait_idle(engine, limits.shutdown_timeout, hurry):
+        shutdown_timeout = engine.limits.shutdown_timeout
+        if not await _wait_idle(engine, shutdown_timeout, hurry):
             log.warning("%d request(s) still in flight after %gs; cancelling them", engine.in_flight,
-                        limits.shutdown_timeout)
+                        shutdown_timeout)
             engine.runner.cancel_all()
-        await runner.cleanup()  # closes connections, then stops the worker threads
+        await serving.runner.cleanup()  # closes connections, then stops the worker threads
+        if rebuilder is not None and rebuilder.retiring:  # a model a rebuild replaced, still finishing
+            await asyncio.wait(set(rebuilder.retiring), timeout=shutdown_timeout + CANCEL_GRACE_S)
         status.set("stopped", now=True)
         log.info("stopped")
         return 0
@@ -195,6 +247,113 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
         status.close()
         for signum in handled:
             loop.remove_signal_handler(signum)
+
+
+async def _application(model, tokenizer, limits: Limits, served_name: str, health_info, log: logging.Logger,
+                       status: _StatusLine, rebuilder: "_Rebuilder | None") -> _Serving:
+    """MODEL's application, set up (not yet listening); with REBUILDER its
+    rebuild route too."""
+    app = build_app(model, tokenizer, limits, served_name=served_name, health_info=health_info, log=log)
+    if rebuilder is not None:
+        app.router.add_post(REBUILD_PATH, rebuilder.handle)
+    engine = app[ENGINE]
+    if hasattr(engine.runner, "warm_up"):  # the batched loop: one generation through it too
+        try:
+            await engine.runner.warm_up()
+        except BaseException:
+            await app.shutdown()
+            await app.cleanup()
+            raise
+    engine.on_change = lambda: status.set(engine.summary())
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=CANCEL_GRACE_S, logger=logs.protocol_logger(log))
+    await runner.setup()
+    return _Serving(app=app, engine=engine, runner=runner)
+
+
+class _Rebuilder:
+    """The standby's rebuild verb (module docstring): one at a time, never
+    while shutting down; the old application serves until the new one is
+    warm and listening."""
+
+    def __init__(self, rebuild: Callable[[object], Rebuilt], tokenizer, served_name: str, status: _StatusLine,
+                 log: logging.Logger, stop: asyncio.Event, hurry: asyncio.Event) -> None:
+        self.rebuild, self.tokenizer, self.served_name = rebuild, tokenizer, served_name
+        self.status, self.log, self.stop, self.hurry = status, log, stop, hurry
+        self.lock = asyncio.Lock()
+        self.serving: "_Serving | None" = None
+        self.retiring: set[asyncio.Task] = set()
+
+    @staticmethod
+    def answer(status: int, body: dict) -> web.Response:
+        return web.Response(status=status, body=json.dumps(body), content_type="application/json")
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if self.lock.locked() or self.stop.is_set() or self.serving is None:
+            return self.answer(409, {"error": "a rebuild is running or the engine is shutting down; not rebuilding"})
+        raw = await request.content.read(REBUILD_MAX_BODY + 1)
+        try:
+            body = json.loads(raw) if len(raw) <= REBUILD_MAX_BODY else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("engine"), dict):
+            return self.answer(400, {"error": 'expected {"engine": {...}}, the engine section to rebuild with'})
+        async with self.lock:
+            return await self._rebuild(body["engine"])
+
+    async def _rebuild(self, section: dict) -> web.Response:
+        log, started = self.log, time.monotonic()
+        log.info("rebuild requested: engine %s", json.dumps(section, sort_keys=True))
+        self.status.set("rebuilding", now=True)
+        try:
+            rebuilt = await asyncio.to_thread(self.rebuild, section)
+            warm = time.monotonic()
+            await asyncio.to_thread(warm_up, rebuilt.model, self.tokenizer)
+            rebuilt.phases_s["warm_up"] = round(time.monotonic() - warm, 4)
+        except RebuildRefused as error:
+            log.error("rebuild refused, the old model keeps serving: %s", error)
+            self.status.set(self.serving.engine.summary(), now=True)
+            return self.answer(422, {"error": str(error)})
+        except Exception as error:
+            log.exception("rebuild failed, the old model keeps serving")
+            self.status.set(self.serving.engine.summary(), now=True)
+            return self.answer(500, {"error": f"rebuild failed: {type(error).__name__}: {error}"})
+        if self.stop.is_set():
+            return self.answer(409, {"error": "the engine is shutting down; not rebuilding"})
+        old = self.serving
+        swap = time.monotonic()
+        new = await _application(rebuilt.model, self.tokenizer, rebuilt.limits, self.served_name,
+                                 rebuilt.health_info, log, self.status, self)
+        # The new application takes new connections on the same socket before
+        # the old one stops taking them: none is refused in between.
+        new.sock = socket.socket(old.sock.family, old.sock.type, old.sock.proto, fileno=os.dup(old.sock.fileno()))
+        new.site = web.SockSite(new.runner, new.sock)
+        await new.site.start()
+        await old.site.stop()
+        self.serving = new
+        rebuilt.phases_s["swap"] = round(time.monotonic() - swap, 4)
+        task = asyncio.create_task(self._retire(old))
+        self.retiring.add(task)
+        task.add_done_callback(self.retiring.discard)
+        log.info("rebuilt in %.3f s (phases %s): serving with max_num_seqs=%d, max_model_len=%d",
+                 time.monotonic() - started, json.dumps(rebuilt.phases_s), rebuilt.limits.max_num_seqs,
+                 rebuilt.limits.max_model_len)
+        self.status.set(new.engine.summary(), now=True)
+        return self.answer(200, {**new.engine.health(), "rebuild_s": rebuilt.phases_s})
+
+    async def _retire(self, old: _Serving) -> None:
+        """The old application finishes what it admitted (up to its
+        shutdown_timeout), then stops and frees its worker threads."""
+        await asyncio.sleep(0)  # the rebuild's own answer goes out first
+        # Its connections close once their request ends (idle ones now), so a
+        # client's next request opens a connection to the new model; none is
+        # answered 503 for it.
+        old.runner.server.pre_shutdown()
+        if not await _wait_idle(old.engine, old.engine.limits.shutdown_timeout, self.hurry):
+            self.log.warning("%d request(s) still ran on the model before the rebuild; cancelling them",
+                             old.engine.in_flight)
+            old.engine.runner.cancel_all()
+        await old.runner.cleanup()
 
 
 async def _wait_idle(engine: Engine, timeout: float, hurry: asyncio.Event) -> bool:

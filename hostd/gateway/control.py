@@ -27,11 +27,14 @@ and a field an earlier gateway lacks has a default.
     -> {"verb": "settle", "slot": "main", "timeout": 120}   (overlap reload: wait until the requests
     <- {"ok": true, "protocol": 3, "settled": true, "remaining": 0}   running on that engine end)
     -> {"verb": "keys", "source": "/etc/hostd/keys/qwen", "keys": ["sk-..."]}   (root only: new API keys,
-    <- {"ok": true, "protocol": 4, "keys": 2}                 read from SOURCE by hostd.gateway.keys)
+    <- {"ok": true, "protocol": 5, "keys": 2}                 read from SOURCE by hostd.gateway.keys)
     <- {"ok": false, "protocol": 2, "error": "..."}          a refusal, for any request
 
 PROTOCOL: 1 (no `protocol` in answers): a gateway from before switch took an
-`outcome`; 2: switch takes one; 3: settle; 4: keys. The gateway and the manager ship together, but
+`outcome`; 2: switch takes one; 3: settle; 4: keys; 5: the standby slot
+(switch and settle take "standby"; status says `failed_over` when the
+gateway itself moved new requests to the standby because their engine
+died). The gateway and the manager ship together, but
 a model's gateway keeps running across an upgrade of hostd.service, so the
 manager asks before it sends a field an older gateway would refuse
 (manager/probe.py).
@@ -79,7 +82,7 @@ class Switch(msgspec.Struct, tag_field="verb", tag="switch", forbid_unknown_fiel
     """Send new requests to the engine in SLOT (paths.ENGINE_SOCKETS); requests
     already running stay on their engine. A slot name, never a path."""
 
-    slot: Literal["main", "next"]
+    slot: Literal["main", "next", "standby"]
     # Switching back to main ends an overlap reload: how it ended (as Resume).
     outcome: Optional[Outcome] = None
 
@@ -89,7 +92,7 @@ class Settle(msgspec.Struct, tag_field="verb", tag="settle", forbid_unknown_fiel
     passes; admission is untouched (an overlap reload, before it stops the
     engine a switch left)."""
 
-    slot: Literal["main", "next"]
+    slot: Literal["main", "next", "standby"]
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
@@ -106,7 +109,7 @@ Request = Union[Drain, Resume, Status, Switch, Settle, Keys]
 ROOT_ONLY = (Keys,)  # verbs a peer of the gateway's own uid may not send
 _decoder = msgspec.json.Decoder(Request)
 
-PROTOCOL = 4  # see the module docstring
+PROTOCOL = 5  # see the module docstring
 
 
 class Answer(msgspec.Struct, kw_only=True):
@@ -154,6 +157,9 @@ class GatewayStatus(Answer, kw_only=True):
     proxied_bytes: int = 0
     since: float = 0.0
     slot: str = "main"  # the engine slot new requests go to
+    # The slot whose engine died when the gateway moved new requests to the
+    # standby itself (they go back once it answers again); "" otherwise.
+    failed_over: str = ""
 
 
 # The answer to each request.

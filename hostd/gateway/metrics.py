@@ -39,6 +39,9 @@ class Metrics:
         self.drains = Counter("hostd_gateway_drains", "Drains requested", registry=r)
         self.state = Gauge("hostd_gateway_state", "1 for the current state", ["state"], registry=r)
         self.errors = Counter("hostd_gateway_upstream_errors", "Requests the engine failed mid-way", registry=r)
+        self.failovers = Counter(
+            "hostd_gateway_failovers", "Times new requests moved to the warm standby because the engine "
+            "serving them stopped answering (standby: true)", registry=r)
         self.connections_refused = Counter(
             "hostd_gateway_connections_refused", "Connections answered 503 at the connection cap", registry=r)
         self.connections_timed_out = Counter(

@@ -26,6 +26,14 @@ metrics.py.
   A client that disconnects has its engine request closed, so the engine
   cancels it. An engine that dies mid-request ends that request with a clear
   error, and the gateway stops admitting until the engine is healthy again.
+- With a warm standby (`standby: true`: engine-standby.sock), an engine that
+  dies costs new requests nothing: the first request that cannot reach it (or
+  the health monitor, every HEALTH_INTERVAL) moves new requests to the
+  standby, and a request the dead engine never took is sent there instead of
+  being answered 503. Requests that were running on the dead engine fail as
+  above. Once the dead engine's slot answers /health again (its unit
+  restarted it and it is warm: an engine listens only then), new requests go
+  back to it. A switch from the manager ends that failover.
 - Connections are capped, in all and per client, and timed (limits.py): slow
   or oversized headers, idle keep-alive connections and clients that stop
   reading are closed; at a cap the longest-idle connection makes room, and
@@ -72,6 +80,11 @@ class Gateway:
         self.limits = cfg.gateway
         self.engine_sockets = engine_sockets  # slot -> socket (paths.ENGINE_SOCKETS)
         self.slot = "main"  # where new requests go; `switch` moves it
+        # standby: true (the standby's socket is given): where new requests go
+        # when the engine serving them dies; FAILED_OVER is then the dead one's slot.
+        self.standby = "standby" in engine_sockets
+        self.failed_over = ""
+        self._failover_lock = asyncio.Lock()
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.control_socket = control_socket
         self.backend = backends.for_config(cfg)
@@ -260,19 +273,26 @@ class Gateway:
         slot = self.slot  # the engine this request goes to, whatever a switch does meanwhile
         self.admission.sent(slot)
         try:
-            response = await forward.forward(
-                self.sessions[slot], target, request, body, drop=self.drop_headers,
-                add={"X-Request-Id": uuid.uuid4().hex},
-                on_start=first_byte, on_chunk=self._count_bytes, stream_error=self.stream_error,
-            )
+            for attempt in range(2):
+                try:
+                    response = await forward.forward(
+                        self.sessions[slot], target, request, body, drop=self.drop_headers,
+                        add={"X-Request-Id": uuid.uuid4().hex},
+                        on_start=first_byte, on_chunk=self._count_bytes, stream_error=self.stream_error,
+                    )
+                    break
+                except forward.Unreachable as exc:
+                    log.warning("engine unreachable (%s slot): %s", slot, exc)
+                    await self._engine_lost(slot)
+                    if attempt or self.slot == slot or self.admission.state != State.SERVING:
+                        status = "503"
+                        return self.unavailable("engine-down")
+                    # Failed over to the standby: the dead engine took nothing of it.
+                    self.admission.moved(slot, self.slot)
+                    slot = self.slot
             gone = request.transport is None or request.transport.is_closing()
             status = CLIENT_CLOSED if gone else str(response.status)
             return response
-        except forward.Unreachable as exc:
-            log.warning("engine unreachable (%s slot): %s", slot, exc)
-            await self._engine_lost(slot)
-            status = "503"
-            return self.unavailable("engine-down")
         except forward.Broken as exc:
             # The engine died mid-response: the client's library reports an
             # error; stop admitting new requests until it is healthy again.
@@ -286,11 +306,45 @@ class Gateway:
             await self.admission.done(slot)
 
     async def _engine_lost(self, slot: str) -> None:
-        """Stop admitting when the engine new requests go to is gone; one that
-        failed on the engine a switch left (an overlap reload restarting it)
-        says nothing about the one that serves."""
-        if slot == self.slot:
+        """Stop admitting when the engine new requests go to is gone, unless
+        the standby takes them (_fail_over); one that failed on the engine a
+        switch left (an overlap reload restarting it) says nothing about the
+        one that serves."""
+        if slot == self.slot and not await self._fail_over(slot):
             await self.admission.engine_lost()
+
+    async def _fail_over(self, slot: str) -> bool:
+        """standby: true: new requests go to the standby when the engine in
+        SLOT, which they went to, stopped answering; True when they do (or a
+        request that saw the same death moved them already)."""
+        if not self.standby or slot == "standby" or self.admission.state in HELD:
+            return False
+        async with self._failover_lock:
+            if self.slot != slot:
+                return self.slot == "standby"
+            if not await self.engine_ok("standby"):
+                log.warning("the %s engine stopped answering and the standby does not answer either", slot)
+                return False
+            self.slot, self.failed_over = "standby", slot
+        self.metrics.failovers.inc()
+        log.warning("failover: the %s engine stopped answering; new requests go to the standby (%s) until it "
+                    "answers again", slot, self.engine_sockets["standby"])
+        self._report()
+        return True
+
+    async def _fail_back(self) -> None:
+        """After a failover: new requests go back to the engine that died once
+        its slot answers /health again (a restarted engine listens only once
+        it is warm)."""
+        back = self.failed_over
+        if back and self.slot == "standby" and await self.engine_ok(back):
+            async with self._failover_lock:
+                if self.failed_over != back or self.slot != "standby":
+                    return
+                self.slot, self.failed_over = back, ""
+            log.info("failover ends: the %s engine answers again; new requests go to it, %d running on the "
+                     "standby finish there", back, self.admission.on_slot.get("standby", 0))
+            self._report()
 
     def _count_bytes(self, n: int) -> None:
         self.admission.counters.proxied_bytes += n
@@ -309,13 +363,20 @@ class Gateway:
     async def monitor(self) -> None:
         while True:
             if self.admission.state not in HELD:
-                await self.admission.engine_healthy(await self.engine_ok())
+                healthy = await self.engine_ok()
+                if not healthy and await self._fail_over(self.slot):
+                    healthy = True
+                await self.admission.engine_healthy(healthy)
+                if self.failed_over and healthy:
+                    await self._fail_back()
             self._report()
             await asyncio.sleep(HEALTH_INTERVAL)
 
     def _report(self) -> None:
         a = self.admission
         text = f"{a.state.value}: {a.in_flight} in flight, {a.counters.admitted} admitted, {sum(a.counters.rejected.values())} rejected"
+        if self.failed_over:
+            text += f"; on the standby (the {self.failed_over} engine stopped answering)"
         if text != self._last_status:
             self._last_status = text
             systemd.status(text)
@@ -359,7 +420,7 @@ class Gateway:
                      request.slot)
             result = await self.admission.settle(request.slot, request.timeout)
         else:
-            result = self.admission.snapshot(self.slot)
+            result = self.admission.snapshot(self.slot, self.failed_over)
         self._report()
         return result
 
@@ -384,6 +445,8 @@ class Gateway:
         """New requests go to SLOT's engine from now on (an overlap reload);
         running ones finish where they are. Refused while that engine does
         not answer /health, so a switch never sends traffic into the void."""
+        if slot not in self.engine_sockets:
+            raise control.ControlError(f"this model has no {slot} slot (standby: true makes the standby's)")
         if slot != self.slot:
             if not await self.engine_ok(slot):
                 raise control.ControlError(
@@ -392,6 +455,9 @@ class Gateway:
             log.info("switch: new requests go to the %s engine (%s); %d in flight stay where they are",
                      slot, self.engine_sockets[slot], self.admission.in_flight)
             self.slot = slot
+        if self.failed_over:
+            log.info("switch: the failover from the %s engine ends (the manager decides now)", self.failed_over)
+            self.failed_over = ""  # the manager decides where new requests go now
         return self.admission.snapshot(self.slot)
 
 
@@ -469,6 +535,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     main = Path(args.engine) if args.engine else paths.engine_socket(args.name)
     engine_sockets = {"main": main, "next": main.with_name(paths.ENGINE_SOCKETS["next"])}
+    if getattr(cfg, "standby", False):
+        engine_sockets["standby"] = main.with_name(paths.ENGINE_SOCKETS["standby"])
     control_socket = Path(args.control) if args.control else paths.control_socket(args.name)
     listener = sockets.acquire(args.listen or cfg.listen, bind=listener_from_config)
     gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys)

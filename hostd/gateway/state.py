@@ -101,6 +101,11 @@ class Admission:
         """An admitted request goes to the engine in SLOT."""
         self.on_slot[slot] = self.on_slot.get(slot, 0) + 1
 
+    def moved(self, old: str, new: str) -> None:
+        """An admitted request that OLD's engine never took goes to NEW's (a failover)."""
+        self.on_slot[old] -= 1
+        self.sent(new)
+
     async def done(self, slot: Optional[str] = None) -> None:
         if slot is not None:
             self.on_slot[slot] -= 1
@@ -153,7 +158,7 @@ class Admission:
         await self._set(State.SERVING if engine_healthy else State.ENGINE_DOWN)
         return Resumed(state=self.state.value)
 
-    def snapshot(self, slot: str) -> GatewayStatus:
+    def snapshot(self, slot: str, failed_over: str = "") -> GatewayStatus:
         """The counters, as the control socket's status answers them; SLOT is
         where new requests go (the gateway's, not the admission's)."""
         return GatewayStatus(
@@ -167,4 +172,5 @@ class Admission:
             proxied_bytes=self.counters.proxied_bytes,
             since=self.changed_at,
             slot=slot,
+            failed_over=failed_over,
         )

@@ -69,6 +69,7 @@ class ModelInterface(ServiceInterface):
         self.path = api.model_path(name)
         self.units = (units.umbrella(name), units.engine(name))
         self.weights_unit = units.weights(name)  # tracked too, for its PID
+        self.standby_unit = units.engine(name, "standby")  # tracked too: Standby, StandbyState, StandbyPID
         self.state = "unknown"
         self.in_flight = 0
         self.gateway: Optional[str] = None  # the gateway's own state when last asked; None: not since an operation
@@ -124,6 +125,8 @@ class ModelInterface(ServiceInterface):
             return "degraded"
         if state == "active":
             serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
+            if engine.get("ActiveState") != "active" and self.standby_state() == "active":
+                return serving  # the gateway serves from the warm standby meanwhile (a failover)
             return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
         return {"activating": "starting", "deactivating": "stopping", "reloading": "reloading",
                 "unknown": "unknown"}.get(state, "stopped")
@@ -223,7 +226,7 @@ class ModelInterface(ServiceInterface):
     def Units(self) -> "as":
         name = self.model_name
         return [units.umbrella(name), units.socket(name), units.engine(name), units.weights(name),
-                units.instance(units.WEIGHTS_SOCKET, name)]
+                units.instance(units.WEIGHTS_SOCKET, name)] + ([self.standby_unit] if self.standby() else [])
 
     def _pid(self, unit: str) -> int:
         return int((self.manager.systemd.cached(unit) or {}).get("MainPID", 0) or 0)
@@ -239,6 +242,29 @@ class ModelInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def WeightsPID(self) -> "u":
         return self._pid(self.weights_unit)
+
+    def standby(self) -> bool:
+        loaded = self.loaded()
+        return bool(loaded and getattr(loaded.config, "standby", False))
+
+    def standby_state(self) -> str:
+        """The standby unit's ActiveState; "" for a model without `standby: true`."""
+        if not self.standby():
+            return ""
+        return str((self.manager.systemd.cached(self.standby_unit) or {}).get("ActiveState", "unknown"))
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Standby(self) -> "b":
+        """The config on disk says standby: true (it takes effect at the model's next start)."""
+        return self.standby()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def StandbyState(self) -> "s":
+        return self.standby_state()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def StandbyPID(self) -> "u":
+        return self._pid(self.standby_unit) if self.standby() else 0
 
     @dbus_property(access=PropertyAccess.READ)
     def EngineStatus(self) -> "s":

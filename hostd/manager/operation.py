@@ -41,6 +41,7 @@ class State(str, enum.Enum):
 class Strategy(str, enum.Enum):
     OVERLAP = "overlap"
     RESTART = "restart"
+    STANDBY = "standby"  # standby: true and the standby answers: it rebuilds, then serves while main restarts
 
 
 class Stage(str, enum.Enum):
@@ -49,6 +50,7 @@ class Stage(str, enum.Enum):
     RECORD = "record"
     DRAIN = "drain"
     START_NEXT = "start-next"  # overlap: the second engine starts and is verified
+    REBUILD = "rebuild"  # standby: the standby rebuilds on the target config and is verified
     SWITCH = "switch"  # overlap: the gateway sends new requests to it
     SETTLE = "settle"  # overlap: the requests running on the old engine finish there
     RESTART = "restart"
@@ -65,7 +67,8 @@ class Stage(str, enum.Enum):
 TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.VALIDATE: {Stage.PREFLIGHT, Stage.FINISHED},
     Stage.PREFLIGHT: {Stage.RECORD, Stage.RESTORE, Stage.FINISHED},
-    Stage.RECORD: {Stage.DRAIN, Stage.START_NEXT, Stage.RESTORE},
+    Stage.RECORD: {Stage.DRAIN, Stage.START_NEXT, Stage.REBUILD, Stage.RESTORE},
+    Stage.REBUILD: {Stage.SWITCH, Stage.RESTORE},
     Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
     Stage.START_NEXT: {Stage.SWITCH, Stage.RESTORE},
     Stage.SWITCH: {Stage.SETTLE, Stage.RESTORE},
@@ -80,14 +83,17 @@ TRANSITIONS: dict[Stage, set[Stage]] = {
     Stage.FINISHED: set(),
 }
 # Where Cancel() is honoured, per strategy: until the drain ends (restart), or
-# until the gateway switches to the second engine (overlap); before the
-# preflight has chosen, both. Past it the reload runs to its end.
+# until the gateway switches to the second engine (overlap) or to the rebuilt
+# standby (standby); before the preflight has chosen, both. Past it the
+# reload runs to its end.
 CANCELLABLE = {
     "": (Stage.VALIDATE, Stage.PREFLIGHT),
     "restart": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN),
     "overlap": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.START_NEXT),
+    "standby": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.REBUILD),
 }
-CANCEL_ENDS = {"": "its preflight", "restart": "its drain", "overlap": "its switch to the second engine"}
+CANCEL_ENDS = {"": "its preflight", "restart": "its drain", "overlap": "its switch to the second engine",
+               "standby": "its switch to the standby"}
 
 
 class Cancelled(Exception):

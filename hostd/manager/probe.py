@@ -37,6 +37,13 @@ class VerifyFailed(Exception):
     pass
 
 
+class RebuildFailed(Exception):
+    """The standby did not rebuild; the message is its own answer (it keeps its old model)."""
+
+
+REBUILD_TIMEOUT = 600.0  # s: a skeleton, an attach and a warm-up; seconds at 7B (docs/benchmarks.md)
+
+
 class CheckedUnixConnector(aiohttp.UnixConnector):
     """aiohttp's Unix connector, connecting through sockets.connect."""
 
@@ -158,6 +165,31 @@ class Probe:
             async with http.post("http://engine/v1/completions", json=body) as response:
                 if response.status != 200:
                     raise VerifyFailed(f"smoke request answered {response.status}: {(await response.text())[:300]}")
+
+    async def rebuild(self, engine: dict, slot: str = "standby") -> dict:
+        """Ask the engine in SLOT (the warm standby) to rebuild itself on the
+        ENGINE section (hostd/engine/server.py, POST /hostd/rebuild); its
+        answer (/health after the rebuild, with rebuild_s). RebuildFailed
+        with the engine's own words when it refuses or fails."""
+        connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
+        try:
+            async with aiohttp.ClientSession(connector=connector,
+                                             timeout=aiohttp.ClientTimeout(total=REBUILD_TIMEOUT)) as http:
+                async with http.post("http://engine/hostd/rebuild", json={"engine": engine}) as response:
+                    body = await response.content.read(HEALTH_MAX + 1)
+                    status = response.status
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise RebuildFailed(f"the {slot} engine did not answer the rebuild: {exc or type(exc).__name__}") from None
+        try:
+            answer = json.loads(body) if len(body) <= HEALTH_MAX else None
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise RebuildFailed(f"the {slot} engine answered the rebuild {status} with no JSON object")
+        if status != 200:
+            error = str(answer.get("error", ""))[:1000] or f"status {status}"
+            raise RebuildFailed(f"the {slot} engine refused the rebuild: {error}")
+        return answer
 
     @staticmethod
     def runs(health: dict, engine: dict) -> bool:

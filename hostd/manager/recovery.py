@@ -7,7 +7,9 @@ leave an engine that runs the previous config alone (the crash came before its
 restart); else restart it with the previous config and resume (after a drain
 for the restart strategy). Recovery never stops an engine that still has
 admitted requests without draining it first, and after an overlap reload
-leaves exactly one engine serving.
+leaves exactly one engine serving. After a standby reload it leaves the main
+engine serving and the standby on the config main serves (committed or
+rolled back): rebuilt there, or restarted by systemd when that fails.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     one engine is left."""
     name, probe, systemd = model.name, model.probe, model.systemd
     where = {"hostd_model": name, "hostd_operation": str(intent.operation)}
-    overlap = intent.strategy == Strategy.OVERLAP.value
+    standby = intent.strategy == Strategy.STANDBY.value
+    overlap = standby or intent.strategy == Strategy.OVERLAP.value  # nothing was drained
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
     await systemd.settle(model.engine_unit, timeout=300)
     if overlap:
-        await systemd.settle(model.next_unit, timeout=300)
+        await systemd.settle(model.standby_unit if standby else model.next_unit, timeout=300)
     health = await probe.engine_health()
     target = await _verified_target(model, intent, health, where)
     if target is not None:
@@ -66,7 +69,7 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
             log.info("recovery: %s is stopped; files restored", name, extra=where)
             outcome = "restored"
     if overlap:
-        await _leave_one_engine(model, outcome, where)
+        await _leave_one_engine(model, outcome, where, standby)
     elif outcome != "restored":
         try:
             await probe.resume("recovered")
@@ -109,14 +112,20 @@ async def _restart_main(model: ModelHandles, where: dict) -> str:
     return "restarted"
 
 
-async def _leave_one_engine(model: ModelHandles, outcome: str, where: dict) -> None:
-    """After an overlap: the gateway back on the main engine, the next one stopped."""
+async def _leave_one_engine(model: ModelHandles, outcome: str, where: dict, standby: bool = False) -> None:
+    """After an overlap: the gateway back on the main engine, the next one
+    stopped. After a standby reload: the gateway back on the main engine, the
+    standby on the config on disk (what main serves), never stopped."""
     main_answers = await model.probe.engine_health() is not None
     if outcome != "restored" and main_answers:
         try:
             await model.probe.switch("main", "recovered")
         except Exception as exc:  # a gateway that is down starts on main by itself
             log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc, extra=where)
+    if standby:
+        if outcome != "restored":
+            await _standby_on_disk_config(model, where)
+        return
     if outcome == "restored" or main_answers:
         await model.systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
     else:
@@ -124,7 +133,28 @@ async def _leave_one_engine(model: ModelHandles, outcome: str, where: dict) -> N
                   model.name, model.next_unit, extra=where)
 
 
-async def _restart_drained(model: Model) -> str:
+async def _standby_on_disk_config(model: ModelHandles, where: dict) -> None:
+    """The standby rebuilt on the engine section on disk (what the main
+    engine serves now) unless it runs it already; restarted when it cannot."""
+    engine = msgspec.to_builtins(model.load().config.engine)
+    health = await model.probe.engine_health("standby")
+    if health is not None and model.probe.runs(health, engine):
+        return
+    try:
+        if health is None:
+            raise RuntimeError("it does not answer")
+        await model.probe.rebuild(engine)
+        log.info("recovery: %s's standby rebuilt on the config on disk", model.name, extra=where)
+    except Exception as exc:
+        log.warning("recovery: %s's standby (%s): %s; restarting it", model.name, model.standby_unit, exc,
+                    extra=where)
+        try:
+            await model.systemd.restart(model.standby_unit, timeout=model.load().config.timeouts.start + 30)
+        except Exception as again:
+            log.error("recovery: restarting %s failed: %s", model.standby_unit, again, extra=where)
+
+
+async def _restart_drained(model: ModelHandles) -> str:
     """Restart the engine with the config on disk, after draining what it admitted."""
     cfg = model.load().config
     try:

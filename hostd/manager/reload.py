@@ -2,10 +2,36 @@
 (operation.py holds its states, stages and transitions) and the driver that
 runs them to every way a reload can end.
 
-Two strategies, chosen by the preflight (Operation.strategy says which, and why
-in the journal): `overlap` (the default) and `restart` (forced by
-reload.strategy: restart, and the fallback when the backend cannot run two
-engines or there is no room for a second one).
+Three strategies, chosen by the preflight (Operation.strategy says which, and
+why in the journal): `standby` (a model with `standby: true` whose standby
+answers and the gateway serves from main), `overlap` (the default otherwise)
+and `restart` (forced by reload.strategy: restart, and the fallback when the
+backend cannot run two engines or there is no room for a second one).
+
+standby: no 503 at any point, and the new config serves within the standby's
+rebuild (about a second) instead of a whole engine start.
+
+    validate -> preflight -> record -> rebuild -> switch -> settle -> restart -> verify -> resume -> commit -> finished (done)
+                                          |          |         |           \\____(fails)___/
+                                     (fails, cancel, stop)  (timeout)  rollback (main back to the previous config)
+                                          |                              -> resume (standby back too) -> finished (rolled-back)
+                            restore: (switch back), put the drop-in back, the standby back on
+                            the previous config -> finished (rolled-back | cancelled | failed;
+                            the main engine never stopped)
+
+    rebuild: model-engine-standby@NAME rebuilds itself on the target config in
+      its own process (the engine's rebuild verb: new skeleton on the same
+      mapped weights, new limits, warm-up) and is verified on its own socket;
+      a refused or failed rebuild leaves it on its old model. Cancel() is
+      honoured until here;
+    switch, settle, restart, verify: as overlap's, with the standby serving;
+    resume: the gateway sends new requests to model-engine@NAME again; the
+      standby, already on the target config, is standby again: nothing
+      retires. After a rollback it is rebuilt back on the previous config
+      (restarted by systemd if that fails).
+    At rest model-engine@NAME serves and model-engine-standby@NAME waits on the
+    committed config: the roles never swap, so `systemctl restart
+    model-engine@NAME` and the journal mean what they always meant.
 
 overlap: no 503 at any point.
 
@@ -81,7 +107,7 @@ from hostd.manager.dropins import (
     restore_file, rollback_header,
 )
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State, Strategy
-from hostd.manager.probe import Probe
+from hostd.manager.probe import Probe, RebuildFailed
 from hostd.manager.records import Committed, Degraded, Intent, Records
 
 log = logging.getLogger("hostd.manager.reload")
@@ -103,6 +129,7 @@ class ModelHandles:
         self._load = load
         self.engine_unit = units.engine(name)
         self.next_unit = units.engine(name, "next")
+        self.standby_unit = units.engine(name, "standby")
         self.umbrella_unit = units.umbrella(name)
 
     @property
@@ -230,6 +257,14 @@ class Reload:
         overlap check and the restart's."""
         props = await self.model.systemd.properties(self.model.engine_unit)
         memory = await self.model.probe.read_memory(self.target, props.get("MainPID", 0))
+        standby = await self.standby_problem()
+        if standby is None:
+            self.op.strategy, self.strategy_reason = Strategy.STANDBY.value, "the warm standby rebuilds on the new config"
+            return
+        if standby:
+            self.op.notes.append(f"no standby reload: {standby}")
+            log.info("reload %d of %s: no standby reload (%s); as without a standby", self.op.id, self.op.model,
+                     standby, extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
         strategy, why = self.choose_strategy(memory)
         self.op.strategy, self.strategy_reason = strategy.value, why
         if strategy == Strategy.RESTART and self.current.reload.strategy != strategy.value:
@@ -238,6 +273,22 @@ class Reload:
             problem = self.model.probe.memory_problem(self.target, memory)
             if problem:
                 raise errors.InsufficientMemory(problem)
+
+    async def standby_problem(self) -> Optional[str]:
+        """Why the standby cannot take this reload ("" when the model has
+        none), or None when it can: standby: true, reload.strategy is not
+        restart, the standby answers, and the gateway sends new requests to
+        the main engine (not during a failover)."""
+        if not getattr(self.current, "standby", False) or self.current.reload.strategy == Strategy.RESTART.value:
+            return ""
+        if await self.model.probe.engine_health("standby") is None:
+            return f"the standby ({self.model.standby_unit}) does not answer"
+        status = await self.model.probe.gateway_status()
+        if status is None:
+            return "the gateway does not answer"
+        if status.slot != "main":
+            return f"the gateway sends new requests to the {status.slot} engine (a failover), not the main one"
+        return None
 
     def choose_strategy(self, memory) -> tuple[Strategy, str]:
         """overlap when configured, possible for the backend and there is room
@@ -448,6 +499,8 @@ class Reload:
         )
         if op.strategy == Strategy.OVERLAP.value:
             return await self._apply_overlap()
+        if op.strategy == Strategy.STANDBY.value:
+            return await self._apply_standby()
         try:
             await self._drain_stage()
         except Exception as exc:
@@ -582,6 +635,99 @@ class Reload:
         # The next engine serves new requests and nothing runs on the main one:
         # it restarts with the target config, then takes over.
         await self._replace_main(self._hand_back, "handing the gateway back to the main engine failed")
+
+
+    # ------------------------------------------------------------ standby
+
+    async def rebuild_standby(self) -> None:
+        """The standby rebuilds on the target config in its own process and
+        is verified on its own socket (as start-next verifies the next engine)."""
+        answer = await self.model.probe.rebuild(msgspec.to_builtins(self.target.engine))
+        phases = answer.get("rebuild_s") if isinstance(answer.get("rebuild_s"), dict) else {}
+        seconds = sum(v for v in phases.values() if isinstance(v, (int, float)))
+        self.op.notes.append(f"standby rebuilt in {seconds:.2f} s")
+        log.info("reload %d of %s: the standby rebuilt on the target config in %.2f s (%s)", self.op.id,
+                 self.op.model, seconds, json.dumps(phases),
+                 extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
+        await self.verify(self.target, "standby")
+
+    async def standby_back(self, engine: Optional[dict]) -> None:
+        """The standby ends on ENGINE (what the main engine serves): rebuilt
+        when it runs anything else, restarted by systemd (on the config on
+        disk) when that fails. Its trouble never changes how the reload
+        ended: it is in the journal and the Operation's notes."""
+        if engine is None:
+            return
+        probe = self.model.probe
+        health = await probe.engine_health("standby")
+        if health is not None and probe.runs(health, engine):
+            return
+        try:
+            if health is None:
+                raise RuntimeError("the standby does not answer")
+            await probe.rebuild(engine)
+        except Exception as exc:
+            log.warning("reload %d of %s: the standby did not go back to the serving config (%s); restarting %s",
+                        self.op.id, self.op.model, exc, self.model.standby_unit,
+                        extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
+            self.op.notes.append(f"the standby was restarted: {exc}")
+            await self.model.systemd.restart(self.model.standby_unit, timeout=self.current.timeouts.start + 30)
+
+    async def _hand_back_standby(self, outcome: str) -> None:
+        """standby: new requests go to the main engine again; the standby is
+        standby again, on the config main serves (the target when done, the
+        previous one after a rollback)."""
+        self.op.enter(Stage.RESUME)
+        await self.model.probe.switch("main", outcome)
+        if outcome != State.DONE.value:
+            await self.standby_back(self.running_engine)
+
+    async def _apply_standby(self) -> None:
+        """The standby strategy (module docstring): the gateway always has an
+        engine that answers; the new config serves once the standby has
+        rebuilt. Cancel() is honoured until the switch; a stop interrupts it
+        there too."""
+        op = self.op
+        switched = False
+        try:
+            await self._record_stage()
+            op.enter(Stage.REBUILD)
+            await self._until_asked(self.rebuild_standby())
+            op.enter(Stage.SWITCH)
+            await self.model.probe.switch("standby")
+            switched = True
+            op.enter(Stage.SETTLE)
+            remaining = await self.settle("main")
+            if remaining:
+                raise TimeoutError(
+                    f"{remaining} request(s) still running on the main engine after reload.drain_timeout "
+                    f"({self.current.reload.drain_timeout:g} s); the main engine keeps serving"
+                )
+        except Exception as exc:  # the rebuild failed, or main did not settle: main never stopped
+            interrupted = isinstance(exc, Interrupted) or await self.stopping()
+            if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
+                cause, failed = str(exc), None
+            elif isinstance(exc, RebuildFailed):
+                cause = failed = str(exc)
+            else:
+                cause = failed = await self.model.probe.engine_error(str(exc), "standby")
+            op.enter(Stage.RESTORE)
+            outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
+                State.ROLLED_BACK if failed is not None and self.recorded else State.FAILED
+            try:
+                if switched and not interrupted:
+                    await self.model.probe.switch("main", outcome.value)
+                self.restore(failed)
+                if not interrupted and self.recorded:
+                    await self.standby_back(self.running_engine)
+            except Exception as again:  # logged for operators
+                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+            if interrupted:
+                return self._end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+            return self._end(outcome, cause)
+        # The standby serves the target config and nothing runs on the main
+        # engine: it restarts with the target config, then takes over again.
+        await self._replace_main(self._hand_back_standby, "handing the gateway back to the main engine failed")
 
 
 def patch_from_variants(patch: dict[str, Any]) -> dict:

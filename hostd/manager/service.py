@@ -87,21 +87,21 @@ class Manager(ServiceInterface):
         names = {n for n in hostd_config.list_models(self.root) if schema.model_name_problem(n) is None}
         for name in names - set(self.models):
             iface = self.models[name] = ModelInterface(self, name)
-            self._by_unit.update(dict.fromkeys(iface.units, iface))
+            self._by_unit.update(dict.fromkeys((*iface.units, iface.standby_unit), iface))
             self.bus.export(iface.path, iface)
             self.keep(asyncio.create_task(self.track(iface)))
         for name in set(self.models) - names:
             iface = self.models[name]
             if iface.busy() is None:
                 del self.models[name]
-                for unit in iface.units:
+                for unit in (*iface.units, iface.standby_unit):
                     self._by_unit.pop(unit, None)
                 self.bus.unexport(iface.path, iface)
                 log.info("model %s removed: its YAML is gone", name, extra={"hostd_model": name})
 
     async def track(self, model: ModelInterface) -> None:
         """Start following MODEL's units (one GetAll each); signals do the rest."""
-        for unit in (*model.units, model.weights_unit):
+        for unit in (*model.units, model.weights_unit, model.standby_unit):
             try:
                 await self.systemd.properties(unit)
             except Exception as exc:  # one model's trouble must not stop the others'

@@ -11,6 +11,9 @@ restarted, unless the test makes its start fail; it asks the model's backend
 whether a second engine may run (Backend.overlap_refusal), as the real probe
 does, so an upstream model is never driven through an overlap the product
 refuses, and reports the next slot's bridge budget as the real supervisor does.
+With World(standby=True) the model has a warm standby: its slot "runs" a
+config too, and FakeProbe.rebuild puts the section it is given there (or
+refuses, with fail_rebuild), as the standby engine's rebuild verb does.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ class FakeBus:
         await asyncio.sleep(0.001)
         results = self.job_results.get(name) or []
         result = results.pop(0) if results else "done"
-        slot = {units.engine(self.world.name): "main", units.engine(self.world.name, "next"): "next"}.get(name)
+        slot = {units.engine(self.world.name, s): s for s in ("main", "next", "standby")}.get(name)
         if verb == "stop":
             self.set_state(name, "inactive")
             if slot == "next":
@@ -127,6 +130,9 @@ class FakeProbe:
         self.world = world
         self.engine: Optional[dict] = None  # the engine section the engine runs; None: it does not answer
         self.next_engine: Optional[dict] = None  # the same for the overlap slot's engine
+        self.standby_engine: Optional[dict] = None  # the same for the warm standby (standby: true)
+        self.fail_rebuild: Optional[str] = None  # the standby refuses its next rebuild, saying this
+        self.rebuilds: list[dict] = []  # every section the standby was asked to rebuild on
         self.slot = "main"  # where the gateway sends new requests
         self.no_room: Optional[str] = None  # what overlap_problem answers
         self.calls: list[str] = []
@@ -138,13 +144,25 @@ class FakeProbe:
         self.fail_next_start = False  # the engine exits with an error once started
 
     def set_engine(self, slot: str, engine: Optional[dict]) -> None:
-        if slot == "main":
-            self.engine = engine
-        else:
-            self.next_engine = engine
+        setattr(self, {"main": "engine", "next": "next_engine", "standby": "standby_engine"}[slot], engine)
 
     def get_engine(self, slot: str) -> Optional[dict]:
-        return self.engine if slot == "main" else self.next_engine
+        return getattr(self, {"main": "engine", "next": "next_engine", "standby": "standby_engine"}[slot])
+
+    async def rebuild(self, engine: dict, slot: str = "standby") -> dict:
+        self.calls.append(f"rebuild {slot}")
+        self.rebuilds.append(engine)
+        if self.get_engine(slot) is None:
+            raise R.RebuildFailed(f"the {slot} engine did not answer the rebuild: connection refused")
+        if self.fail_rebuild:
+            why, self.fail_rebuild = self.fail_rebuild, None
+            raise R.RebuildFailed(f"the {slot} engine refused the rebuild: {why}")
+        self.set_engine(slot, engine)
+        return {"engine_config": engine, "rebuild_s": {"build_skeleton": 0.1, "attach": 0.01, "warm_up": 0.2}}
+
+    async def gateway_status(self):
+        self.calls.append("status")
+        return control.GatewayStatus(state="serving", slot=self.slot)
 
     def engine_started(self, slot: str = "main") -> None:
         if self.fail_next_start:
@@ -228,7 +246,7 @@ class World:
     """One model, tiny, configured under ROOT, running, with its manager's
     records under STATE."""
 
-    def __init__(self, tmp: Path, strategy: str = "overlap"):  # the product's default
+    def __init__(self, tmp: Path, strategy: str = "overlap", standby: bool = False):  # the product's default
         self.name = "tiny"
         self.root = tmp / "etc"
         checkpoint = tmp / "checkpoint"
@@ -238,11 +256,13 @@ class World:
         (self.root / "models").mkdir(parents=True)
         (self.root / "models/tiny.yaml").write_text(
             f"backend: builtin\nmodel: {checkpoint}\ndevice: cpu\n"
-            f"reload: {{drain_timeout: 5, strategy: {strategy}}}\n")
+            f"reload: {{drain_timeout: 5, strategy: {strategy}}}\n" + ("standby: true\n" if standby else ""))
         self.records = Records(tmp / "state/.manager")
         self.bus = FakeBus(self)
         self.probe = FakeProbe(self)
         self.probe.engine_started()  # serving the config on disk
+        if standby:
+            self.probe.engine_started("standby")  # and waiting on it
         self.systemd = Systemd(self.bus)
 
     @property

@@ -229,3 +229,23 @@ def test_a_running_models_socket_address_survives_a_broken_dropin_and_a_changed_
     (run / "m").rmdir()  # the model was stopped: the next start takes the new address
     _, listen = reload()
     assert listen == ["ListenStream=127.0.0.1:8002"]
+
+
+def test_standby_true_makes_the_umbrella_want_the_standby_engine_with_the_models_user_and_gpus(tmp_path: Path,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "warm", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [1]\nstandby: true\n")
+    model(etc, "cold", "backend: builtin\nmodel: /m\n")
+
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["cold", "warm"]
+
+    assert (out / "model@warm.service.d/50-hostd-standby.conf").read_text().endswith(
+        "[Unit]\nWants=model-engine-standby@warm.service\n")
+    standby = (out / "model-engine-standby@warm.service.d/50-hostd.conf").read_text()
+    assert "User=hostd-warm\nGroup=hostd-warm" in standby
+    assert "Environment=CUDA_VISIBLE_DEVICES=1" in standby and "DeviceAllow=/dev/nvidia1 rw" in standby
+    # Without standby: the unit's drop-in exists (a hand start runs as the
+    # model's user), but nothing wants it.
+    assert not (out / "model@cold.service.d/50-hostd-standby.conf").exists()
+    assert (out / "model-engine-standby@cold.service.d/50-hostd.conf").exists()

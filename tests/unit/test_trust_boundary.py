@@ -136,7 +136,8 @@ def test_every_unit_of_a_model_runs_as_the_models_user():
     cfg = msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)
     files = generator.dropins("m", cfg)
     for unit in (
-        "model@m.service", "model-engine@m.service", "model-engine-next@m.service", "model-weights@m.service"
+        "model@m.service", "model-engine@m.service", "model-engine-next@m.service", "model-engine-standby@m.service",
+        "model-weights@m.service"
     ):
         assert "User=hostd-m\nGroup=hostd-m" in files[f"{unit}.d/50-hostd.conf"]
     assert "SocketUser=hostd-m\nSocketGroup=hostd-m" in files["model-weights@m.socket.d/50-hostd.conf"]

@@ -1,0 +1,132 @@
+"""The warm standby by hand: an engine in the standby slot rebuilds itself on
+a new engine section in its own process (same PID, same mapped weights), and
+refuses what a start would refuse while its old model keeps serving; the
+gateway sends new requests to it the moment the main engine dies, and back
+once the main engine answers again. (The manager drives the same pieces
+through systemd: tests/system/test_standby_units.py.)"""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+
+from hostd import paths
+from tests.local import ModelTree, wait_for
+from test_overlap import completion, free_port, healthy
+
+
+def standby_http(tree: ModelTree, timeout: float = 120) -> httpx.Client:
+    socket = tree.runtime_dir / paths.ENGINE_SOCKETS["standby"]
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=timeout)
+
+
+def start_standby(tree: ModelTree):
+    standby = tree.start_engine("--slot", "standby", wait=False)
+    wait_for(lambda: healthy(tree.runtime_dir / paths.ENGINE_SOCKETS["standby"]), 600, "the standby", standby.proc)
+    return standby
+
+
+def test_a_standby_rebuilds_on_a_new_config_in_its_own_process_on_the_same_weights(tmp_path: Path,
+                                                                                   tiny_checkpoint: Path):
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, max_num_seqs=4)
+    try:
+        tree.start_weights()
+        standby = start_standby(tree)
+        with standby_http(tree) as http:
+            before = http.get("/health").json()
+            assert before["slot"] == "standby" and before["engine_config"]["max_num_seqs"] == 4
+            answer = http.post("/hostd/rebuild", json={"engine": {**before["engine_config"], "max_num_seqs": 2}})
+            assert answer.status_code == 200, answer.text
+            after = http.get("/health").json()
+            assert after["engine_config"]["max_num_seqs"] == 2 and after["max_num_seqs"] == 2
+            assert set(answer.json()["rebuild_s"]) >= {"build_skeleton", "attach", "warm_up", "swap"}
+            # Same process, same daemon allocation, nothing copied.
+            assert after["pid"] == before["pid"] == standby.pid
+            assert (after["weights_pid"], after["shared_ptr"]) == (before["weights_pid"], before["shared_ptr"])
+            assert after["tensors_outside_shared"] == 0
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    finally:
+        tree.stop_all()
+    assert standby.proc.returncode == 0  # a clean SIGTERM after a rebuild
+
+
+def test_a_refused_rebuild_leaves_the_old_model_serving(tmp_path: Path, tiny_checkpoint: Path):
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, max_num_seqs=4)
+    try:
+        tree.start_weights()
+        start_standby(tree)
+        with standby_http(tree) as http:
+            before = http.get("/health").json()
+            refused = http.post("/hostd/rebuild", json={"engine": {**before["engine_config"], "max_model_len": 99999}})
+            assert refused.status_code == 422 and "max_position_embeddings" in refused.json()["error"]
+            bad = http.post("/hostd/rebuild", json={"engine": {"max_num_seqs": 0}})
+            assert bad.status_code == 422 and "max_num_seqs" in bad.json()["error"]
+            assert http.post("/hostd/rebuild", content=b"not json").status_code == 400
+            after = http.get("/health").json()
+            assert after["engine_config"] == before["engine_config"] and after["pid"] == before["pid"]
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    finally:
+        tree.stop_all()
+
+
+def test_the_main_engine_has_no_rebuild_verb(tmp_path: Path, tiny_checkpoint: Path):
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, max_num_seqs=4)
+    try:
+        tree.start_weights()
+        tree.start_engine()
+        with tree.http() as http:
+            assert http.post("/hostd/rebuild", json={"engine": {"max_num_seqs": 2}}).status_code == 404
+    finally:
+        tree.stop_all()
+
+
+def test_the_gateway_fails_over_to_the_standby_at_once_and_back_when_the_engine_answers_again(
+        tmp_path: Path, tiny_checkpoint: Path):
+    port = free_port()
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, fixed={"listen": f"127.0.0.1:{port}", "standby": True}, max_num_seqs=4)
+    base_url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    outcomes: list[str] = []
+    try:
+        tree.start_weights()
+        main = tree.start_engine()
+        start_standby(tree)
+        tree.start_gateway()
+        wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+
+        def one(_: int) -> str:
+            try:
+                client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0)
+                return "ok"
+            except openai.APIStatusError as exc:
+                return f"status {exc.status_code}"
+            except openai.APIError as exc:
+                return f"error {exc}"
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes += pool.map(one, range(4))
+            main.stop(signal.SIGKILL)
+            outcomes_after = list(pool.map(one, range(6)))  # new requests, right after the kill
+        assert outcomes == ["ok"] * 4 and outcomes_after == ["ok"] * 6, (outcomes, outcomes_after)
+        status = tree.control("status")
+        assert (status["slot"], status["failed_over"], status["state"]) == ("standby", "main", "serving")
+        assert sum(status["rejected"].values()) == 0
+        assert "hostd_gateway_failovers_total 1.0" in httpx.get(base_url + "/metrics").text
+
+        tree.start_engine()  # what systemd's Restart= does
+        wait_for(lambda: tree.control("status")["slot"] == "main", 60, "new requests back on the main engine")
+        assert tree.control("status")["failed_over"] == ""
+        assert one(0) == "ok"
+    finally:
+        tree.stop_all()
