@@ -476,6 +476,7 @@ def fake_nvml(monkeypatch):
     fake = types.SimpleNamespace(
         nvmlInit=lambda: calls.append("init"),
         nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: len(minors),
         nvmlDeviceGetHandleByIndex=lambda i: ("handle", i),
         nvmlDeviceGetMinorNumber=lambda handle: minors[handle[1]],
     )
