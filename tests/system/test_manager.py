@@ -151,12 +151,20 @@ def long_streams(host: SystemdContainer, pool: ThreadPoolExecutor, count: int, a
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
     def one(_):
+        # The tokens the engine says it generated (usage), not the chunks: the
+        # batched engine may deliver two of a request's tokens in one chunk
+        # (a stream once counted 198 chunks beside three of 199 with the
+        # same tokens), and a cut stream has no usage.
+        tokens = -1
         try:
-            return sum(1 for _ in client.completions.create(
-                model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True,
-                extra_body={"ignore_eos": True}))
+            for chunk in client.completions.create(
+                    model="tiny", prompt="x", max_tokens=480, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
         except openai.APIError:
             return -1
+        return tokens
 
     futures = [pool.submit(one, i) for i in range(count)]
     wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 1, timeout=60, what="streams")
