@@ -340,10 +340,6 @@ class SystemdContainer:
             # preset-all and fill our units dir with enablement symlinks.
             "systemd.firstboot=off",
             f"systemd.unit={TEST_TARGET}",
-            # The checkout's hostd for every unit, whatever the bound venv's
-            # editable install points at (a git worktree beside the venv's
-            # own checkout, which is not bound here).
-            f"systemd.setenv=PYTHONPATH={self.checkout}",
         ]
 
     def support_problem(self) -> str | None:
@@ -540,7 +536,7 @@ class SystemdContainer:
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={**INSIDE_ENV, "PYTHONPATH": str(self.checkout), **(env or {})},
+            env={**INSIDE_ENV, **(env or {})},
             stdin=None if input is not None else subprocess.DEVNULL,
         )
         if check and proc.returncode != 0:
