@@ -70,7 +70,9 @@ def setup(model: str, component: str, level: int = logging.INFO) -> None:
     handler.addFilter(_ModelFields(model, component))
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("urllib3", "filelock", "transformers"):
+    # ContinuousBatchingLogger: transformers' batching loop, an INFO line per
+    # start and stop of its thread (it pushed the demo's journal tail out).
+    for noisy in ("urllib3", "filelock", "transformers", "ContinuousBatchingLogger"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
