@@ -73,6 +73,8 @@ from hostd.checkpoints.random_model import write_checkpoint
 # (tests/local.py): put the checkout on the path to import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.local import Daemon, ModelTree, wait_for  # noqa: E402
+from availability import MemorySampler, percentile, seconds_of_503  # noqa: E402  (the same sampler and figures)
+
 
 @dataclass
 class Outcome:
@@ -270,45 +272,6 @@ def client_loop(port: int, model: str, max_tokens: int, until: float, out: list[
             out.append(Outcome(started, time.monotonic(), "lost" if admitted else "error", repr(exc)[:200]))
 
 
-class MemorySampler(threading.Thread):
-    """Host used memory and GPU 0 used memory (MiB), sampled every 0.1 s."""
-
-    def __init__(self, gpu: bool):
-        super().__init__(daemon=True)
-        self.samples: list[tuple[float, float, Optional[float]]] = []
-        self.stopping = threading.Event()
-        self.handle = None
-        if gpu:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.pynvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-
-    @staticmethod
-    def host_used() -> float:
-        info = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0])
-        return (info["MemTotal"] - info["MemAvailable"]) / 1024
-
-    def run(self) -> None:
-        while not self.stopping.wait(0.1):
-            gpu = self.pynvml.nvmlDeviceGetMemoryInfo(self.handle).used / 2**20 if self.handle else None
-            self.samples.append((time.monotonic(), self.host_used(), gpu))
-
-    def summary(self, windows: list[tuple[float, float]], before: float) -> dict:
-        base = [s for s in self.samples if s[0] < before]
-        inside = [s for s in self.samples if any(a <= s[0] <= b for a, b in windows)]
-        if not base or not inside:
-            return {}
-        out = {"host_base": statistics.median(s[1] for s in base), "host_peak": max(s[1] for s in inside)}
-        if self.handle:
-            out["gpu_base"] = statistics.median(s[2] for s in base)
-            out["gpu_peak"] = max(s[2] for s in inside)
-        return out
-
-
 def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
     run = Run(strategy)
     if strategy == "overlap" and not gateway_has_switch(stack.tree):
@@ -386,24 +349,6 @@ def first_answer_after(run: Run, moment: float) -> Optional[float]:
 
 
 # ---------------------------------------------------------------- report
-
-
-def percentile(values: list[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def seconds_of_503(run: Run) -> float:
-    """Per reload: from the first request answered 503 to the last one's answer,
-    counting 503s that overlap the reload or come within 2 s after it."""
-    total = 0.0
-    for t0, t1 in run.reloads:
-        hits = [o for o in run.outcomes if o.kind == "503" and o.ended >= t0 and o.started <= t1 + 2.0]
-        if hits:
-            total += max(o.ended for o in hits) - min(o.started for o in hits)
-    return total / max(1, len(run.reloads))
 
 
 def report(runs: list[Run], args) -> None:

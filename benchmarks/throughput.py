@@ -58,6 +58,8 @@ from hostd.checkpoints.random_model import write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.local import Daemon, ModelTree, wait_for  # noqa: E402
+from availability import percentile  # noqa: E402  (the same figures as the availability table)
+import availability  # noqa: E402
 
 MODEL = "bench"
 
@@ -120,13 +122,7 @@ class MemorySampler(threading.Thread):
             pynvml.nvmlInit()
             self.pynvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
 
-    @staticmethod
-    def host_used() -> float:
-        info = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0])
-        return (info["MemTotal"] - info["MemAvailable"]) / 1024
+    host_used = staticmethod(availability.MemorySampler.host_used)
 
     def run(self) -> None:
         while not self.stopping.wait(0.1):
@@ -239,13 +235,6 @@ def run_vllm(venv: Path, checkpoint: Path, workdir: Path, args, vocab: int) -> l
 
 
 # ---------------------------------------------------------------- report
-
-
-def percentile(values: list[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def summary(row: Row, args) -> dict:
