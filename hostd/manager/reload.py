@@ -357,6 +357,18 @@ class Reload:
                     extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
         return settled.remaining
 
+    async def settle_main(self, which: str) -> None:
+        """SETTLE of the overlap and standby strategies: the requests running
+        on the main engine end before it restarts; raises when some still
+        run after reload.drain_timeout (WHICH names that engine: the main
+        engine then keeps serving, and the reload rolls back)."""
+        remaining = await self.settle("main")
+        if remaining:
+            raise TimeoutError(
+                f"{remaining} request(s) still running on the {which} engine after reload.drain_timeout "
+                f"({self.current.reload.drain_timeout:g} s); the {which} engine keeps serving"
+            )
+
     async def retire_next(self, served: bool = True) -> None:
         """Stop the second engine; when it SERVED (the gateway switched to
         it), once what it admitted has finished (up to reload.drain_timeout;
@@ -607,12 +619,7 @@ class Reload:
             switched = True
             # What runs on the main engine finishes there before it restarts.
             op.enter(Stage.SETTLE)
-            remaining = await self.settle("main")
-            if remaining:
-                raise TimeoutError(
-                    f"{remaining} request(s) still running on the old engine after reload.drain_timeout "
-                    f"({self.current.reload.drain_timeout:g} s); the old engine keeps serving"
-                )
+            await self.settle_main("old")
         except Exception as exc:  # the new engine failed, or the old one did not settle: it never stopped
             interrupted = isinstance(exc, Interrupted) or await self.stopping()
             if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
@@ -697,12 +704,7 @@ class Reload:
             await self.model.probe.switch("standby")
             switched = True
             op.enter(Stage.SETTLE)
-            remaining = await self.settle("main")
-            if remaining:
-                raise TimeoutError(
-                    f"{remaining} request(s) still running on the main engine after reload.drain_timeout "
-                    f"({self.current.reload.drain_timeout:g} s); the main engine keeps serving"
-                )
+            await self.settle_main("main")
         except Exception as exc:  # the rebuild failed, or main did not settle: main never stopped
             interrupted = isinstance(exc, Interrupted) or await self.stopping()
             if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
