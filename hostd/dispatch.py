@@ -43,7 +43,7 @@ def run(role: str, args: argparse.Namespace) -> int:
     logs.setup(args.name, role)
     root = hostd_config.config_root(args.config_dir)
     cfg = hostd_config.load_model(args.name, root).config
-    logs.apply_level(hostd_config.load_daemon(root).log_level)  # load_model read hostd.yaml already
+    logs.apply_level(hostd_config.load_daemon(root).log_level)  # hostd.yaml once more, at start only
     try:
         backend = backends.for_config(cfg)
         backend.check(cfg, model_config(cfg) if role == "engine" else None)

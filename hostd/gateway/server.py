@@ -526,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(args.name, "gateway")
     root = hostd_config.config_root(args.config_dir)
     cfg = hostd_config.load_model(args.name, root).config
-    logs.apply_level(hostd_config.load_daemon(root).log_level)  # load_model read hostd.yaml already
+    logs.apply_level(hostd_config.load_daemon(root).log_level)  # hostd.yaml once more, at start only
     try:
         api_keys = keys.load(cfg.gateway.api_keys)
     except keys.KeysError as exc:
