@@ -795,8 +795,8 @@ def check_candidate(candidate: Path, target: str, root: Optional[Path] = None) -
     name, _, dropin = target.partition(".d/")
     if schema.model_name_problem(name):
         return [Problem(target, "", f"--as: {schema.model_name_problem(name)}")]
-    if dropin and (dropin_name_problem(dropin) or "/" in dropin):
-        return [Problem(target, "", f"--as: {dropin_name_problem(dropin) or 'a drop-in is a file name in NAME.d/'}")]
+    if dropin and dropin_name_problem(dropin):  # also refuses a '/' in it
+        return [Problem(target, "", f"--as: {dropin_name_problem(dropin)}")]
     try:
         content = read_regular_file(candidate, str(candidate))
     except ConfigError as exc:
