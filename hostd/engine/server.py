@@ -339,7 +339,12 @@ class _Rebuilder:
                  time.monotonic() - started, json.dumps(rebuilt.phases_s), rebuilt.limits.max_num_seqs,
                  rebuilt.limits.max_model_len)
         self.status.set(new.engine.summary(), now=True)
-        return self.answer(200, {**new.engine.health(), "rebuild_s": rebuilt.phases_s})
+        answer = self.answer(200, {**new.engine.health(), "rebuild_s": rebuilt.phases_s})
+        # This connection belongs to the old application, which closes it once
+        # idle (_retire): a client reusing it could send its next request just
+        # as it closes, and lose it. Connection: close makes it open a new one.
+        answer.force_close()
+        return answer
 
     async def _retire(self, old: _Serving) -> None:
         """The old application finishes what it admitted (up to its

@@ -43,6 +43,9 @@ def test_a_standby_rebuilds_on_a_new_config_in_its_own_process_on_the_same_weigh
             assert before["slot"] == "standby" and before["engine_config"]["max_num_seqs"] == 4
             answer = http.post("/hostd/rebuild", json={"engine": {**before["engine_config"], "max_num_seqs": 2}})
             assert answer.status_code == 200, answer.text
+            # The answer's connection is the old model's, closing: a client must
+            # not reuse it (CI once lost the next request to that race).
+            assert answer.headers["connection"] == "close"
             after = http.get("/health").json()
             assert after["engine_config"]["max_num_seqs"] == 2 and after["max_num_seqs"] == 2
             assert set(answer.json()["rebuild_s"]) >= {"build_skeleton", "attach", "warm_up", "swap"}
