@@ -1,0 +1,100 @@
+#!/usr/bin/python
+"""Ansible module: reload one hostd model with new limits, on this host.
+
+Runs on the managed host and calls hostctl, the administrator's command line,
+nothing else: `hostctl status NAME --json=short` for what the engine runs now
+and `hostctl reload NAME KEY=VALUE... --json=short` for the reload. It trusts
+hostctl's JSON and exit codes (docs/operations.md) and refuses a host whose
+model does not serve: reloading it would prove nothing about the fleet.
+"""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: hostd_reload
+short_description: reload a hostd model's editable limits (hostctl reload)
+description:
+  - Compares the limits the model's engine runs now (hostctl status NAME)
+    with I(set); when one differs, runs hostctl reload NAME KEY=VALUE and
+    waits for the reload's end. Changed when it ends C(done); ok when there
+    is nothing to change or it ends C(unchanged); failed for every other end
+    (C(rolled-back), C(failed), C(cancelled)) or a refusal.
+  - Check mode runs nothing and reports the keys that would change, with
+    their values now and then (and a diff with --diff).
+options:
+  name:
+    description: the model (/etc/hostd/models/NAME.yaml)
+    required: true
+    type: str
+  set:
+    description: editable keys under engine: and their new values
+    required: true
+    type: dict
+  hostctl:
+    description: the hostctl command on the host
+    default: hostctl
+    type: str
+"""
+
+import json
+
+from ansible.module_utils.basic import AnsibleModule
+
+SUCCESS_STATES = ("done", "unchanged")  # hostd/manager/api.py
+
+
+def run_json(module, argv):
+    rc, out, err = module.run_command(argv)
+    try:
+        data = json.loads(out) if out.strip() else None
+    except ValueError:
+        data = None
+    return rc, data, err.strip()
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(name=dict(type="str", required=True), set=dict(type="dict", required=True),
+                           hostctl=dict(type="str", default="hostctl")),
+        supports_check_mode=True,
+    )
+    name, wanted, hostctl = module.params["name"], module.params["set"], module.params["hostctl"]
+    if not wanted:
+        module.fail_json(msg="hostd_reload: set: give at least one engine key and its value")
+    rc, status, err = run_json(module, [hostctl, "status", name, "--json=short"])
+    if status is None:
+        module.fail_json(msg=f"hostctl status {name} failed (exit {rc}): {err}", rc=rc)
+    if rc != 0:
+        module.fail_json(msg=f"model {name} does not serve here (state {status.get('state')}): "
+                             "not reloaded; start it first (hostctl start {name})", rc=rc, model_state=status.get("state"))
+    running = status.get("engine", {})
+    changes = {key: {"now": running.get(key), "then": value} for key, value in wanted.items()
+               if running.get(key) != value}
+    diff = {"before": "".join(f"{k}: {json.dumps(running.get(k))}\n" for k in sorted(wanted)),
+            "after": "".join(f"{k}: {json.dumps(wanted[k])}\n" for k in sorted(wanted)),
+            "before_header": f"{name} engine (running)", "after_header": f"{name} engine (after reload)"}
+    if not changes:
+        module.exit_json(changed=False, state="unchanged", changes={}, msg=f"{name}: runs these limits already")
+    if module.check_mode:
+        module.exit_json(changed=True, state="would-reload", changes=changes, diff=diff,
+                         msg=f"{name}: would reload " + ", ".join(f"{k} {c['now']} -> {c['then']}"
+                                                                  for k, c in changes.items()))
+    # Values as JSON scalars, which YAML (hostctl's KEY=VALUE) reads back as typed.
+    assignments = [f"{key}={json.dumps(value)}" for key, value in wanted.items()]
+    rc, result, err = run_json(module, [hostctl, "reload", name, *assignments, "--json=short"])
+    if result is None:  # refused before it began: the manager's one line on stderr
+        module.fail_json(msg=f"hostctl reload {name} refused (exit {rc}): {err}", rc=rc, state="refused",
+                         changes=changes)
+    state = result.get("State")
+    report = dict(state=state, strategy=result.get("Strategy", ""), error=result.get("Error", ""),
+                  notes=result.get("Notes", []), operation=result.get("path", ""), changes=changes, diff=diff)
+    words = f"{name}: reload {state}" + (f" (strategy {report['strategy']})" if report["strategy"] else "")
+    if report["error"]:
+        words += f": {report['error']}"
+    if state not in SUCCESS_STATES:
+        module.fail_json(msg=words, rc=rc, **report)
+    module.exit_json(changed=state == "done", msg=words, **report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The Ansible role (packaging/ansible) against three real systemd 252 hosts.
+
+Three systemd-nspawn containers stand for three hosts of a fleet; Ansible
+reaches them through the test-only connection plugin hostd_nsenter (nsenter
+into the container's PID 1, as the harness does; real hosts use ssh). Each
+host gets the tiny builtin model from the role: `hostd install`, the model's
+YAML and a drop-in, both validated by `hostctl config --check --file F --as
+TARGET` before they land, and model@tiny.service started. host-b's checkpoint
+has 256 positions where the others have 512 (a host a generation behind), so
+a fleet-wide `max_model_len: 384` is what its engine refuses: its reload rolls
+back, and the roll must stop there, leaving host-c untouched, every host
+serving.
+
+What a user of the playbooks observes is asserted: ansible-playbook's exit
+code and its per-host lines, the files on each host, the limits each engine
+runs (hostctl status --json) and HTTP 200 from each model's public address.
+The outputs are printed (pytest -s) for docs/fleet.md, which quotes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import CHECKOUT, _Containers, require_container_support
+from container import Bind, SystemdContainer
+from ports import reserved_port
+
+ANSIBLE = CHECKOUT / "packaging" / "ansible"
+HOSTS = ("host-a", "host-b", "host-c")
+REFUSING = "host-b"  # its checkpoint has 256 positions, the others 512
+CHECKPOINT = "/var/lib/hostd/checkpoints/tiny"
+NEW_LIMITS = {"max_model_len": 384}
+
+
+def playbook_command() -> str:
+    """ansible-playbook of this interpreter's environment (the test extra
+    installs ansible-core): missing, the test fails, it does not skip."""
+    command = Path(sys.executable).parent / "ansible-playbook"
+    assert command.is_file(), f"{command} missing: pip install -e '.[test]' installs ansible-core"
+    return str(command)
+
+
+def models(max_num_seqs: int = 4) -> list[dict]:
+    """hostd_models: the YAML and one drop-in, as an operator writes them."""
+    return [{
+        "name": "tiny",
+        "config": {"backend": "builtin", "model": CHECKPOINT, "listen": "127.0.0.1:{{ hostd_port }}"},
+        "dropins": {"50-limits.yaml": {"engine": {"max_num_seqs": max_num_seqs}}},
+    }]
+
+
+class Fleet:
+    def __init__(self, hosts: dict[str, SystemdContainer], ports: dict[str, int], workdir: Path) -> None:
+        self.hosts, self.ports, self.workdir = hosts, ports, workdir
+        self.inventory = workdir / "inventory.yml"
+        self.inventory.write_text(json.dumps({"hostd_hosts": {
+            "hosts": {name: {"ansible_host": str(c.pid1), "hostd_port": ports[name]} for name, c in hosts.items()},
+            "vars": {"ansible_connection": "hostd_nsenter", "hostd_python": next(iter(hosts.values())).python},
+        }}, indent=2))
+
+    def play(self, playbook: str, *args: str, extra: dict | None = None) -> subprocess.CompletedProcess[str]:
+        argv = [playbook_command(), "-i", str(self.inventory), playbook, *args]
+        if extra is not None:
+            (self.workdir / "extra.json").write_text(json.dumps(extra))
+            argv += ["-e", f"@{self.workdir / 'extra.json'}"]
+        env = {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+               "ANSIBLE_HOME": str(self.workdir / "ansible-home"), "ANSIBLE_LOCAL_TEMP": str(self.workdir / "tmp")}
+        started = time.monotonic()
+        proc = subprocess.run(argv, cwd=ANSIBLE, env=env, capture_output=True, text=True, timeout=600)
+        print(f"\n$ ansible-playbook {playbook} {' '.join(args)}   # exit {proc.returncode}, "
+              f"{time.monotonic() - started:.0f} s\n{proc.stdout}{proc.stderr}")
+        return proc
+
+    def status(self, name: str) -> dict:
+        return json.loads(self.hosts[name].run(["hostctl", "status", "tiny", "--json=short"], check=False).stdout)
+
+    def http_status(self, name: str) -> int:
+        return httpx.get(f"http://127.0.0.1:{self.ports[name]}/v1/models", timeout=30).status_code
+
+    def dropin(self, name: str) -> str:
+        return self.hosts[name].read_file("/etc/hostd/models/tiny.d/50-limits.yaml")
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP's counters per host."""
+    hosts = {}
+    for line in output.split("PLAY RECAP")[-1].splitlines():
+        match = re.match(r"^(\S+)\s+:\s+(.*)$", line.strip())
+        if match:
+            hosts[match[1]] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", match[2])}
+    return hosts
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    require_container_support()
+    workdir = tmp_path_factory.mktemp("fleet")
+    python = [sys.executable, "-m", "hostd.main", "make-checkpoint"]
+    makers = [subprocess.Popen([*python, str(workdir / "ckpt-512")], stdout=subprocess.DEVNULL),
+              subprocess.Popen([*python, "--size", "tiny-vllm", str(workdir / "ckpt-256")], stdout=subprocess.DEVNULL)]
+    assert [maker.wait(timeout=300) for maker in makers] == [0, 0]
+    containers = _Containers(tmp_path_factory)
+    try:
+        hosts = {}
+        for name in HOSTS:
+            checkpoint = workdir / ("ckpt-256" if name == REFUSING else "ckpt-512")
+            hosts[name] = containers(binds=[Bind(checkpoint, Path(CHECKPOINT))])
+            hosts[name].sh("chmod o+x /root")  # the bound Python installation, for the models' users
+        yield Fleet(hosts, {name: reserved_port() for name in HOSTS}, workdir)
+    finally:
+        containers.stop_all()
+
+
+def test_site_installs_and_starts_every_host_and_a_second_run_changes_nothing(fleet):
+    first = fleet.play("site.yml", extra={"hostd_models": models()})
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert all(recap(first.stdout)[name]["changed"] > 0 for name in HOSTS)
+    for name in HOSTS:
+        assert fleet.http_status(name) == 200, name
+        assert fleet.status(name)["engine"]["max_num_seqs"] == 4
+
+    again = fleet.play("site.yml", extra={"hostd_models": models()})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert {name: recap(again.stdout)[name]["changed"] for name in HOSTS} == {name: 0 for name in HOSTS}
+
+
+def test_site_check_mode_reports_the_drop_in_change_and_changes_nothing(fleet):
+    before = {name: fleet.dropin(name) for name in HOSTS}
+    check = fleet.play("site.yml", "--check", "--diff", extra={"hostd_models": models(max_num_seqs=6)})
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "-  max_num_seqs: 4\n+  max_num_seqs: 6" in check.stdout
+    assert all(recap(check.stdout)[name]["changed"] > 0 for name in HOSTS)
+    for name in HOSTS:
+        assert fleet.dropin(name) == before[name]
+        status = fleet.status(name)
+        assert status["engine"]["max_num_seqs"] == 4 and status["last_operation"] is None, status
+
+
+def test_a_drop_in_hostctl_refuses_is_not_written(fleet):
+    before = fleet.dropin("host-a")
+    bad = fleet.play("site.yml", "--limit", "host-a", extra={"hostd_models": models(max_num_seqs=0)})
+    assert bad.returncode != 0
+    assert "failed to validate" in bad.stdout and "engine.max_num_seqs: expected `int` >= 1" in bad.stdout, bad.stdout
+    assert fleet.dropin("host-a") == before
+    assert fleet.http_status("host-a") == 200
+
+
+def test_rolling_reload_check_mode_reports_each_host_and_reloads_nothing(fleet):
+    extra = {"hostd_reload_model": "tiny", "hostd_reload_set": NEW_LIMITS}
+    check = fleet.play("rolling-reload.yml", "--check", "--diff", extra=extra)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count("tiny: would reload max_model_len None -> 384") == len(HOSTS)
+    for name in HOSTS:
+        status = fleet.status(name)
+        assert status["engine"]["max_model_len"] is None and status["last_operation"] is None, status
+
+
+def test_rolling_reload_stops_at_the_host_that_rolls_back_and_every_host_keeps_serving(fleet):
+    extra = {"hostd_reload_model": "tiny", "hostd_reload_set": NEW_LIMITS}
+    roll = fleet.play("rolling-reload.yml", extra=extra)
+    assert roll.returncode != 0
+    counts = recap(roll.stdout)
+    assert counts["host-a"]["changed"] == 1 and counts["host-a"]["failed"] == 0, counts
+    assert counts[REFUSING]["failed"] == 1, counts
+    assert "host-c" not in counts and "host-c" not in roll.stdout, roll.stdout  # never reached
+    assert "tiny: reload done" in roll.stdout and "tiny: reload rolled-back" in roll.stdout
+
+    a, b, c = (fleet.status(name) for name in HOSTS)
+    assert a["engine"]["max_model_len"] == 384 and a["last_operation"]["State"] == "done", a
+    assert b["engine"]["max_model_len"] is None and b["last_operation"]["State"] == "rolled-back", b
+    assert "max_position_embeddings" in b["last_operation"]["Error"], b
+    assert c["engine"]["max_model_len"] is None and c["last_operation"] is None, c
+    for name in HOSTS:
+        assert fleet.http_status(name) == 200, name
+        assert fleet.status(name)["state"] == "serving", name
