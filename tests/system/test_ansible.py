@@ -72,7 +72,8 @@ class Fleet:
         if extra is not None:
             (self.workdir / "extra.json").write_text(json.dumps(extra))
             argv += ["-e", f"@{self.workdir / 'extra.json'}"]
-        env = {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+        # ansible-core refuses a locale that is not UTF-8: CI's may be unset.
+        env = {**os.environ, "LANG": "C.UTF-8", "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
                "ANSIBLE_HOME": str(self.workdir / "ansible-home"), "ANSIBLE_LOCAL_TEMP": str(self.workdir / "tmp")}
         started = time.monotonic()
         proc = subprocess.run(argv, cwd=ANSIBLE, env=env, capture_output=True, text=True, timeout=600)
