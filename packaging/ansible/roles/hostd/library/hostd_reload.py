@@ -66,7 +66,7 @@ def main():
         module.fail_json(msg=f"hostctl status {name} failed (exit {rc}): {err}", rc=rc)
     if rc != 0:
         module.fail_json(msg=f"model {name} does not serve here (state {status.get('state')}): "
-                             "not reloaded; start it first (hostctl start {name})", rc=rc, model_state=status.get("state"))
+                             f"not reloaded; start it first (hostctl start {name})", rc=rc, model_state=status.get("state"))
     running = status.get("engine", {})
     changes = {key: {"now": running.get(key), "then": value} for key, value in wanted.items()
                if running.get(key) != value}

@@ -1,0 +1,117 @@
+"""packaging/ansible's hostd_reload module: what each end of a reload makes of
+the task, with a stand-in hostctl that answers as the real one does (its
+--json=short output and exit codes, hostd/hostctl.py) and logs its calls.
+
+The module runs as Ansible runs it on a host: its own process, the arguments
+in a JSON file, the result as JSON on stdout. The playbooks against real
+hosts are tests/system/test_ansible.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULE = Path(__file__).resolve().parents[2] / "packaging/ansible/roles/hostd/library/hostd_reload.py"
+
+FAKE_HOSTCTL = """#!/bin/sh
+echo "$*" >> {log}
+case "$1" in
+status) cat {status}; exit $(cat {status_rc}) ;;
+reload) cat {reload} ; cat {reload_err} >&2; exit $(cat {reload_rc}) ;;
+esac
+exit 2
+"""
+
+
+@pytest.fixture
+def hostctl(tmp_path: Path):
+    """A stand-in hostctl; .answer(...) sets what status and reload print."""
+    files = {k: tmp_path / k for k in ("log", "status", "status_rc", "reload", "reload_err", "reload_rc")}
+    script = tmp_path / "hostctl"
+    script.write_text(FAKE_HOSTCTL.format(**files))
+    script.chmod(0o755)
+    files["log"].write_text("")
+
+    class Hostctl:
+        path = str(script)
+
+        def answer(self, *, state="serving", engine=None, status_rc=0, reload=None, reload_rc=0, reload_err=""):
+            files["status"].write_text(json.dumps({"state": state, "engine": engine or {"max_model_len": None}}))
+            files["status_rc"].write_text(str(status_rc))
+            files["reload"].write_text(json.dumps(reload) if reload is not None else "")
+            files["reload_rc"].write_text(str(reload_rc))
+            files["reload_err"].write_text(reload_err)
+
+        def calls(self) -> list[str]:
+            return files["log"].read_text().splitlines()
+
+    return Hostctl()
+
+
+def run_module(tmp_path: Path, hostctl, *, check: bool = False, **args) -> dict:
+    params = {"name": "tiny", "set": {"max_model_len": 384}, "hostctl": hostctl.path, **args}
+    if check:
+        params["_ansible_check_mode"] = True
+    (tmp_path / "args.json").write_text(json.dumps({"ANSIBLE_MODULE_ARGS": params}))
+    proc = subprocess.run([sys.executable, str(MODULE), str(tmp_path / "args.json")],
+                          capture_output=True, text=True, timeout=60)
+    return json.loads(proc.stdout)
+
+
+def test_a_reload_that_ends_done_is_changed_and_passes_typed_values(tmp_path, hostctl):
+    hostctl.answer(reload={"State": "done", "Strategy": "overlap", "Error": "", "Notes": []})
+    result = run_module(tmp_path, hostctl)
+    assert result["changed"] is True and not result.get("failed"), result
+    assert result["msg"] == "tiny: reload done (strategy overlap)"
+    assert hostctl.calls() == ["status tiny --json=short", "reload tiny max_model_len=384 --json=short"]
+
+
+def test_limits_the_engine_runs_already_reload_nothing(tmp_path, hostctl):
+    hostctl.answer(engine={"max_model_len": 384})
+    result = run_module(tmp_path, hostctl)
+    assert result["changed"] is False and not result.get("failed"), result
+    assert hostctl.calls() == ["status tiny --json=short"]
+
+
+@pytest.mark.parametrize("state", ["rolled-back", "failed", "cancelled"])
+def test_a_reload_that_does_not_end_done_or_unchanged_fails_the_task_with_its_error(tmp_path, hostctl, state):
+    hostctl.answer(reload={"State": state, "Strategy": "overlap", "Error": "engine refused"}, reload_rc=1)
+    result = run_module(tmp_path, hostctl)
+    assert result["failed"] is True and result["state"] == state, result
+    assert result["msg"] == f"tiny: reload {state} (strategy overlap): engine refused"
+
+
+def test_a_refused_reload_fails_the_task_with_hostctls_line(tmp_path, hostctl):
+    hostctl.answer(reload_rc=1, reload_err="hostctl: InvalidArgs: engine.max_model_len: expected `int` >= 1")
+    result = run_module(tmp_path, hostctl)
+    assert result["failed"] is True and result["state"] == "refused", result
+    assert "InvalidArgs: engine.max_model_len" in result["msg"]
+
+
+def test_a_model_that_does_not_serve_is_not_reloaded(tmp_path, hostctl):
+    hostctl.answer(state="stopped", status_rc=3)
+    result = run_module(tmp_path, hostctl)
+    assert result["failed"] is True, result
+    assert result["msg"] == "model tiny does not serve here (state stopped): not reloaded; start it first (hostctl start tiny)"
+    assert hostctl.calls() == ["status tiny --json=short"]
+
+
+def test_check_mode_reports_the_change_and_calls_no_reload(tmp_path, hostctl):
+    hostctl.answer()
+    result = run_module(tmp_path, hostctl, check=True)
+    assert result["changed"] is True and result["state"] == "would-reload", result
+    assert result["changes"] == {"max_model_len": {"now": None, "then": 384}}
+    assert result["msg"] == "tiny: would reload max_model_len None -> 384"
+    assert hostctl.calls() == ["status tiny --json=short"]
+
+
+def test_an_empty_set_is_refused(tmp_path, hostctl):
+    hostctl.answer()
+    result = run_module(tmp_path, hostctl, set={})
+    assert result["failed"] is True and "set: give at least one engine key" in result["msg"], result
+    assert hostctl.calls() == []
