@@ -8,6 +8,7 @@ with the reason. Memory is read from NVML, as an operator would see it.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -143,6 +144,13 @@ def engine_health(tree: ModelTree, slot: str) -> dict:
     return response.json()
 
 
+def free_port() -> int:
+    """A loopback TCP port free now (the gateway's listen)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def answers(tree: ModelTree, slot: str) -> bool:
     try:
         return bool(engine_health(tree, slot))
@@ -156,13 +164,9 @@ def test_overlap_reload_on_cuda_two_engines_share_one_allocation(tmp_path: Path,
     switches to it, the main engine restarts, the gateway switches back, the
     second engine stops. Both engines point into the daemon's one allocation
     at once; NVML shows two engines' working memory, never a second copy."""
-    import socket
-
     weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     baseline = settle(nvml, 0.5)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     tree = ModelTree(tmp_path, name="gpu")
     # A small KV cache (the batched engine's default budget for this config is
     # larger than this checkpoint's 1.4 GiB of weights): what is measured is
@@ -210,7 +214,6 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
     moves new requests to the standby with none refused. Both engines point
     into the daemon's one allocation throughout; NVML never shows a copy."""
     import signal
-    import socket
 
     import openai
 
@@ -218,9 +221,7 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
 
     weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     baseline = settle(nvml, 0.5)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     tree = ModelTree(tmp_path, name="gpu")
     tree.write_config(checkpoint, device="cuda", fixed={"listen": f"127.0.0.1:{port}", "standby": True},
                       kv_cache_mib=128, max_num_seqs=4)
