@@ -515,9 +515,9 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
         m = run.memory
         memory = "-"
         if m:
-            memory = f"host +{m['host_peak'] - m['host_base']:.0f}"
+            memory = f"host {m['host_peak'] - m['host_base']:+.0f}"
             if "gpu_peak" in m:
-                memory += f"; GPU +{m['gpu_peak'] - m['gpu_base']:.0f} (peak {m['gpu_peak']:.0f})"
+                memory += f"; GPU {m['gpu_peak'] - m['gpu_base']:+.0f} (peak {m['gpu_peak']:.0f})"
         admitted = count("completed") + count("lost")
         print(f"| {run.strategy} | {len(run.outcomes)} | {admitted} | {count('completed')} | {count('503')} "
               f"| {count('lost')} | {count('error')} | {seconds_of_503(run):.2f} | {median_max(serves)} "
@@ -542,7 +542,7 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
                   f"| {count('503')} | {count('lost')} | {count('error')} "
                   f"| {fmt(statistics.median(backs) if backs else None)} |")
     for cost in standby_costs:
-        text = ", ".join(f"{k} +{v:.0f} MiB" for k, v in cost.items())
+        text = ", ".join(f"{k} {v:+.0f} MiB" for k, v in cost.items())
         print(f"\nStandby cost (used memory after the standby started, over before; anonymous: what the "
               f"standby engine itself reports beyond the shared weights): {text}")
     for run in runs:
