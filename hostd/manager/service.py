@@ -62,6 +62,11 @@ class Manager(ServiceInterface):
         self.operations: dict[int, OperationInterface] = {}
         self._by_unit: dict[str, ModelInterface] = {}
         self._tasks: set[asyncio.Task] = set()
+        # Reload checks need no polkit, so any local user may send them: one
+        # model's run one at a time, and a flood of them waits its turn (the
+        # bus caps each caller's pending calls) instead of fanning out into
+        # parallel YAML parses, engine probes and NVML reads.
+        self._check_locks: dict[str, asyncio.Lock] = {}
         systemd.on_unit_change = self._unit_changed
 
     # ------------------------------------------------------------ plumbing
@@ -187,8 +192,9 @@ class Manager(ServiceInterface):
         the answer holds what Model.Config and EditableFields show anyone,
         plus the preflight's memory verdict)."""
         model = self.model(name)
-        self.refuse_if_busy(model)
-        verdict = await reload_mod.check_only(model.handles, patch)
+        async with self._check_locks.setdefault(name, asyncio.Lock()):
+            self.refuse_if_busy(model)
+            verdict = await reload_mod.check_only(model.handles, patch)
         log.debug("reload check of %s: %s", name, verdict["outcome"], extra={"hostd_model": name})
         return json.dumps(verdict)
 

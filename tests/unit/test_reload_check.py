@@ -195,3 +195,31 @@ def test_a_check_with_a_standby_says_standby_and_journals_no_stage(tmp_path, mon
         assert not [r for r in caplog.records if "stage" in r.getMessage() or "reload 0" in r.getMessage()]
 
     asyncio.run(go())
+
+
+def test_checks_of_one_model_run_one_at_a_time(tmp_path, monkeypatch):
+    """Any user may send checks (no polkit): a burst of them runs in turn, so
+    the root manager never runs two of one model's preflights at once."""
+    world = World(tmp_path)
+
+    async def go():
+        manager = await manager_of(world, monkeypatch)
+        running, most = 0, 0
+        real = R.check_only
+
+        async def counted(model, patch):
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            try:
+                await asyncio.sleep(0.01)
+                return await real(model, patch)
+            finally:
+                running -= 1
+
+        monkeypatch.setattr(R, "check_only", counted)
+        answers = await asyncio.gather(*(call(manager.CheckReloadJSON, "tiny", '{"max_num_seqs": 4}')
+                                         for _ in range(8)))
+        assert most == 1 and len({a for a in answers}) == 1
+
+    asyncio.run(go())
