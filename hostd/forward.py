@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 # RFC 9110 7.6.1: fields that describe one connection and must not be
 # forwarded: Connection, Proxy-Connection, Keep-Alive, TE, Transfer-Encoding,
@@ -95,15 +95,17 @@ async def forward(
     *,
     drop: frozenset[str] = frozenset(),
     add: Optional[dict[str, str]] = None,
-    on_start: Optional[Callable[[int], None]] = None,
-    on_chunk: Optional[Callable[[int], None]] = None,
+    on_start: Optional[Callable[[int, CIMultiDictProxy], None]] = None,
+    on_chunk: Optional[Callable[[bytes], None]] = None,
     stream_error: Optional[dict] = None,
 ) -> web.StreamResponse:
     """Send REQUEST (with BODY, already read) to URL and stream the answer back.
 
     DROP names request fields (lower case) that stop here besides the
-    hop-by-hop ones; ADD are fields the sender sets in their place; ON_START(status) is called when the engine's response headers arrive;
-    ON_CHUNK(bytes) for every chunk written to the client;
+    hop-by-hop ones; ADD are fields the sender sets in their place;
+    ON_START(status, headers) is called when the engine's response headers
+    arrive; ON_CHUNK(chunk) with every chunk written to the client (a whole
+    response's body once, before it is sent);
     STREAM_ERROR is the OpenAI error object sent as a last SSE event when the
     engine fails mid-stream. Raises Unreachable or Broken (see the module)."""
     headers = forwarded_headers(request.headers, drop)
@@ -114,7 +116,7 @@ async def forward(
     except (aiohttp.ClientConnectionError, OSError) as exc:
         raise Unreachable(str(exc)) from exc
     if on_start is not None:
-        on_start(upstream.status)
+        on_start(upstream.status, upstream.headers)
     try:
         sse = is_event_stream(upstream.headers)
         length = upstream.content_length
@@ -126,7 +128,7 @@ async def forward(
             response = web.Response(status=upstream.status, reason=upstream.reason, body=whole,
                                     headers=forwarded_headers(upstream.headers))
             if on_chunk is not None and whole:
-                on_chunk(len(whole))
+                on_chunk(whole)
             return response
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(forwarded_headers(upstream.headers))
@@ -146,7 +148,7 @@ async def forward(
             except ConnectionResetError:  # the client went away
                 return response
             if on_chunk is not None:
-                on_chunk(len(chunk))
+                on_chunk(chunk)
         await response.write_eof()
         return response
     finally:

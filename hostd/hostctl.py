@@ -2,9 +2,11 @@
 
 Commands that only read configuration (`config`, `edit`) work with no daemon
 running; the others talk to the manager (org.hostd1) over the system bus
-through hostd.client, with the verbs people already type for systemctl, and
-systemctl's conventions: `--json=short|pretty` on every command that prints
-data, `--no-legend`, `--no-pager`, `--version`, and its exit codes:
+through hostd.client (`reload --check` too: only the manager can preflight a
+reload, and the check changes nothing there), with the verbs people
+already type for systemctl, and systemctl's conventions: `--json=short|pretty`
+on every command that prints data, `--no-legend`, `--no-pager`, `--version`,
+and its exit codes:
 
     0  success
     1  the operation failed, was rolled back or refused; any other error
@@ -249,8 +251,50 @@ class Progress:
                     self._draw()
 
 
+def _value(value) -> str:
+    return json.dumps(value)
+
+
+def cmd_reload_check(args: argparse.Namespace, patch: dict) -> int:
+    """`reload --check`: what the reload would do (the manager's
+    CheckReload), nothing changed. Exit 0 when it would reload or nothing
+    changes; a refusal exits as the reload's would (1, 3 not running, 4 no
+    such model), its one line on stderr and, with --json, on stdout too."""
+    try:
+        with _client() as hostd:
+            verdict = hostd.check_reload(args.name, patch)
+    except DBusError as exc:
+        if args.json:
+            emit_json(args, {"model": args.name, "ok": False, "outcome": "refused", "patch": patch,
+                             "error": exc.type, "message": exc.text})
+        return _dbus_error(exc)
+    if args.json:
+        emit_json(args, {"ok": True, **verdict})
+        return 0
+    changes = verdict["changes"]
+    if verdict["outcome"] == "unchanged":
+        print(f"reload of {args.name} would be unchanged: {verdict['reason']}")
+        return 0
+    count = f"{len(changes)} change{'s' if len(changes) != 1 else ''}" if changes else \
+        "no change to what the engine reports"
+    print(f"reload of {args.name} would apply {count} (strategy {verdict['strategy']}: {verdict['reason']})")
+    for key, change in changes.items():
+        print(f"  {key}: {_value(change['old'])} -> {_value(change['new'])}")
+    if verdict.get("weights_not_retained"):
+        print(f"  weights: not retained ({verdict['weights_not_retained']}): the engine would load them from disk")
+    for note in verdict.get("notes", []):
+        print(f"  note: {note}")
+    return 0
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     patch = parse_assignments(args.assignments)
+    if args.check:
+        if args.no_wait:
+            print("hostctl reload: --check changes nothing and starts no operation to wait for; "
+                  "drop --no-wait", file=sys.stderr)
+            return EXIT_USAGE
+        return cmd_reload_check(args, patch)
     progress = Progress(args.name) if not (args.quiet or args.json) else None
     path = result = None
     with _client() as hostd, (progress or contextlib.nullcontext()):
@@ -515,6 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("reload", help="apply KEY=VALUE limits (or the config on disk) without reloading weights")
     p.add_argument("name", metavar="NAME")
     p.add_argument("assignments", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--check", action="store_true",
+                   help="validate and preflight only: print the keys that would change (old -> new) and "
+                        "the strategy that would run, and change nothing; exit 0 when the reload would run "
+                        "or change nothing, else as the reload's refusal (its message on stderr)")
     p.add_argument("--no-wait", action="store_true", help="print the operation path and return")
     p.add_argument("--quiet", action="store_true", help="no stage progress")
     p.add_argument("--from-unit", dest="quiet", action="store_true", help=argparse.SUPPRESS)

@@ -38,6 +38,16 @@ class Backend(abc.ABC):
     public_routes: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Families of the engine's /metrics that the gateway's /metrics passes on.
     metrics_prefixes: ClassVar[tuple[str, ...]] = ()
+    # The public routes whose answers carry generated tokens (OpenAI's
+    # completions and chat completions: a 200 body, or SSE chunks of
+    # choices[].text / choices[].delta): the gateway's time to first token
+    # is measured on these only.
+    token_routes: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    )
+    # The package whose code runs the model, hostd_build_info's upstream label.
+    upstream_package: ClassVar[str] = ""
 
     # ------------------------------------------------------------ entry points
 
@@ -101,6 +111,12 @@ class Backend(abc.ABC):
         when it needs what the serving engine uses (builtin), which the
         preflight then measures."""
         return None
+
+    def upstream_version(self, cfg) -> str:
+        """The version of upstream_package that CFG's engine runs, '' when it
+        cannot be told. Only the engine calls it (the upstream backends run
+        upstream's executable for it, as install_refusals does)."""
+        return ""
 
     def weights_not_retained(self, cfg) -> Optional[str]:
         """Why CFG's weights are not kept across engine restarts (the engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 from hostd.backends.base import Backend
 
@@ -18,6 +19,7 @@ class BuiltinBackend(Backend):
         ("GET", "/v1/models/{model}"),
     )
     metrics_prefixes = ("hostd_engine_",)
+    upstream_package = "transformers"  # builds the model; torch runs it
 
     def run_weights(self, args, cfg) -> int:
         from hostd.weights import daemon  # imports torch: only in the process that runs it
@@ -73,6 +75,12 @@ class BuiltinBackend(Backend):
 
     def uses_gpu(self, cfg) -> bool:
         return cfg.device == "cuda"
+
+    def upstream_version(self, cfg) -> str:
+        try:
+            return importlib.metadata.version(self.upstream_package)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
 
     def drain_seconds(self, cfg) -> float:
         return cfg.engine.shutdown_timeout

@@ -132,6 +132,7 @@ class SglangBackend(upstream.UpstreamBackend):
         ("GET", "/get_model_info"),
     )
     metrics_prefixes = ("sglang:",)
+    upstream_package = "sglang"
 
     def python(self, cfg) -> str:
         """The Python that has sglang: $HOSTD_SGLANG_PYTHON, else hostd's own."""
@@ -239,10 +240,12 @@ class SglangBackend(upstream.UpstreamBackend):
                 )
         return problems
 
+    def version_argv(self, cfg) -> list[str]:
+        return [self.python(cfg), "-c", "import importlib.metadata as m; print(m.version('sglang'))"]
+
     def install_refusals(self, cfg) -> list[str]:
-        probe = "import importlib.metadata as m; print(m.version('sglang'))"
         problem = upstream.version_refusal(
-            "sglang", [self.python(cfg), "-c", probe], upstream.effective_env(cfg), MINIMUM_VERSION,
+            "sglang", self.version_argv(cfg), upstream.effective_env(cfg), MINIMUM_VERSION,
             "install SGLang >= 0.5.21 into that Python, or point env.HOSTD_SGLANG_PYTHON at one",
         )
         return [problem] if problem else []

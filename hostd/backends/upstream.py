@@ -390,6 +390,21 @@ class UpstreamBackend(Backend):
     health_path: ClassVar[str] = "/health"
     health_timeout: ClassVar[float] = 10.0
 
+    @abc.abstractmethod
+    def version_argv(self, cfg) -> list[str]:
+        """What prints the version of the upstream installation CFG runs."""
+
+    def upstream_version(self, cfg) -> str:
+        """The version upstream's installation prints (probed once per
+        executable and mtime, as install_refusals' check), '' when it cannot."""
+        argv = self.version_argv(cfg)
+        try:
+            text = _probe_version(tuple(argv), tuple(sorted(effective_env(cfg).items())), os.stat(argv[0]).st_mtime)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired):
+            return ""
+        found = found_version(text)
+        return str(found) if found is not None else ""
+
     def run_weights(self, args, cfg) -> int:
         from hostd.weights import upstream as supervisor
 

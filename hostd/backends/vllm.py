@@ -201,6 +201,7 @@ class VllmBackend(upstream.UpstreamBackend):
         ("GET", "/version"),
     )
     metrics_prefixes = ("vllm:",)
+    upstream_package = "vllm"
 
     def executable(self, cfg) -> str:
         """`vllm`: $HOSTD_VLLM, else vllm on PATH (both from env: and ours)."""
@@ -343,9 +344,12 @@ class VllmBackend(upstream.UpstreamBackend):
             problems.append(f"env.VLLM_API_KEY: {upstream.COMMON_REFUSED_FLAGS['--api-key']}")
         return problems
 
+    def version_argv(self, cfg) -> list[str]:
+        return [self.executable(cfg), "--version"]
+
     def install_refusals(self, cfg) -> list[str]:
         problem = upstream.version_refusal(
-            "vllm", [self.executable(cfg), "--version"], upstream.effective_env(cfg), MINIMUM_VERSION,
+            "vllm", self.version_argv(cfg), upstream.effective_env(cfg), MINIMUM_VERSION,
             "install vLLM >= 0.32 for the hostd user, or point env.HOSTD_VLLM at its `vllm`",
             why_minimum=MINIMUM_WHY,
         )

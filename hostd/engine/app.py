@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -108,6 +108,83 @@ def longest_token_chars(tokenizer) -> int | None:
 
 
 # --- the engine's state and metrics ------------------------------------------
+
+# The latency histograms mean what vLLM's do (vllm/v1/metrics/loggers.py),
+# under hostd_engine_ names, with vLLM's buckets: a request's clock starts
+# when the engine takes it (its arrival), as vLLM's arrival_time does.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to MAX_MODEL_LEN (vLLM's build_1_2_5_buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_model_len:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+class Latency:
+    """The latency histograms of one engine, observed per request through a RequestClock."""
+
+    def __init__(self, registry: CollectorRegistry, max_model_len: int) -> None:
+        self.ttft = Histogram(
+            "hostd_engine_time_to_first_token_seconds", "From the request's arrival at the engine to its first "
+            "generated token (vllm:time_to_first_token_seconds)", buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = Histogram(
+            "hostd_engine_time_per_output_token_seconds", "Seconds between two consecutive tokens of a request, "
+            "one observation per token after the first (vllm:time_per_output_token_seconds, "
+            "vllm:inter_token_latency_seconds in newer vLLM)", buckets=TPOT_BUCKETS, registry=registry)
+        self.e2e = Histogram(
+            "hostd_engine_e2e_request_latency_seconds", "From the request's arrival at the engine to its last "
+            "token, for requests that finished (vllm:e2e_request_latency_seconds)", buckets=E2E_BUCKETS,
+            registry=registry)
+        tokens = token_buckets(max_model_len)
+        self.prompt_tokens = Histogram(
+            "hostd_engine_request_prompt_tokens", "Prompt tokens of finished requests "
+            "(vllm:request_prompt_tokens)", buckets=tokens, registry=registry)
+        self.generation_tokens = Histogram(
+            "hostd_engine_request_generation_tokens", "Generated tokens of finished requests "
+            "(vllm:request_generation_tokens)", buckets=tokens, registry=registry)
+
+
+class RequestClock:
+    """One request's latencies: tokens(n) with the count of tokens so far at
+    every delta, finished() once it ended on its own (a stop or its length),
+    not when it was cancelled or its client left."""
+
+    def __init__(self, latency: Latency, arrived: float, prompt_tokens: int) -> None:
+        self.latency, self.arrived, self.prompt_tokens = latency, arrived, prompt_tokens
+        self.count, self.last = 0, arrived
+
+    def tokens(self, count: int) -> None:
+        if count <= self.count:
+            return
+        now = time.monotonic()
+        if self.count == 0:
+            self.latency.ttft.observe(now - self.arrived)
+            new, self.count = count - 1, 1  # the first token's gap is the TTFT, not a TPOT
+        else:
+            new = count - self.count
+        if new > 0:
+            gap = (now - self.last) / new  # tokens that came in one delta share its gap
+            for _ in range(new):
+                self.latency.tpot.observe(gap)
+        self.count, self.last = count, now
+
+    def finished(self) -> None:
+        self.latency.e2e.observe(time.monotonic() - self.arrived)
+        self.latency.prompt_tokens.observe(self.prompt_tokens)
+        self.latency.generation_tokens.observe(self.count)
+
 
 
 class _RunnerCollector:
@@ -182,6 +259,7 @@ class Engine:
             ["endpoint", "status"], registry=self.registry,
         )
         self.registry.register(_RunnerCollector(self))
+        self.latency = Latency(self.registry, self.limits.max_model_len)
         self.runner.on_change = self.changed
 
     def changed(self) -> None:
@@ -395,6 +473,7 @@ class Engine:
 
 
 ENGINE = web.AppKey("hostd_engine", Engine)
+_ARRIVED = "hostd_arrived"  # request key: time.monotonic() when the engine took it (the latency clock)
 _OUTCOME = "hostd_outcome_status"  # request key: status to count when it differs from the response's
 
 
@@ -408,15 +487,18 @@ async def _answer(request: web.Request, engine: Engine, job: Job, fmt) -> web.St
     parts: list[str] = []
     completion_tokens, finish = 0, None
     started = time.monotonic()
+    clock = RequestClock(engine.latency, request.get(_ARRIVED, started), len(job.prompt_ids))
     try:
         async with contextlib.aclosing(engine.runner.stream(job.prompt_ids, job.params)) as deltas:
             async for delta in deltas:
                 parts.append(delta.text)
                 completion_tokens, finish = delta.completion_tokens, delta.finish_reason
+                clock.tokens(completion_tokens)
     except GenerationCancelled:
         raise shutting_down_error("this request was cancelled before it finished") from None
     body = envelope(job, fmt.object, [fmt.choice("".join(parts), finish)], engine.served_name)
     body["usage"] = token_usage(len(job.prompt_ids), completion_tokens)
+    clock.finished()
     _log_done(engine, job, completion_tokens, finish, started)
     return web.Response(body=encode(body), content_type="application/json")
 
@@ -432,6 +514,7 @@ async def _answer_stream(request: web.Request, engine: Engine, job: Job, fmt) ->
 
     completion_tokens, finish = 0, None
     started = time.monotonic()
+    clock = RequestClock(engine.latency, request.get(_ARRIVED, started), len(job.prompt_ids))
     try:
         opening = fmt.opening()
         if opening is not None:
@@ -439,9 +522,11 @@ async def _answer_stream(request: web.Request, engine: Engine, job: Job, fmt) ->
         async with contextlib.aclosing(engine.runner.stream(job.prompt_ids, job.params)) as deltas:
             async for delta in deltas:
                 completion_tokens, finish = delta.completion_tokens, delta.finish_reason
+                clock.tokens(completion_tokens)
                 if delta.text:
                     await send([fmt.chunk_choice(delta.text, None)])
         await send([fmt.chunk_choice("", finish)])
+        clock.finished()
         if job.include_usage:
             usage = envelope(job, fmt.chunk_object, [], engine.served_name)
             usage["usage"] = token_usage(len(job.prompt_ids), completion_tokens)
@@ -554,6 +639,7 @@ async def _admission(request: web.Request, handler) -> web.StreamResponse:
     if engine.draining:
         engine.requests_total.labels(request.path, "503").inc()
         return shutting_down_error("new requests are refused").response()
+    request[_ARRIVED] = time.monotonic()
     engine.in_flight += 1
     engine.idle.clear()
     status = STATUS_CLIENT_CLOSED  # unless a response comes back

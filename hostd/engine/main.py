@@ -226,6 +226,8 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
         **info,
         "slot": getattr(args, "slot", "main"),
         "phases_s": phases.seconds,
+        # hostd_build_info's upstream_version (the gateway's /metrics)
+        "upstream_version": backend.upstream_version(cfg) if backend is not None else "",
     }
 
     def health_info(engine_cfg=None, rebuild_s=None):

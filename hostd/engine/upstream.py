@@ -5,7 +5,8 @@ One job: run `vllm serve` (on a private Unix socket) or SGLang's
 serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
 unchanged (streaming included) except GET /health, which answers upstream's
 health plus hostd's contract for the manager: {"engine_config", "weights",
-"weights_not_retained", "weights_pid", "weights_socket_inode"}.
+"weights_not_retained", "weights_pid", "weights_socket_inode"} and for the
+gateway's /metrics ("upstream_version").
 Without the weight cache (the backend's weights_not_retained) upstream's
 server loads from disk and "weights" is "disk". Each slot (--slot) has its own
 upstream socket or port; in the next slot upstream runs as the overlap
@@ -87,6 +88,7 @@ class EngineSupervisor:
         bridge = self.backend.bridge(cfg) if slot == "next" else None
         self.command = self.backend.engine_command(name, cfg, port=self.port, slot=slot, bridge=bridge)
         self.bridge = self.backend.bridge_summary(cfg, bridge) if bridge else ""
+        self.upstream_version = self.backend.upstream_version(cfg)  # probed by install_refusals already
 
     # ------------------------------------------------------------ upstream
 
@@ -200,6 +202,7 @@ class EngineSupervisor:
             "weights_socket_inode": self.weights_inode,
             "slot": self.slot,
             "bridge": self.bridge,  # what the bridge runs with; "" in the main slot
+            "upstream_version": self.upstream_version,  # hostd_build_info (the gateway's /metrics)
             "memory": memory.snapshot(),  # host_available: the overlap preflight's on CPU
         }
         return web.json_response(body, status=200 if code == 200 else 503)

@@ -2,7 +2,10 @@
 
 One job: own every series the public /metrics shows. The gateway's own
 series (hostd_gateway_*) live in this process, so they keep counting across
-engine restarts and reloads. The engine's series are fetched from the
+engine restarts and reloads. The model's facts (hostd_build_info,
+hostd_limit, hostd_weights_retained: ModelFacts) are read at scrape time
+from the gateway's config and the serving engine's /health, so a limit
+gauge shows what the running engine runs, before and after a reload. The engine's series are fetched from the
 engine's /metrics at scrape time and passed through unchanged, restricted to
 the families its backend declares as its own (METRICS_PREFIXES: vllm:*,
 sglang:*, hostd_engine_*): the engine's process_* and python_* series would
@@ -14,9 +17,13 @@ series never mix.
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+import hostd
 
 # Request durations of an LLM API: milliseconds (model info, tokenize) to
 # minutes (long generations).
@@ -26,9 +33,12 @@ RELOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 
 class Metrics:
-    def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]]):
+    def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]], facts: Optional["ModelFacts"] = None):
         self.registry = CollectorRegistry()
         r = self.registry
+        self.facts = facts
+        if facts is not None:
+            r.register(facts)
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
         self.admitted = Counter("hostd_gateway_admitted", "Requests admitted", registry=r)
@@ -56,6 +66,10 @@ class Metrics:
         self.ttfb = Histogram(
             "hostd_gateway_time_to_first_byte_seconds", "Admitted requests: from admission to the engine's "
             "response headers, by status", ["status"], buckets=REQUEST_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "hostd_gateway_time_to_first_token_seconds", "Completions and chat completions answered 200: from "
+            "admission to the first SSE event carrying a token (streaming) or to the whole body (not "
+            "streaming)", buckets=REQUEST_BUCKETS, registry=r)
         self.admission_wait = Histogram(
             "hostd_gateway_admission_wait_seconds", "Time a request waited for admission (queue mode) "
             "before it was admitted or refused", buckets=REQUEST_BUCKETS, registry=r)
@@ -74,6 +88,116 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelFacts:
+    """hostd_build_info, hostd_limit and hostd_weights_retained, at scrape time.
+
+    The gateway's limits are its config's (they change with a restart of
+    model@NAME only); the engine's are the engine_config that the serving
+    engine's /health reports (update()), so after a reload or a rollback
+    they are what runs, and they are absent while no engine answers.
+    upstream_version is the last one an engine reported ('' before any)."""
+
+    def __init__(self, model: str, backend: str, upstream: str, gateway_limits: dict[str, float]):
+        self.model, self.backend, self.upstream = model, backend, upstream
+        self.gateway_limits = gateway_limits
+        self.upstream_version = ""
+        self.engine_limits: dict[str, float] = {}
+        self.weights: Optional[str] = None  # "daemon" | "disk" from the engine's /health
+
+    def update(self, health: Optional[dict]) -> None:
+        """The serving engine's /health body, None when it did not answer."""
+        if not isinstance(health, dict):
+            self.engine_limits, self.weights = {}, None
+            return
+        self.engine_limits = numeric_fields(health.get("engine_config"))
+        self.weights = health.get("weights") if health.get("weights") in ("daemon", "disk") else None
+        version = health.get("upstream_version")
+        if isinstance(version, str) and version:
+            self.upstream_version = version
+
+    def collect(self):
+        info = GaugeMetricFamily(
+            "hostd_build_info", "1, labelled with hostd's version, the model's backend and the version of the "
+            "upstream package its engine runs ('' until an engine answered)",
+            labels=["model", "version", "backend", "upstream", "upstream_version"])
+        info.add_metric([self.model, hostd.__version__, self.backend, self.upstream, self.upstream_version], 1)
+        yield info
+        limits = GaugeMetricFamily(
+            "hostd_limit", "A configured limit, by its key in the model's YAML: gateway.* from the gateway's "
+            "start, engine.* as the serving engine runs them (absent while none answers)", labels=["key"])
+        for prefix, values in (("gateway.", self.gateway_limits), ("engine.", self.engine_limits)):
+            for key, value in sorted(values.items()):
+                limits.add_metric([prefix + key], value)
+        yield limits
+        if self.weights is not None:
+            yield GaugeMetricFamily(
+                "hostd_weights_retained", "1 when the serving engine maps the weight daemon's copy (kept across "
+                "engine restarts), 0 when it loaded the weights from disk (weights_not_retained: hostctl status "
+                "says why)", value=1 if self.weights == "daemon" else 0)
+
+
+def numeric_fields(section) -> dict[str, float]:
+    """The numbers of a config section as builtins (msgspec.to_builtins): ints
+    and floats, not booleans, not unset (None) ones."""
+    if not isinstance(section, dict):
+        return {}
+    return {k: float(v) for k, v in section.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class FirstToken:
+    """Finds the first event of a completions or chat completions SSE stream
+    that carries a token: choices[].text, or choices[].delta's content,
+    reasoning or tool calls, not empty. A chat stream's first event (the role,
+    empty content) carries none. Reads only until it found it, and at most
+    LIMIT bytes of events without one (then gives up)."""
+
+    LIMIT = 1 << 20
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """True once: for the chunk that completes the first event with a token."""
+        if self.done:
+            return False
+        self.buffer += chunk
+        events = self.buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events[:-1]:
+            if _event_carries_token(event):
+                self.done = True
+                self.buffer = bytearray()
+                return True
+        self.buffer = bytearray(events[-1])
+        if len(self.buffer) > self.LIMIT:
+            self.done, self.buffer = True, bytearray()
+        return False
+
+
+TOKEN_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
+def _event_carries_token(event: bytes) -> bool:
+    data = b"\n".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    if not data or data == b"[DONE]":
+        return False
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return False
+    choices = body.get("choices") if isinstance(body, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(delta.get(f) for f in TOKEN_DELTA_FIELDS):
+            return True
+    return False
 
 
 class ReloadClock:

@@ -56,13 +56,14 @@ from pathlib import Path
 from typing import Optional
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.gateway import control, keys, limits, routes
-from hostd.gateway.metrics import Metrics, ReloadClock, engine_families
+from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, ReloadClock, engine_families, numeric_fields
 from hostd.gateway.state import HELD, Admission, State
 
 log = logging.getLogger("hostd.gateway")
@@ -89,6 +90,7 @@ class Gateway:
         self.control_socket = control_socket
         self.backend = backends.for_config(cfg)
         self.routes = routes.Table(self.backend.public_routes)
+        self.token_routes = frozenset(self.backend.token_routes)
         self.api_keys = api_keys
         # The key was for the gateway: the engine never sees it.
         self.drop_headers = frozenset({"authorization"}) if api_keys is not None else frozenset()
@@ -109,7 +111,8 @@ class Gateway:
             "hostd_gateway_connections": ("Open public connections",
                                           lambda: len(self.connections.open) if self.connections else 0),
             "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: self.budget.used),
-        })
+        }, ModelFacts(name, cfg.backend, self.backend.upstream_package,
+                      numeric_fields(msgspec.to_builtins(cfg.gateway))))
         self._last_status = ""
         self.reload_clock = ReloadClock(self.metrics)
         self.stream_error = {"message": f"model {name}'s engine stopped mid-stream",
@@ -196,9 +199,22 @@ class Gateway:
         return web.json_response({"model": self.name, "state": self.admission.state.value}, status=status)
 
     async def prometheus(self) -> web.Response:
+        engine_text, health = await asyncio.gather(self.engine_metrics(), self.engine_health())
+        self.metrics.facts.update(health)
         self.metrics.set_state(self.admission.state.value, (s.value for s in State))
-        body = self.metrics.exposition() + (await self.engine_metrics()).encode()
+        body = self.metrics.exposition() + engine_text.encode()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def engine_health(self) -> Optional[dict]:
+        """The serving engine's /health body (its engine_config, weights and
+        upstream_version: hostd_limit, hostd_weights_retained and
+        hostd_build_info), None when it does not answer."""
+        try:
+            async with self.sessions[self.slot].get(
+                    "http://engine/health", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None
 
     async def engine_metrics(self) -> str:
         """The engine's own families (backend.metrics_prefixes), '' when it does not answer."""
@@ -267,8 +283,21 @@ class Gateway:
         if request.rel_url.raw_query_string:
             target += "?" + request.rel_url.raw_query_string
 
-        def first_byte(code: int) -> None:
+        # Time to first token: the first SSE event that carries one, or a
+        # whole 200 body, of a route that generates (backend.token_routes).
+        tokens = (request.method, path) in self.token_routes
+        scan: Optional[FirstToken] = None
+
+        def first_byte(code: int, headers) -> None:
+            nonlocal scan
             self.metrics.ttfb.labels(str(code)).observe(loop.time() - admitted)
+            if tokens and code == 200 and forward.is_event_stream(headers):
+                scan = FirstToken()
+
+        def chunk(data: bytes) -> None:
+            self._count_bytes(len(data))
+            if scan is not None and scan.feed(data):
+                self.metrics.ttft.observe(loop.time() - admitted)
 
         slot = self.slot  # the engine this request goes to, whatever a switch does meanwhile
         self.admission.sent(slot)
@@ -278,7 +307,7 @@ class Gateway:
                     response = await forward.forward(
                         self.sessions[slot], target, request, body, drop=self.drop_headers,
                         add={"X-Request-Id": uuid.uuid4().hex},
-                        on_start=first_byte, on_chunk=self._count_bytes, stream_error=self.stream_error,
+                        on_start=first_byte, on_chunk=chunk, stream_error=self.stream_error,
                     )
                     break
                 except forward.Unreachable as exc:
@@ -292,6 +321,8 @@ class Gateway:
                     slot = self.slot
             gone = request.transport is None or request.transport.is_closing()
             status = CLIENT_CLOSED if gone else str(response.status)
+            if tokens and status == "200" and not forward.is_event_stream(response.headers):
+                self.metrics.ttft.observe(loop.time() - admitted)  # the whole body: its tokens came at once
             return response
         except forward.Broken as exc:
             # The engine died mid-response: the client's library reports an

@@ -6,7 +6,8 @@ operations, and Reload. The manager (service.py) exports one per model YAML.
 Trust: anyone on the bus may read: Config and RunningConfig have env: values
 and secret flags' values redacted (secrets of a YAML that may be 0600), and a config's problems are
 the loader's messages, which name files, keys and what was expected, never
-values. Reload asks polkit first (authority.admin).
+values. Reload asks polkit first (authority.admin); CheckReload, which
+changes nothing, does not.
 """
 
 import json
@@ -23,6 +24,7 @@ from hostd.config import redact, schema
 from hostd.manager import api
 from hostd.manager import reload as reload_mod
 from hostd.manager.authority import admin
+from hostd.manager.errors import replies
 from hostd.manager.operation_bus import OperationInterface
 from hostd.manager.probe import Probe
 from hostd.manager.records import Degraded
@@ -285,3 +287,9 @@ class ModelInterface(ServiceInterface):
     @admin(api.RELOAD_ACTION)
     async def Reload(self, patch: "a{sv}") -> "o":
         return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
+
+    @method()
+    @replies
+    async def CheckReload(self, patch: "a{sv}") -> "s":
+        """What Reload(PATCH) would do, JSON (Manager.CheckReload); read-only."""
+        return await self.manager.check_reload(self.model_name, reload_mod.patch_from_variants(patch))

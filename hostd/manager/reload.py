@@ -73,6 +73,11 @@ A reload whose target engine config is what the engine runs already ends at
 validate as `unchanged`, touching nothing (`systemctl restart
 model-engine@NAME` restarts the engine regardless).
 
+A check (check_only: the manager's CheckReload, `hostctl reload --check`)
+runs validate and preflight and stops there, saying what would change and
+which strategy would run; it refuses what the reload would refuse, in the
+same words.
+
 Nothing is touched before validate and preflight pass: a refusal changes no
 file, drains nothing and restarts nothing. From `record` on, the intent
 (previous drop-in content and target config) is in the manager's records
@@ -141,8 +146,12 @@ class ModelHandles:
 
 
 class Reload:
-    def __init__(self, model: ModelHandles, op: Operation):
-        self.model, self.op = model, op
+    """One reload of MODEL as OP. DRY_RUN: only check() will run (check_only):
+    OP is never published, so it moves through no stage and the journal gets
+    no line of it."""
+
+    def __init__(self, model: ModelHandles, op: Operation, dry_run: bool = False):
+        self.model, self.op, self.dry_run = model, op, dry_run
         self.previous_reload: Optional[str] = None
         self.previous_rollback: Optional[str] = None
         self.reload_data: Optional[dict] = None  # 90-reload.yaml with the patch merged
@@ -263,6 +272,7 @@ class Reload:
             return
         if standby:
             self.op.notes.append(f"no standby reload: {standby}")
+        if standby and not self.dry_run:
             log.info("reload %d of %s: no standby reload (%s); as without a standby", self.op.id, self.op.model,
                      standby, extra={"hostd_model": self.op.model, "hostd_operation": str(self.op.id)})
         strategy, why = self.choose_strategy(memory)
@@ -437,8 +447,32 @@ class Reload:
         await self.validate()
         if self.unchanged:
             return
-        self.op.enter(Stage.PREFLIGHT)
+        if not self.dry_run:  # a dry run's Operation is nobody's: no stage to show
+            self.op.enter(Stage.PREFLIGHT)
         await self.preflight()
+
+    def verdict(self) -> dict:
+        """What the checked reload would do (CheckReload's answer): `outcome`
+        reload or unchanged; `changes`, every engine key whose value differs,
+        {key: {old, new}}: old is what the engine runs (what it reports on
+        /health, validated as an engine section; else the last committed
+        values; else the config on disk), new the target; the `strategy` the
+        preflight chose and its `reason`; the preflight's `notes`; and
+        `weights_not_retained`, why the new engine would load the weights
+        from disk ("" when it attaches the retained ones). Engine sections
+        hold no secrets (env: and the argument lists are fixed fields)."""
+        new = msgspec.to_builtins(self.target.engine)
+        old = (previous_engine(self.current.backend, None, self.health) or self.running_engine
+               or msgspec.to_builtins(self.current.engine))
+        changes = {key: {"old": old.get(key), "new": new.get(key)}
+                   for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+        if self.unchanged:
+            strategy, reason = "", "the engine runs this config already: a reload would restart nothing"
+        else:
+            strategy, reason = self.op.strategy, self.strategy_reason
+        return {"model": self.model.name, "outcome": "unchanged" if self.unchanged else "reload",
+                "patch": self.op.patch, "changes": changes, "strategy": strategy, "reason": reason,
+                "notes": list(self.op.notes), "weights_not_retained": self.weights_not_retained()}
 
     def start(self) -> asyncio.Task:
         """Apply the checked reload in the background; the Operation reports."""
@@ -730,6 +764,18 @@ class Reload:
         # The standby serves the target config and nothing runs on the main
         # engine: it restarts with the target config, then takes over again.
         await self._replace_main(self._hand_back_standby, "handing the gateway back to the main engine failed")
+
+
+async def check_only(model: ModelHandles, patch: dict) -> dict:
+    """What Reload(PATCH) of MODEL would do (Reload.verdict), by the reload's
+    own validate and preflight: the same refusals (errors.Refused and the
+    loader's, raised as a reload raises them), nothing written, no unit
+    started, stopped or restarted, no gateway asked to change, and no
+    Operation: the stages run on one that is never published and takes no
+    operation id (id 0)."""
+    run = Reload(model, Operation(id=0, model=model.name, patch=patch), dry_run=True)
+    await run.check()
+    return run.verdict()
 
 
 def patch_from_variants(patch: dict[str, Any]) -> dict:

@@ -6,7 +6,7 @@ to systemd. What a reload does, how it ends and how it is recovered after a
 crash live in reload.py; the records on disk in records.py; refusals and their
 D-Bus errors in errors.py; names shared with clients in api.py.
 
-    /org/hostd1                     org.hostd1.Manager    verbs, OperationFinished, OperationRemoved
+    /org/hostd1                     org.hostd1.Manager    verbs, CheckReload, OperationFinished, OperationRemoved
     /org/hostd1/model/<name>        org.hostd1.Model      one per configured model (model_bus.py)
     /org/hostd1/operation/<id>      org.hostd1.Operation  the running ones and the last 64 finished (operation_bus.py)
 
@@ -62,6 +62,11 @@ class Manager(ServiceInterface):
         self.operations: dict[int, OperationInterface] = {}
         self._by_unit: dict[str, ModelInterface] = {}
         self._tasks: set[asyncio.Task] = set()
+        # Reload checks need no polkit, so any local user may send them: one
+        # model's run one at a time, and a flood of them waits its turn (the
+        # bus caps each caller's pending calls) instead of fanning out into
+        # parallel YAML parses, engine probes and NVML reads.
+        self._check_locks: dict[str, asyncio.Lock] = {}
         systemd.on_unit_change = self._unit_changed
 
     # ------------------------------------------------------------ plumbing
@@ -156,10 +161,15 @@ class Manager(ServiceInterface):
 
     # ------------------------------------------------------------ verbs
 
+    @staticmethod
+    def refuse_if_busy(model: ModelInterface) -> None:
+        if model.busy():
+            raise errors.Busy(f"model {model.model_name} is busy with operation {model.active.op.id}; "
+                              "wait for it or cancel it")
+
     async def reload(self, name: str, patch: dict) -> str:
         model = self.model(name)
-        if model.busy():
-            raise errors.Busy(f"model {name} is busy with operation {model.active.op.id}; wait for it or cancel it")
+        self.refuse_if_busy(model)
         previous = model.active
         iface = self.new_operation(model, "reload", patch)
         run = reload_mod.Reload(
@@ -174,6 +184,19 @@ class Manager(ServiceInterface):
         self.publish(iface)
         self.keep(run.start())
         return iface.path
+
+    async def check_reload(self, name: str, patch: dict) -> str:
+        """What reload(NAME, PATCH) would do, as JSON (reload.check_only);
+        its refusals raised as reload's. Nothing is written, no unit is
+        touched and no Operation is made, so any caller may ask (no polkit:
+        the answer holds what Model.Config and EditableFields show anyone,
+        plus the preflight's memory verdict)."""
+        model = self.model(name)
+        async with self._check_locks.setdefault(name, asyncio.Lock()):
+            self.refuse_if_busy(model)
+            verdict = await reload_mod.check_only(model.handles, patch)
+        log.debug("reload check of %s: %s", name, verdict["outcome"], extra={"hostd_model": name})
+        return json.dumps(verdict)
 
     async def unit_verb(self, name: str, kind: str) -> str:
         model = self.model(name)
@@ -217,13 +240,18 @@ class Manager(ServiceInterface):
     @method()
     @admin(api.RELOAD_ACTION)
     async def ReloadJSON(self, name: "s", patch: "s") -> "o":
-        try:
-            data = (json.loads(patch) if patch.strip() else None) or {}
-        except ValueError as exc:
-            raise errors.InvalidValue(f"patch is not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise errors.InvalidValue("patch must be a JSON object of field: value")
-        return await self.reload(name, data)
+        return await self.reload(name, patch_from_json(patch))
+
+    # Read-only: no polkit (docs/dbus-api.md says why), as ListModels.
+    @method()
+    @replies
+    async def CheckReload(self, name: "s", patch: "a{sv}") -> "s":
+        return await self.check_reload(name, reload_mod.patch_from_variants(patch))
+
+    @method()
+    @replies
+    async def CheckReloadJSON(self, name: "s", patch: "s") -> "s":
+        return await self.check_reload(name, patch_from_json(patch))
 
     @method()
     @admin(api.MANAGE_ACTION)
@@ -320,6 +348,17 @@ class Manager(ServiceInterface):
                 iface.op.finish(state, "" if outcome == "committed" else f"reload {intent.operation}: {outcome}")
             model.forget()
             model.refresh()
+
+
+def patch_from_json(patch: str) -> dict:
+    """ReloadJSON's and CheckReloadJSON's patch: a JSON object ("" is {})."""
+    try:
+        data = (json.loads(patch) if patch.strip() else None) or {}
+    except ValueError as exc:
+        raise errors.InvalidValue(f"patch is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise errors.InvalidValue("patch must be a JSON object of field: value")
+    return data
 
 
 async def serve(root: Path) -> None:

@@ -8,6 +8,7 @@ with the reason. Memory is read from NVML, as an operator would see it.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -143,6 +144,13 @@ def engine_health(tree: ModelTree, slot: str) -> dict:
     return response.json()
 
 
+def free_port() -> int:
+    """A loopback TCP port free now (the gateway's listen)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def answers(tree: ModelTree, slot: str) -> bool:
     try:
         return bool(engine_health(tree, slot))
@@ -156,15 +164,14 @@ def test_overlap_reload_on_cuda_two_engines_share_one_allocation(tmp_path: Path,
     switches to it, the main engine restarts, the gateway switches back, the
     second engine stops. Both engines point into the daemon's one allocation
     at once; NVML shows two engines' working memory, never a second copy."""
-    import socket
-
     weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     baseline = settle(nvml, 0.5)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     tree = ModelTree(tmp_path, name="gpu")
-    tree.write_config(checkpoint, device="cuda", fixed={"listen": f"127.0.0.1:{port}"})
+    # A small KV cache (the batched engine's default budget for this config is
+    # larger than this checkpoint's 1.4 GiB of weights): what is measured is
+    # that a second engine adds its working memory, never a weight-sized copy.
+    tree.write_config(checkpoint, device="cuda", fixed={"listen": f"127.0.0.1:{port}"}, kv_cache_mib=128)
     try:
         daemon = tree.start_weights(timeout=600)
         with_daemon = settle(nvml)
@@ -192,6 +199,82 @@ def test_overlap_reload_on_cuda_two_engines_share_one_allocation(tmp_path: Path,
         assert following.stop() == 0
         assert greedy(tree) == expected
         assert settle(nvml, 1.0) - with_daemon < one_engine + 256 * MiB  # back to one engine
+    finally:
+        tree.stop_all()
+    after = settle(nvml)
+    assert abs(after - baseline) < 64 * MiB, ((after - baseline) / MiB)
+
+
+def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path, checkpoint: Path, nvml):
+    """The standby strategy's steps and a failover by hand (the manager and
+    systemd drive them: tests/system/test_standby_units.py, and at 7B
+    tests/gpu_system): the warm standby rebuilds on a new config in its own
+    process on the weights it mapped, the gateway sends new requests to it
+    while the main engine restarts, then back; a kill -9 of the main engine
+    moves new requests to the standby with none refused. Both engines point
+    into the daemon's one allocation throughout; NVML never shows a copy."""
+    import signal
+
+    import openai
+
+    from hostd import paths
+
+    weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    baseline = settle(nvml, 0.5)
+    port = free_port()
+    tree = ModelTree(tmp_path, name="gpu")
+    tree.write_config(checkpoint, device="cuda", fixed={"listen": f"127.0.0.1:{port}", "standby": True},
+                      kv_cache_mib=128, max_num_seqs=4)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def complete() -> str:
+        answer = api.completions.create(model="gpu", prompt="Once upon a time", max_tokens=16, temperature=0)
+        return answer.choices[0].text
+
+    try:
+        daemon = tree.start_weights(timeout=600)
+        with_daemon = settle(nvml)
+        main = tree.start_engine(timeout=600)
+        one_engine = settle(nvml, 1.0) - with_daemon
+        standby = tree.start_engine("--slot", "standby", wait=False)
+        wait_for(lambda: answers(tree, "standby"), 600, "the standby", standby.proc)
+        tree.start_gateway()
+        wait_for(lambda: tree.control("status")["state"] == "serving", 60, "gateway serving")
+        expected = complete()
+        a, b = engine_health(tree, "main"), engine_health(tree, "standby")
+        assert a["weights_pid"] == b["weights_pid"] == daemon.pid
+        assert a["tensors_outside_shared"] == b["tensors_outside_shared"] == 0
+        both = settle(nvml, 1.0) - with_daemon
+        assert both - one_engine < weight_bytes, (both / MiB, one_engine / MiB)  # the standby copied nothing
+
+        # The reload: the standby rebuilds on the new config, takes new requests.
+        transport = httpx.HTTPTransport(uds=str(tree.runtime_dir / paths.ENGINE_SOCKETS["standby"]))
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=300) as http:
+            rebuilt = http.post("/hostd/rebuild", json={"engine": {**b["engine_config"], "max_num_seqs": 2}})
+        assert rebuilt.status_code == 200, rebuilt.text
+        after = engine_health(tree, "standby")
+        assert (after["pid"], after["max_num_seqs"], after["tensors_outside_shared"]) == (standby.pid, 2, 0)
+        assert after["shared_ptr"] == b["shared_ptr"]  # the same mapping of the daemon's block
+        assert tree.control("switch", slot="standby")["slot"] == "standby"
+        assert complete() == expected
+        assert main.stop() == 0
+        main = tree.start_engine(timeout=600)
+        assert tree.control("switch", slot="main")["slot"] == "main"
+        assert complete() == expected
+        assert settle(nvml, 1.0) - with_daemon - both < 256 * MiB  # the rebuild freed the old model's memory
+
+        # The failover: kill -9 the main engine; new requests go to the standby.
+        main.stop(signal.SIGKILL)
+        outcomes = [complete() for _ in range(4)]
+        assert outcomes == [expected] * 4
+        status = tree.control("status")
+        assert (status["slot"], status["failed_over"]) == ("standby", "main")
+        assert sum(status["rejected"].values()) == 0
+        assert daemon.proc.poll() is None and client.status(tree.weights_socket).bytes_by_device
+        tree.start_engine(timeout=600)  # what systemd's Restart= does
+        wait_for(lambda: tree.control("status")["slot"] == "main", 120, "new requests back on the main engine")
+        assert complete() == expected
+        assert engine_health(tree, "main")["tensors_outside_shared"] == 0
     finally:
         tree.stop_all()
     after = settle(nvml)

@@ -77,6 +77,8 @@ def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, s
     assert "limits" not in health  # engine_config is the contract
     assert health["engine_config"] == {**health["engine_config"], **limits}
     assert (health["weights_pid"], health["weights_socket_inode"]) == (before.pid, before.socket_inode)
+    # hostd_build_info's upstream_version (the gateway's /metrics): what upstream says it is
+    assert health["upstream_version"] == {"vllm": "0.32.0", "sglang": "0.5.23"}[backend]
     with tree.http() as http:
         answer = http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
@@ -196,6 +198,33 @@ def test_without_the_weight_cache_no_daemon_runs_and_an_engine_restart_loads_fro
     assert engine.stop() == 0
     tree.start_engine(timeout=60)
     assert weights_client.status(tree.weights_socket).pid == weights.pid == tree.health()["weights_pid"]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_the_gateways_metrics_name_upstreams_version_and_weights_loaded_from_disk(
+        backend, short_root, checkpoint, trees):
+    """hostd_build_info carries the version upstream reports, hostd_weights_retained
+    is 0 for an engine that loads from disk (the HostdWeightsNotRetained alert's
+    input), and hostd_limit the engine's limits as it runs them."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    limits = {"max_num_seqs": 5} if backend == "vllm" else {"max_running_requests": 5}
+    tree = tree_for(short_root, checkpoint, backend, device="cpu", listen=f"127.0.0.1:{port}", engine=limits)
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    tree.start_engine(timeout=60)
+    tree.start_gateway()
+    wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    version = {"vllm": "0.32.0", "sglang": "0.5.23"}[backend]
+    assert (f'hostd_build_info{{backend="{backend}",model="m",upstream="{backend}",upstream_version="{version}",'
+            in text)
+    assert "hostd_weights_retained 0.0" in text.splitlines()
+    key = next(iter(limits))
+    assert f'hostd_limit{{key="engine.{key}"}} 5.0' in text.splitlines()
 
 
 def engine_client(tree: ModelTree, slot: str, timeout: float = 30) -> httpx.Client:

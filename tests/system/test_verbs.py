@@ -214,3 +214,56 @@ def test_hostctl_reload_shows_each_stage_with_elapsed_time_and_the_engine_status
     assert any(": drain (" in line for line in stages) and any(": verify (" in line for line in stages)
     assert any(", engine: " in line for line in stages if ": restart (" in line), stages
     assert re.search(r"reload of tiny: done \((strategy restart, )?weights reused\) in \d+\.\d s", result.stdout)
+
+
+def model_files(host: SystemdContainer) -> str:
+    """Every file of the model's drop-ins and the manager's records, with its
+    content digest and mtime: what a reload writes."""
+    return host.sh("find /etc/hostd/models /var/lib/hostd/.manager -type f -printf '%p %T@ ' "
+                   "-exec sha256sum {} \\; | sort").stdout
+
+
+def test_hostctl_reload_check_says_what_would_change_and_changes_nothing(host):
+    """`hostctl reload --check` (Ansible's and Salt's check mode): the diff and
+    the strategy, for any user, and nothing written, restarted or recorded;
+    a value out of range is refused naming its key, as the reload refuses it."""
+    serving(host)
+    host.write_file("/etc/hostd/models/tiny.d/40-strategy.yaml", "reload:\n  strategy: restart\n")
+    host.systemctl("reload", "model@tiny.service", timeout=300)  # the engine runs the disk's config
+    running = json.loads(hostctl(host, "status", "tiny", "--json").stdout)["engine"]["max_num_seqs"]
+    files = model_files(host)
+    engine_pid = host.systemctl("show", "-p", "MainPID", "--value", "model-engine@tiny.service").stdout
+    operations = json.loads(hostctl(host, "operations", "--json").stdout)
+
+    # Read-only: any user may ask (no polkit), through hostctl as through busctl.
+    nobody = host.run(["setpriv", "--reuid=nobody", f"--regid={host.run(['id', '-g', 'nobody']).stdout.strip()}",
+                       "--clear-groups", host.python, "-m", "hostd.hostctl", "reload", "--check", "tiny",
+                       f"max_num_seqs={running + 1}"], check=False, timeout=300)
+    assert nobody.returncode == 0, nobody.stderr
+    assert nobody.stdout.splitlines() == [
+        "reload of tiny would apply 1 change (strategy restart: reload.strategy is restart)",
+        f"  max_num_seqs: {running} -> {running + 1}",
+    ], nobody.stdout
+    checked = json.loads(hostctl(host, "reload", "--check", "tiny", f"max_num_seqs={running + 1}",
+                                 "--json=short").stdout)
+    assert checked["ok"] is True and checked["outcome"] == "reload" and checked["strategy"] == "restart"
+    assert checked["changes"] == {"max_num_seqs": {"old": running, "new": running + 1}}
+    [answer] = host.busctl_json("call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "CheckReload",
+                                "sa{sv}", "tiny", "1", "max_num_seqs", "u", str(running + 1))["data"]
+    assert json.loads(answer) == {k: v for k, v in checked.items() if k != "ok"}
+
+    refused = hostctl(host, "reload", "--check", "tiny", "max_num_seqs=0")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr == "hostctl: InvalidValue: engine.max_num_seqs: expected `int` >= 1\n", refused.stderr
+
+    unchanged = hostctl(host, "reload", "--check", "tiny", f"max_num_seqs={running}")
+    assert (unchanged.returncode, unchanged.stdout) == (
+        0, "reload of tiny would be unchanged: the engine runs this config already: a reload would restart nothing\n")
+
+    assert model_files(host) == files  # no drop-in written, no intent or counter recorded
+    assert host.systemctl("show", "-p", "MainPID", "--value", "model-engine@tiny.service").stdout == engine_pid
+    assert host.systemctl("is-active", "model-engine-next@tiny.service", check=False).stdout.strip() == "inactive"
+    assert json.loads(hostctl(host, "operations", "--json").stdout) == operations  # no operation
+    # And the reload then does what the check said.
+    done = hostctl(host, "reload", "tiny", f"max_num_seqs={running + 1}", "--quiet")
+    assert done.returncode == 0 and done.stdout.startswith("reload of tiny: done (strategy restart"), done

@@ -208,3 +208,23 @@ def test_a_cancelled_request_frees_its_slot_and_the_next_one_runs(tiny):
     n, why, generated = run(with_runner(batch_runner(tiny, max_num_seqs=1), body))
     assert (n, why) == (4, "length")
     assert generated < 200
+
+
+def test_the_transformers_pyproject_admits_has_what_the_batched_runner_replaces():
+    """pyproject.toml pins transformers to the minor batch.py is tested with
+    (it replaces internals of the continuous-batching manager): whatever pip
+    installs within that pin passes the start-up check, and the pin names the
+    installed version's minor."""
+    import tomllib
+    from pathlib import Path
+
+    import transformers
+    from packaging.requirements import Requirement
+
+    from hostd.engine.batch import check_supported
+
+    check_supported()
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    [pin] = [Requirement(d) for d in project["project"]["dependencies"] if d.startswith("transformers")]
+    assert pin.specifier.contains(transformers.__version__), (str(pin), transformers.__version__)
+    assert any(spec.operator == "<" for spec in pin.specifier), f"{pin}: no upper bound on internals batch.py replaces"
