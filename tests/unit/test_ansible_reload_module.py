@@ -20,9 +20,10 @@ MODULE = Path(__file__).resolve().parents[2] / "packaging/ansible/roles/hostd/li
 
 FAKE_HOSTCTL = """#!/bin/sh
 echo "$*" >> {log}
-case "$1" in
-status) cat {status}; exit $(cat {status_rc}) ;;
-reload) cat {reload} ; cat {reload_err} >&2; exit $(cat {reload_rc}) ;;
+case "$1 $2" in
+"status "*) cat {status}; exit $(cat {status_rc}) ;;
+"reload --check") cat {verdict}; exit $(cat {verdict_rc}) ;;
+"reload "*) cat {reload} ; cat {reload_err} >&2; exit $(cat {reload_rc}) ;;
 esac
 exit 2
 """
@@ -31,7 +32,8 @@ exit 2
 @pytest.fixture
 def hostctl(tmp_path: Path):
     """A stand-in hostctl; .answer(...) sets what status and reload print."""
-    files = {k: tmp_path / k for k in ("log", "status", "status_rc", "reload", "reload_err", "reload_rc")}
+    files = {k: tmp_path / k for k in ("log", "status", "status_rc", "reload", "reload_err", "reload_rc",
+                                                "verdict", "verdict_rc")}
     script = tmp_path / "hostctl"
     script.write_text(FAKE_HOSTCTL.format(**files))
     script.chmod(0o755)
@@ -40,8 +42,11 @@ def hostctl(tmp_path: Path):
     class Hostctl:
         path = str(script)
 
-        def answer(self, *, state="serving", engine=None, status_rc=0, reload=None, reload_rc=0, reload_err=""):
-            files["status"].write_text(json.dumps({"state": state, "engine": engine or {"max_model_len": None}}))
+        def answer(self, *, state="serving", status_rc=0, reload=None, reload_rc=0, reload_err="",
+                   verdict=None, verdict_rc=0):
+            files["status"].write_text(json.dumps({"state": state, "engine": {"max_model_len": None}}))
+            files["verdict"].write_text(json.dumps(verdict) if verdict is not None else "")
+            files["verdict_rc"].write_text(str(verdict_rc))
             files["status_rc"].write_text(str(status_rc))
             files["reload"].write_text(json.dumps(reload) if reload is not None else "")
             files["reload_rc"].write_text(str(reload_rc))
@@ -71,11 +76,11 @@ def test_a_reload_that_ends_done_is_changed_and_passes_typed_values(tmp_path, ho
     assert hostctl.calls() == ["status tiny --json=short", "reload tiny max_model_len=384 --json=short"]
 
 
-def test_limits_the_engine_runs_already_reload_nothing(tmp_path, hostctl):
-    hostctl.answer(engine={"max_model_len": 384})
+def test_a_reload_the_manager_finds_unchanged_is_ok_not_changed(tmp_path, hostctl):
+    hostctl.answer(reload={"State": "unchanged", "Strategy": "", "Error": "", "Notes": []})
     result = run_module(tmp_path, hostctl)
     assert result["changed"] is False and not result.get("failed"), result
-    assert hostctl.calls() == ["status tiny --json=short"]
+    assert result["msg"] == "tiny: reload unchanged"
 
 
 @pytest.mark.parametrize("state", ["rolled-back", "failed", "cancelled"])
@@ -101,13 +106,29 @@ def test_a_model_that_does_not_serve_is_not_reloaded(tmp_path, hostctl):
     assert hostctl.calls() == ["status tiny --json=short"]
 
 
-def test_check_mode_reports_the_change_and_calls_no_reload(tmp_path, hostctl):
-    hostctl.answer()
+def test_check_mode_reports_the_managers_verdict_and_calls_no_reload(tmp_path, hostctl):
+    hostctl.answer(verdict={"ok": True, "outcome": "reload", "strategy": "overlap", "reason": "a second engine fits",
+                            "changes": {"max_model_len": {"old": None, "new": 384}}, "notes": []})
     result = run_module(tmp_path, hostctl, check=True)
     assert result["changed"] is True and result["state"] == "would-reload", result
     assert result["changes"] == {"max_model_len": {"now": None, "then": 384}}
-    assert result["msg"] == "tiny: would reload max_model_len None -> 384"
-    assert hostctl.calls() == ["status tiny --json=short"]
+    assert result["msg"] == "tiny: would reload max_model_len None -> 384 (strategy overlap: a second engine fits)"
+    assert hostctl.calls() == ["status tiny --json=short", "reload --check tiny max_model_len=384 --json=short"]
+
+
+def test_check_mode_of_limits_the_engine_runs_already_is_ok(tmp_path, hostctl):
+    hostctl.answer(verdict={"ok": True, "outcome": "unchanged", "reason": "the engine runs these limits already",
+                            "changes": {}})
+    result = run_module(tmp_path, hostctl, check=True)
+    assert result["changed"] is False and not result.get("failed"), result
+
+
+def test_check_mode_fails_on_a_reload_the_manager_would_refuse(tmp_path, hostctl):
+    hostctl.answer(verdict={"ok": False, "outcome": "refused", "message": "engine.max_num_seqs: expected `int` >= 1"},
+                   verdict_rc=1)
+    result = run_module(tmp_path, hostctl, check=True)
+    assert result["failed"] is True and "would be refused" in result["msg"], result
+    assert "engine.max_num_seqs: expected `int` >= 1" in result["msg"]
 
 
 def test_an_empty_set_is_refused(tmp_path, hostctl):

@@ -2,8 +2,11 @@
 """Ansible module: reload one hostd model with new limits, on this host.
 
 Runs on the managed host and calls hostctl, the administrator's command line,
-nothing else: `hostctl status NAME --json=short` for what the engine runs now
-and `hostctl reload NAME KEY=VALUE... --json=short` for the reload. It trusts
+nothing else: `hostctl status NAME --json=short` (does the model serve),
+`hostctl reload --check NAME KEY=VALUE... --json=short` in check mode (the
+manager's validation and preflight, nothing changed) and `hostctl reload NAME
+KEY=VALUE... --json=short` for the reload (the manager decides `unchanged`
+when the engine runs these limits already). It trusts
 hostctl's JSON and exit codes (docs/operations.md) and refuses a host whose
 model does not serve: reloading it would prove nothing about the fleet.
 """
@@ -14,13 +17,14 @@ DOCUMENTATION = r"""
 module: hostd_reload
 short_description: reload a hostd model's editable limits (hostctl reload)
 description:
-  - Compares the limits the model's engine runs now (hostctl status NAME)
-    with I(set); when one differs, runs hostctl reload NAME KEY=VALUE and
-    waits for the reload's end. Changed when it ends C(done); ok when there
-    is nothing to change or it ends C(unchanged); failed for every other end
-    (C(rolled-back), C(failed), C(cancelled)) or a refusal.
-  - Check mode runs nothing and reports the keys that would change, with
-    their values now and then (and a diff with --diff).
+  - Runs hostctl reload NAME KEY=VALUE and waits for the reload's end.
+    Changed when it ends C(done); ok when it ends C(unchanged) (the engine
+    runs these limits already); failed for every other end (C(rolled-back),
+    C(failed), C(cancelled)), a refusal, or a model that does not serve.
+  - Check mode runs hostctl reload --check (validation and preflight by the
+    manager, nothing changed) and reports the keys that would change, with
+    their values now and then, and the strategy that would run (a diff with
+    --diff); a reload the manager would refuse fails the task.
 options:
   name:
     description: the model (/etc/hostd/models/NAME.yaml)
@@ -52,6 +56,26 @@ def run_json(module, argv):
     return rc, data, err.strip()
 
 
+def check_mode(module, name, hostctl, assignments):
+    """--check: the manager's verdict (hostctl reload --check: validation and
+    preflight, nothing changed), as Ansible's changed and diff."""
+    rc, verdict, err = run_json(module, [hostctl, "reload", "--check", name, *assignments, "--json=short"])
+    if verdict is None or rc != 0 or not verdict.get("ok"):
+        words = (verdict or {}).get("message") or err
+        module.fail_json(msg=f"{name}: the reload would be refused (hostctl reload --check, exit {rc}): {words}",
+                         rc=rc, state="refused")
+    changes = {key: {"now": c.get("old"), "then": c.get("new")} for key, c in verdict.get("changes", {}).items()}
+    if verdict.get("outcome") == "unchanged":
+        module.exit_json(changed=False, state="unchanged", changes={}, msg=f"{name}: {verdict.get('reason', 'unchanged')}")
+    diff = {"before": "".join(f"{k}: {json.dumps(c['now'])}\n" for k, c in sorted(changes.items())),
+            "after": "".join(f"{k}: {json.dumps(c['then'])}\n" for k, c in sorted(changes.items())),
+            "before_header": f"{name} engine (running)", "after_header": f"{name} engine (after reload)"}
+    module.exit_json(changed=True, state="would-reload", changes=changes, diff=diff, strategy=verdict.get("strategy"),
+                     notes=verdict.get("notes", []),
+                     msg=f"{name}: would reload " + ", ".join(f"{k} {c['now']} -> {c['then']}" for k, c in changes.items())
+                     + f" (strategy {verdict.get('strategy')}: {verdict.get('reason')})")
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(name=dict(type="str", required=True), set=dict(type="dict", required=True),
@@ -67,27 +91,16 @@ def main():
     if rc != 0:
         module.fail_json(msg=f"model {name} does not serve here (state {status.get('state')}): "
                              f"not reloaded; start it first (hostctl start {name})", rc=rc, model_state=status.get("state"))
-    running = status.get("engine", {})
-    changes = {key: {"now": running.get(key), "then": value} for key, value in wanted.items()
-               if running.get(key) != value}
-    diff = {"before": "".join(f"{k}: {json.dumps(running.get(k))}\n" for k in sorted(wanted)),
-            "after": "".join(f"{k}: {json.dumps(wanted[k])}\n" for k in sorted(wanted)),
-            "before_header": f"{name} engine (running)", "after_header": f"{name} engine (after reload)"}
-    if not changes:
-        module.exit_json(changed=False, state="unchanged", changes={}, msg=f"{name}: runs these limits already")
-    if module.check_mode:
-        module.exit_json(changed=True, state="would-reload", changes=changes, diff=diff,
-                         msg=f"{name}: would reload " + ", ".join(f"{k} {c['now']} -> {c['then']}"
-                                                                  for k, c in changes.items()))
     # Values as JSON scalars, which YAML (hostctl's KEY=VALUE) reads back as typed.
     assignments = [f"{key}={json.dumps(value)}" for key, value in wanted.items()]
+    if module.check_mode:
+        check_mode(module, name, hostctl, assignments)
     rc, result, err = run_json(module, [hostctl, "reload", name, *assignments, "--json=short"])
     if result is None:  # refused before it began: the manager's one line on stderr
-        module.fail_json(msg=f"hostctl reload {name} refused (exit {rc}): {err}", rc=rc, state="refused",
-                         changes=changes)
+        module.fail_json(msg=f"hostctl reload {name} refused (exit {rc}): {err}", rc=rc, state="refused")
     state = result.get("State")
     report = dict(state=state, strategy=result.get("Strategy", ""), error=result.get("Error", ""),
-                  notes=result.get("Notes", []), operation=result.get("path", ""), changes=changes, diff=diff)
+                  notes=result.get("Notes", []), operation=result.get("path", ""))
     words = f"{name}: reload {state}" + (f" (strategy {report['strategy']})" if report["strategy"] else "")
     if report["error"]:
         words += f": {report['error']}"
