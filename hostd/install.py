@@ -193,25 +193,51 @@ def run_tool(*argv: str) -> None:
     subprocess.run(argv, check=True)
 
 
+def file_change(path: Path, text: str, mode: int) -> str:
+    """What writing TEXT with MODE to PATH changes: "installed" (new),
+    "updated" (other content or mode) or "unchanged"."""
+    try:
+        same = path.read_text() == text and path.stat().st_mode & 0o7777 == mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "installed"
+    except (OSError, UnicodeDecodeError):
+        return "updated"
+    return "unchanged" if same else "updated"
+
+
 def install(args: argparse.Namespace) -> int:
+    """Write every file and link (each line says installed, updated or
+    unchanged: over an older install, what the upgrade changed), remove what
+    the older one had and this one does not, and keep /etc/hostd."""
     root = Path(args.root)
     files = planned_files(args)
+    counts: dict[str, int] = {}
     for path, (text, mode) in files.items():
-        write_atomic(path, text, mode=mode)
-        print(f"installed {path}")
+        change = file_change(path, text, mode)
+        if change != "unchanged":
+            write_atomic(path, text, mode=mode)
+        counts[change] = counts.get(change, 0) + 1
+        print(f"{change} {path}")
     for link, target in planned_links(args).items():
+        change = "unchanged" if link.is_symlink() and os.readlink(link) == str(target) else \
+            "updated" if link.is_symlink() else "installed"
         if place_link(link, target):
             files[link] = ("", 0)
-            print(f"installed {link} -> {target}")
+            counts[change] = counts.get(change, 0) + 1
+            print(f"{change} {link} -> {target}")
     state = root / "var/lib/hostd"
     config = root / args.config_dir.lstrip("/")
-    remove_stale(state / MANIFEST, files, config)
+    counts["removed"] = remove_stale(state / MANIFEST, files, config)
     (config / "models").mkdir(parents=True, exist_ok=True)
     example = data_dir("packaging").parent / "etc" / "hostd.yaml"
     if not (config / "hostd.yaml").exists() and example.is_file():
         write_atomic(config / "hostd.yaml", example.read_text())
         files[config / "hostd.yaml"] = ("", 0)
         print(f"installed {config / 'hostd.yaml'} (example)")
+    else:
+        print(f"kept {config} as it is (the administrator's configuration)")
+    print("hostd install: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("installed", "updated", "unchanged",
+                                                                              "removed")))
     state.mkdir(parents=True, exist_ok=True)
     write_atomic(state / MANIFEST, "".join(f"{p}\n" for p in files))
     if args.root == "/":
@@ -223,22 +249,28 @@ def install(args: argparse.Namespace) -> int:
     return 0
 
 
-def remove_listed(names: list[str], keep: Callable[[Path], bool], why: str = "") -> None:
-    """Remove each file or link NAMES lists that is there, except those KEEP says."""
+def remove_listed(names: list[str], keep: Callable[[Path], bool], why: str = "") -> int:
+    """Remove each file or link NAMES lists that is there, except those KEEP
+    says; how many were removed."""
+    removed = 0
     for name in names:
         path = Path(name)
         if keep(path) or not (path.exists() or path.is_symlink()):
             continue
         path.unlink()
+        removed += 1
         print(f"removed {path}{why}")
+    return removed
 
 
-def remove_stale(manifest: Path, planned: dict, config: Path) -> None:
+def remove_stale(manifest: Path, planned: dict, config: Path) -> int:
     """Remove what an earlier install wrote and this one does not (an upgrade
-    from a version that used other directories); configuration stays."""
-    if manifest.exists():
-        remove_listed(manifest.read_text().split(), lambda path: path in planned or path.parent == config,
-                      " (no longer installed there)")
+    from a version that used other directories); configuration stays. How
+    many were removed."""
+    if not manifest.exists():
+        return 0
+    return remove_listed(manifest.read_text().split(), lambda path: path in planned or path.parent == config,
+                         " (no longer installed there)")
 
 
 def uninstall(args: argparse.Namespace) -> int:

@@ -158,6 +158,41 @@ def test_install_and_uninstall_under_a_root(tmp_path: Path):
     assert not (root / "etc/hostd").exists()
 
 
+def test_install_over_an_install_says_what_changed_and_keeps_etc_hostd(tmp_path: Path):
+    """An upgrade (hostd install over an older install) names each file it
+    installs, updates or leaves unchanged, counts them, and keeps the
+    administrator's /etc/hostd as it is."""
+    root = tmp_path / "root"
+
+    def install() -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload"],
+                              capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    first = install()
+    assert first[-1].startswith("hostd install: ") and " 0 updated, 0 unchanged, 0 removed" in first[-1]
+    unit = root / "usr/local/lib/systemd/system/model-engine@.service"
+    config = root / "etc/hostd/hostd.yaml"
+    config.write_text("log_level: debug\n")  # the administrator's
+    unit.write_text(unit.read_text() + "# an older version's line\n")  # what an older hostd wrote
+    stale = root / "usr/local/lib/systemd/system/model-old@.service"
+    stale.write_text("[Unit]\n")
+    manifest = root / "var/lib/hostd/installed-files"
+    manifest.write_text(manifest.read_text() + f"{stale}\n")
+
+    second = install()
+    assert f"updated {unit}" in second
+    assert f"removed {stale} (no longer installed there)" in second and not stale.exists()
+    assert f"kept {root / 'etc/hostd'} as it is (the administrator's configuration)" in second
+    assert config.read_text() == "log_level: debug\n"
+    assert "# an older version's line" not in unit.read_text()
+    changed = [line for line in second[:-1] if line.startswith(("installed ", "updated "))]
+    assert changed == [f"updated {unit}"], changed
+    assert second[-1].startswith("hostd install: 0 installed, 1 updated, ") and second[-1].endswith(", 1 removed")
+    third = install()
+    assert third[-1].startswith("hostd install: 0 installed, 0 updated, ") and third[-1].endswith(" 0 removed")
+
+
 def test_install_under_tmp_keeps_the_services_able_to_see_it(tmp_path: Path):
     root = tmp_path / "root"
     subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload",
