@@ -5,13 +5,10 @@ is sent (no 1 s poll), sees every stage, and never introspects."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections import Counter
-import subprocess
 import sys
 import time
 
-import pytest
 from dbus_fast import MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
@@ -69,19 +66,6 @@ class FakeManager(ServiceInterface):
     @signal()
     def OperationFinished(self, op_id, path, model, result) -> "uoss":
         return [op_id, path, model, result]
-
-
-@pytest.fixture
-def bus_address():
-    if not shutil.which("dbus-daemon"):
-        pytest.skip("no dbus-daemon here for a private bus")
-    daemon = subprocess.Popen(["dbus-daemon", "--session", "--nofork", "--print-address"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        yield daemon.stdout.readline().strip()
-    finally:
-        daemon.terminate()
-        daemon.wait()
 
 
 def test_reload_returns_on_the_final_signal_and_sees_every_stage(bus_address):

@@ -22,10 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import socket
 import struct
-import subprocess
 from pathlib import Path
 from typing import Annotated
 
@@ -42,19 +40,6 @@ from hostd.manager import api
 from hostd.manager.authority import CALLER, Authority, CallerAwareBus, admin
 
 # ---------------------------------------------------------------- dbus-fast
-
-
-@pytest.fixture
-def bus_address():
-    """A private dbus-daemon (packaging/setup.sh installs dbus: this must not skip in CI)."""
-    assert shutil.which("dbus-daemon"), "dbus-daemon is missing: packaging/setup.sh installs the dbus package"
-    daemon = subprocess.Popen(["dbus-daemon", "--session", "--nofork", "--print-address"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        yield daemon.stdout.readline().strip()
-    finally:
-        daemon.terminate()
-        daemon.wait()
 
 
 class Echo(ServiceInterface):
