@@ -399,11 +399,7 @@ class BatchRunner(Runner):
         for request_id, request in list(self._requests.items()):
             self._manager.cancel_request(request_id)
             request.queue.put_nowait(_Cancelled())
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(GenerationCancelled("the engine is shutting down"))
-        self._changed()
+        self._refuse_waiting()
 
     def join(self) -> None:
         """Stop the batching loop's thread (after cancel_all: within one step). Blocking."""

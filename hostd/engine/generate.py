@@ -452,6 +452,10 @@ class Runner:
         self._closed = True
         for cancel in list(self._cancels):
             cancel.set()
+        self._refuse_waiting()
+
+    def _refuse_waiting(self) -> None:
+        """Shutdown: every request waiting for a slot gets GenerationCancelled."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
