@@ -598,6 +598,19 @@ def editable_fields(backend: str) -> tuple[str, ...]:
     return ENGINE_TYPES[backend].__struct_fields__
 
 
+def editable_schema(backend: str) -> dict:
+    """The JSON Schema (msgspec's, draft 2020-12) of what a reload may change
+    for BACKEND: one property per editable field with its type, range,
+    choices, default and description, taken from the engine struct above so
+    that a client (the Cockpit page) checks what the manager checks and
+    hard-codes none of it. A check that no JSON Schema keyword says (SGLang's
+    chunked_prefill_size of 0) is the manager's alone: its refusal names
+    the field."""
+    engine = ENGINE_TYPES[backend]
+    generated = msgspec.json.schema(engine)
+    return generated["$defs"][engine.__name__]
+
+
 def listen_address_problem(listen: str) -> Optional[str]:
     """Why LISTEN is not a usable public address, or None."""
     if listen.startswith("/"):

@@ -190,6 +190,14 @@ class ModelInterface(ServiceInterface):
         return list(schema.editable_fields(loaded.config.backend)) if loaded else []
 
     @dbus_property(access=PropertyAccess.READ)
+    def EditableSchema(self) -> "s":
+        """EditableFields with their types and constraints: the JSON Schema of
+        the backend's engine section (schema.editable_schema); "{}" while the
+        config does not load."""
+        loaded = self.loaded()
+        return json.dumps(schema.editable_schema(loaded.config.backend)) if loaded else "{}"
+
+    @dbus_property(access=PropertyAccess.READ)
     def WeightsRetained(self) -> "b":
         """Does a weight cache daemon hold the weights now, so that engine
         restarts attach them (a reload reuses them)? False for a model whose

@@ -7,6 +7,7 @@ reaches a caller as one of hostd's D-Bus errors."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -156,6 +157,26 @@ def test_config_problem_says_why_the_yaml_does_not_load_and_never_a_value(world)
         assert problem.startswith(f"{world.root}/models/tiny.d/50-x.yaml:1: engine.max_num_seqs:"), problem
         assert "s3cret" not in problem and model.Config == "{}"
         assert [row[0] for row in await call(manager.ListModels)] == ["tiny"]  # still listed
+
+    asyncio.run(go())
+
+
+def test_editable_schema_lists_the_editable_fields_with_the_ranges_the_manager_enforces(world):
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        described = json.loads(model.EditableSchema)
+        assert sorted(described["properties"]) == sorted(model.EditableFields)
+        seqs = described["properties"]["max_num_seqs"]
+        assert (seqs["type"], seqs["minimum"]) == ("integer", 1) and seqs["description"]
+        for beyond in (seqs["minimum"] - 1, seqs["maximum"] + 1):  # what a client checks, the manager refuses
+            with pytest.raises(errors.InvalidValue) as refused:
+                await manager.reload("tiny", {"max_num_seqs": beyond})
+            assert "max_num_seqs" in str(refused.value)
+        assert described["properties"]["batching"]["enum"] == ["continuous", "none"]
+        assert not world.dropin.exists()
+        (world.root / "models/tiny.yaml").write_text("backend: [\n")
+        assert model.EditableSchema == "{}"
 
     asyncio.run(go())
 
