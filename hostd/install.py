@@ -4,7 +4,7 @@ One job: copy the unit templates (with this installation's Python, user and
 paths substituted), the generator, the sysusers.d and tmpfiles.d entries, the
 D-Bus policy and activation file, the polkit actions and rules (where Debian's
 polkitd reads them; the rules name hostd.yaml's admin_group), man pages, bash
-completion and an example config into the
+completion, the Cockpit page and an example config into the
 system, and take them away again.
 Works for a virtual environment and for a system prefix alike: the units run
 `<this python> -m hostd.main`, whichever Python that is; links in
@@ -51,6 +51,10 @@ COMMANDS = ("hostd", "hostctl")
 # starts with /usr/local/share.
 MAN_DIR = "usr/local/share/man"
 COMPLETION_DIR = "usr/local/share/bash-completion/completions"
+# cockpit-bridge reads packages from $XDG_DATA_DIRS/cockpit, /usr/local/share
+# first (cockpit(1) "Packages"): the page of docs/cockpit.md, from
+# packaging/cockpit/.
+COCKPIT_DIR = "usr/local/share/cockpit/hostd"
 
 
 def in_checkout() -> bool:
@@ -150,6 +154,8 @@ def planned_files(args: argparse.Namespace) -> dict[Path, tuple[str, int]]:
     files[root / DBUS_ACTIVATION] = ((packaging / "org.hostd1.service").read_text(), 0o644)
     files[root / POLKIT_ACTIONS / "org.hostd1.policy"] = ((packaging / "org.hostd1.policy").read_text(), 0o644)
     files[root / POLKIT_RULES / "org.hostd1.rules"] = (polkit_rules(root / args.config_dir.lstrip("/")), 0o644)
+    for page_file in sorted((packaging / "cockpit").iterdir()):
+        files[root / COCKPIT_DIR / page_file.name] = (page_file.read_text(), 0o644)
     from hostd import manpages
 
     for rel, page in manpages.pages().items():
@@ -280,6 +286,10 @@ def uninstall(args: argparse.Namespace) -> int:
     listed = manifest.read_text().split() if manifest.exists() else [str(p) for p in planned_files(args)]
     remove_listed(listed, lambda path: path.parent == config and not args.purge)
     manifest.unlink(missing_ok=True)
+    try:
+        (root / COCKPIT_DIR).rmdir()  # hostd's own directory; one with others' files in it stays
+    except OSError:
+        pass
     if args.purge:
         shutil.rmtree(config, ignore_errors=True)
         print(f"removed {config}")

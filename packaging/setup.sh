@@ -12,6 +12,11 @@
 #        Installed without its recommends (node exporter) and with service
 #        starts denied (policy-rc.d), so that a machine whose PID 1 is not
 #        systemd does not start a Prometheus server from its init script.
+#        cockpit-ws cockpit-bridge cockpit-system (Cockpit: its login page, its
+#        shell and cockpit.js, for the page of docs/cockpit.md) and chromium
+#        (the browser tests/system/test_cockpit.py drives through Playwright's
+#        executable_path: Playwright downloads no browser here), also without
+#        their recommends (a desktop's worth for chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +54,16 @@ if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok i
     if [ -n "$own_policy" ]; then
         rm -f "$policy"
     fi
+fi
+browser_packages=(cockpit-ws cockpit-bridge cockpit-system chromium)
+missing_browser=()
+for pkg in "${browser_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
+        || missing_browser+=("$pkg")
+done
+if ((${#missing_browser[@]})); then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing_browser[@]}"
 fi
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv

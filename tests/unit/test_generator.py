@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -148,12 +149,16 @@ def test_install_and_uninstall_under_a_root(tmp_path: Path):
     assert (root / "usr/local/share/man/man8/hostd.8").read_text().startswith('.TH HOSTD "8"')
     completion = (root / "usr/local/share/bash-completion/completions/hostctl").read_text()
     assert "complete " in completion and "reload" in completion and "--no-legend" in completion
+    manifest = json.loads((root / "usr/local/share/cockpit/hostd/manifest.json").read_text())
+    assert manifest["menu"]["index"]["label"] == "Models"  # cockpit-bridge reads /usr/local/share/cockpit
+    assert (root / "usr/local/share/cockpit/hostd/index.html").is_file()
     for command in ("hostd", "hostctl"):  # on root's PATH
         assert os.readlink(root / "usr/local/bin" / command) == str(Path(sys.executable).parent / command)
 
     run("uninstall")
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     assert left == ["etc/hostd/hostd.yaml"]  # configuration stays unless --purge
+    assert not (root / "usr/local/share/cockpit/hostd").exists()
     run("uninstall", "--purge")
     assert not (root / "etc/hostd").exists()
 
