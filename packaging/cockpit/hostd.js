@@ -1,7 +1,7 @@
 /* hostd's Cockpit page: the models of org.hostd1, live from the manager's
  * signals (PropertiesChanged, OperationFinished, OperationRemoved), one model
  * with its units (systemd's D-Bus), config with origins (hostctl config) and
- * journal (HOSTD_MODEL=NAME), a reload dialog built from the manager's
+ * journal (journalctl HOSTD_MODEL=NAME), a reload dialog built from the manager's
  * EditableSchema, and start / stop / restart.
  *
  * Trust: the page runs as the logged-in user through cockpit-bridge; it
@@ -296,24 +296,35 @@ function showConfig(name) {
                                                                el("pre", { class: "problem", text: err.message || String(err) })))));
 }
 
+/* journalctl as the logged-in user (cockpit 287's base1 has no
+ * cockpit.journal: Cockpit's own pages bundle theirs), following: it reads
+ * the system journal when the user may (root, adm or systemd-journal). */
 function followJournal(name) {
-    if (journal) journal.stop();
+    if (journal) journal.close("cancelled");
     const box = $("journal");
     box.replaceChildren();
-    journal = cockpit.journal([`HOSTD_MODEL=${name}`], { follow: true, count: 200 });
-    journal.stream(entries => {
-        for (const entry of entries) {
+    let partial = "";
+    journal = cockpit.spawn(["journalctl", "--follow", "--lines=200", "--output=json", `HOSTD_MODEL=${name}`],
+                            { err: "message" });
+    journal.stream(data => {
+        const lines = (partial + data).split("\n");
+        partial = lines.pop();
+        for (const text of lines) {
+            const entry = json(text, null);
+            if (!entry) continue;
+            const message = Array.isArray(entry.MESSAGE) ? new TextDecoder().decode(new Uint8Array(entry.MESSAGE)) : entry.MESSAGE;
             const when = new Date(Number(entry.__REALTIME_TIMESTAMP) / 1000);
-            const line = el("div", { class: `j-line prio-${entry.PRIORITY || 6}` },
-                            el("span", { class: "j-time", text: when.toLocaleTimeString() }),
-                            el("span", { class: "j-id", text: entry.SYSLOG_IDENTIFIER || entry._COMM || "" }),
-                            el("span", { class: "j-msg", text: entry.MESSAGE }));
-            box.append(line);
+            box.append(el("div", { class: `j-line prio-${entry.PRIORITY || 6}` },
+                          el("span", { class: "j-time", text: when.toLocaleTimeString() }),
+                          el("span", { class: "j-id", text: entry.SYSLOG_IDENTIFIER || entry._COMM || "" }),
+                          el("span", { class: "j-msg", text: message })));
         }
         while (box.childElementCount > 500) box.firstChild.remove();
         box.scrollTop = box.scrollHeight;
     });
-    journal.catch(err => box.append(el("div", { class: "problem", text: `journal: ${err.message || err}` })));
+    journal.catch(err => {
+        if (err.problem !== "cancelled") box.append(el("div", { class: "problem", text: `journalctl: ${err.message || err}` }));
+    });
 }
 
 // ------------------------------------------------------------------ actions
@@ -532,7 +543,7 @@ function route() {
             showConfig(current);
             followJournal(current);
         } else if (journal) {
-            journal.stop();
+            journal.close("cancelled");
             journal = null;
         }
     }
