@@ -80,6 +80,8 @@ async function getAll(path, iface) {
 async function refreshModel(name, path) {
     const props = await getAll(path, MODEL_IFACE);
     const entry = { path, props, lastOp: null };
+    const before = models.get(name);
+    if (name === current && before && before.props.Config !== props.Config) showConfig(name); // a reload committed
     if (props.LastOperation && props.LastOperation !== "/") {
         entry.lastOp = await refreshOperation(props.LastOperation).catch(() => null);
     }
@@ -396,7 +398,8 @@ function rangeText(main) {
 let dialogSchema = {};
 let dialogCurrent = {};
 
-function openReload() {
+async function openReload() {
+    await refreshModel(current, models.get(current).path); // the files may have changed without a signal
     const entry = models.get(current);
     const schema = json(entry.props.EditableSchema, {});
     dialogSchema = schema.properties || {};

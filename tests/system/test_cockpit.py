@@ -222,6 +222,25 @@ def test_an_out_of_range_value_is_shown_on_its_field_and_changes_nothing(host, a
     assert (dropin(host), operation_count(host), running_max_num_seqs(host)) == (before, operations, running)
 
 
+def test_a_refusal_of_the_manager_is_shown_on_the_field_it_names_and_changes_nothing(host, admin):
+    # In range, so the page sends it; the manager refuses it: a later drop-in
+    # of the administrator's would override the reload.
+    host.write_file(f"{DROPINS}/95-admin.yaml", "engine:\n  shutdown_timeout: 30\n")
+    try:
+        before, operations = dropin(host), operation_count(host)
+        f = open_reload_dialog(admin)
+        f.locator("#field-shutdown_timeout").fill("45")
+        f.locator("#r-submit").click()
+        error = f.locator('[data-field="shutdown_timeout"] .field-error')
+        error.wait_for()
+        assert "95-admin.yaml" in error.inner_text() and "override the reload" in error.inner_text()
+        assert f.locator('[data-field="max_num_seqs"] .field-error').is_hidden()
+        f.locator("#r-close").click()
+        assert (dropin(host), operation_count(host)) == (before, operations)
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/95-admin.yaml"])
+
+
 def test_a_reload_the_engine_fails_shows_rolled_back_with_the_cause(host, admin):
     running = running_max_num_seqs(host)
     f = open_reload_dialog(admin)
@@ -246,7 +265,11 @@ def test_the_journal_pane_shows_the_reloads_lines(host, admin):
     assert "max_model_len" in text or "rolled back" in text or "rollback" in text, text[-2000:]
     units = admin.frame.locator("#units").inner_text()
     assert "model-engine@tiny.service" in units and "active (running)" in units
+    # The config with origins follows the committed reload (90-reload.yaml).
+    admin.frame.locator("#config tr", has_text="engine.max_num_seqs").filter(has_text="90-reload.yaml").wait_for()
     admin.shot("model")
+    journal.scroll_into_view_if_needed()
+    admin.shot("journal")
 
 
 def test_an_ordinary_user_sees_it_read_only_and_a_reload_from_their_session_is_refused(host, ordinary):
