@@ -300,3 +300,19 @@ def test_an_ordinary_user_sees_it_read_only_and_a_reload_from_their_session_is_r
     assert (dropin(host), operation_count(host)) == (before, operations)
     assert hostctl(host, "status", "tiny").returncode == 0  # still serving
 
+
+
+def test_a_model_whose_yaml_is_broken_shows_the_file_line_and_problem(host, admin):
+    host.write_file("/etc/hostd/models/broken.yaml", "backend: builtin\nmodel: /nowhere\nengine:\n  max_num_seqs: lots\n")
+    try:
+        admin.page.reload()  # a new YAML: the manager exports it when the page lists the models again
+        admin.open("")
+        problem = admin.frame.locator('tr[data-model="broken"] + tr.problem-row pre.problem')
+        problem.wait_for()
+        text = problem.inner_text()
+        assert "/etc/hostd/models/broken.yaml:4: engine.max_num_seqs" in text, text
+        assert "Traceback" not in text
+        admin.frame.locator('tr[data-model="tiny"] .state-serving').wait_for()  # the others unharmed
+        admin.shot("broken")
+    finally:
+        host.run(["rm", "-f", "/etc/hostd/models/broken.yaml"])
