@@ -198,6 +198,23 @@ class Manager(ServiceInterface):
         log.debug("reload check of %s: %s", name, verdict["outcome"], extra={"hostd_model": name})
         return json.dumps(verdict)
 
+    async def access(self, name: str) -> dict[str, str]:
+        """Each polkit action of api.ACTIONS -> "" when the caller of the
+        method being handled may do it on model NAME, else the refusal the
+        mutating method would give it (polkit asked as they ask it, without
+        interaction; nothing else is done)."""
+        self.model(name)
+        answer = {}
+        for action in api.ACTIONS:
+            verb = "reload" if action == api.RELOAD_ACTION else "start"
+            try:
+                await self.authority.require(action, {"model": name, "verb": verb})
+            except errors.AccessDenied as exc:
+                answer[action] = str(exc)
+            else:
+                answer[action] = ""
+        return answer
+
     async def unit_verb(self, name: str, kind: str) -> str:
         model = self.model(name)
         running = model.busy()
@@ -252,6 +269,13 @@ class Manager(ServiceInterface):
     @replies
     async def CheckReloadJSON(self, name: "s", patch: "s") -> "s":
         return await self.check_reload(name, patch_from_json(patch))
+
+    # Read-only: what the caller may do, so a client (the Cockpit page) offers
+    # no action the manager would refuse, without trying one.
+    @method()
+    @replies
+    async def Access(self, name: "s") -> "a{ss}":
+        return await self.access(name)
 
     @method()
     @admin(api.MANAGE_ACTION)

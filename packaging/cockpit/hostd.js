@@ -6,8 +6,8 @@
  *
  * Trust: the page runs as the logged-in user through cockpit-bridge; it
  * decides nothing. Every action goes to the manager, which asks polkit; the
- * page only asks first (a call the manager refuses before doing anything, see
- * probePermission) so that it offers no action the manager would refuse, and
+ * page only asks first (Manager.Access, see probePermission) so that it
+ * offers no action the manager would refuse, and
  * shows each refusal as the manager words it, on the field it names.
  */
 "use strict";
@@ -18,7 +18,6 @@ const M_IFACE = "org.hostd1.Manager";
 const MODEL_IFACE = "org.hostd1.Model";
 const OP_IFACE = "org.hostd1.Operation";
 const PROPS = "org.freedesktop.DBus.Properties";
-const ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied";
 const OUTCOME_TEXT = {
     done: "done", unchanged: "unchanged", "rolled-back": "rolled back", failed: "failed", cancelled: "cancelled",
 };
@@ -135,25 +134,23 @@ hostd.subscribe({ interface: M_IFACE, path: MANAGER }, (path, iface, signal, arg
 
 // -------------------------------------------------------------- permission
 
-/* Ask the manager whether this user may, without changing anything: a
- * mutating method checks polkit before it reads its arguments, so ReloadJSON
- * with a patch no model accepts answers NotEditable to a user who may reload
- * and AccessDenied (naming the polkit action and the admin group) to one who
- * may not. Start of a name no model may have answers NoSuchModel or
- * AccessDenied alike. Nothing is written, drained or restarted either way. */
-async function probe(method, args, type) {
-    try {
-        await hostd.call(MANAGER, M_IFACE, method, args, { type });
-        return null;
-    } catch (err) {
-        return err.name === ACCESS_DENIED ? err.message : null;
-    }
-}
-
+/* Ask the manager what this user may do with a model (Manager.Access: for
+ * each polkit action, "" or the refusal the mutating method would give, from
+ * the same polkit question, without interaction): nothing is tried, so
+ * nothing is refused or journalled. A rule may grant per model, so it is
+ * asked again for the model the view shows. */
 async function probePermission() {
-    const anyModel = models.keys().next().value || "";
-    may.reload = await probe("ReloadJSON", [anyModel, '{"": null}'], "ss");
-    may.manage = await probe("Start", ["/"], "s");
+    const name = current || models.keys().next().value;
+    if (!name)
+        return;
+    let answer;
+    try {
+        [answer] = await hostd.call(MANAGER, M_IFACE, "Access", [name], { type: "s" });
+    } catch (err) {
+        answer = { "org.hostd1.reload": err.message, "org.hostd1.manage": err.message };
+    }
+    may.reload = answer["org.hostd1.reload"] || null;
+    may.manage = answer["org.hostd1.manage"] || null;
     const why = may.reload || may.manage;
     $("readonly").hidden = !why;
     $("readonly").textContent = why ? `Read only: ${why}` : "";
@@ -545,6 +542,7 @@ function route() {
         if (current) {
             showConfig(current);
             followJournal(current);
+            probePermission();
         } else if (journal) {
             journal.close("cancelled");
             journal = null;

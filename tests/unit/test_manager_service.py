@@ -214,6 +214,31 @@ def test_mutating_methods_check_the_caller(world):
     asyncio.run(go())
 
 
+def test_access_says_what_the_caller_may_do_as_the_mutating_methods_would_decide_and_does_nothing(world):
+    async def go():
+        manager = await manager_of(world)
+        asked = []
+
+        async def require(action, details):
+            asked.append((action, details))
+            if action == api.MANAGE_ACTION:
+                raise errors.AccessDenied("access denied: uid 1001 is not authorized to start (polkit action x)")
+
+        answer = await call(manager.Access, "tiny")  # no caller (not through the bus): refused, like Reload
+        assert set(answer) == set(api.ACTIONS) and all(answer.values()), answer
+        manager.authority.require = require
+        assert await call(manager.Access, "tiny") == {
+            api.RELOAD_ACTION: "", api.MANAGE_ACTION: "access denied: uid 1001 is not authorized to start (polkit action x)"}
+        assert asked == [(api.RELOAD_ACTION, {"model": "tiny", "verb": "reload"}),
+                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "start"})]
+        with pytest.raises(DBusError) as missing:
+            await call(manager.Access, "nope")
+        assert missing.value.type == api.error_name("NoSuchModel")
+        assert not world.dropin.exists() and manager.operations == {}
+
+    asyncio.run(go())
+
+
 def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(world):
     async def go():
         manager = await manager_of(world)
