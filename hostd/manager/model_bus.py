@@ -298,6 +298,22 @@ class ModelInterface(ServiceInterface):
 
     @method()
     @replies
+    async def GpuMemory(self) -> "s":
+        """NVML's view of the model's GPUs, JSON (read-only; what the reload's
+        preflight weighs): a list of {index, total, free, engine, weights} in
+        bytes, [] for a model on no GPU, or {"unreadable": why} when NVML
+        cannot be read here."""
+        loaded = self.loaded()
+        if loaded is None:
+            return json.dumps([])
+        memory = await self.handles.probe.read_memory(loaded.config, self._pid(self.units[1]))
+        if memory.gpus is None:
+            return json.dumps({"unreadable": memory.unreadable} if memory.unreadable else [])
+        return json.dumps([{"index": g.index, "total": g.total, "free": g.free, "engine": g.engine,
+                            "weights": g.daemon} for g in memory.gpus])
+
+    @method()
+    @replies
     async def CheckReload(self, patch: "a{sv}") -> "s":
         """What Reload(PATCH) would do, JSON (Manager.CheckReload); read-only."""
         return await self.manager.check_reload(self.model_name, reload_mod.patch_from_variants(patch))

@@ -233,14 +233,39 @@ function renderModel() {
         button.disabled = !enabled || why !== null;
         button.title = why || "";
     }
+    if (gpu.model !== current || gpu.pid !== p.EnginePID) readGpu(current, p.EnginePID);
     const details = [
-        ["Backend", p.Backend], ["Listen", p.Listen], ["Weights", weightsText(p)],
+        ["Backend", p.Backend], ["Listen", p.Listen], ["Weights", weightsText(p)], ["GPU memory", gpu.text],
         ["In flight", String(p.InFlight)], ["Serving", servingText(p)], ["Engine status", p.EngineStatus || "—"],
         ["Editable", (p.EditableFields || []).join(", ") || "—"], ["Last operation", lastOpText(entry)],
     ];
     if (entry.lastOp && entry.lastOp.Error) details.push(["Last error", entry.lastOp.Error]);
     $("m-details").replaceChildren(...details.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v || "—" })]));
     renderUnits(p.Units || []);
+}
+
+/* GPU memory, NVML's view as the reload's preflight reads it (Model.GpuMemory):
+ * read when the model view opens and again when its engine's PID changes. */
+const gpu = { model: null, pid: null, text: "reading…" };
+const gib = bytes => (bytes / 2 ** 30).toFixed(1);
+
+async function readGpu(name, pid) {
+    Object.assign(gpu, { model: name, pid, text: "reading…" });
+    let text;
+    try {
+        const [out] = await hostd.call(models.get(name).path, MODEL_IFACE, "GpuMemory", [], { type: "" });
+        const value = json(out, []);
+        text = Array.isArray(value)
+            ? value.map(g => `GPU ${g.index}: engine ${gib(g.engine)} GiB, weights ${gib(g.weights)} GiB, ` +
+                             `${gib(g.free)} of ${gib(g.total)} GiB free`).join("; ") || "none (not on a GPU)"
+            : `NVML cannot be read: ${value.unreadable}`;
+    } catch (err) {
+        text = err.message || String(err);
+    }
+    if (gpu.model === name && gpu.pid === pid) {
+        gpu.text = text;
+        render();
+    }
 }
 
 // ----------------------------------------------------------- systemd units

@@ -265,6 +265,8 @@ def test_the_journal_pane_shows_the_reloads_lines(host, admin):
     assert "max_model_len" in text or "rolled back" in text or "rollback" in text, text[-2000:]
     units = admin.frame.locator("#units").inner_text()
     assert "model-engine@tiny.service" in units and "active (running)" in units
+    # GPU memory as the manager's Model.GpuMemory reads it: this model is on the CPU.
+    admin.frame.locator("#m-details dd", has_text="none (not on a GPU)").wait_for()
     # The config with origins follows the committed reload (90-reload.yaml).
     admin.frame.locator("#config tr", has_text="engine.max_num_seqs").filter(has_text="90-reload.yaml").wait_for()
     admin.shot("model")

@@ -239,6 +239,28 @@ def test_access_says_what_the_caller_may_do_as_the_mutating_methods_would_decide
     asyncio.run(go())
 
 
+def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(world, monkeypatch):
+    from hostd.manager.probe import GpuMemory, Memory
+
+    async def go():
+        monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        readings = iter([Memory([GpuMemory(0, 100, 40, 30, 20)], ""), Memory(None, "NVML unavailable (x)"),
+                         Memory(None, "")])
+
+        async def read_memory(cfg, pid):
+            return next(readings)
+
+        world.probe.read_memory = read_memory
+        assert json.loads(await call(model.GpuMemory)) == [
+            {"index": 0, "total": 100, "free": 40, "engine": 30, "weights": 20}]
+        assert json.loads(await call(model.GpuMemory)) == {"unreadable": "NVML unavailable (x)"}
+        assert json.loads(await call(model.GpuMemory)) == []  # a model on no GPU
+
+    asyncio.run(go())
+
+
 def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(world):
     async def go():
         manager = await manager_of(world)
