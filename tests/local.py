@@ -133,6 +133,15 @@ class ModelTree:
                  self._connectable(Path(args[args.index("--control") + 1])), timeout, "gateway control socket", daemon.proc)
         return daemon
 
+    def start_serving(self, port: int) -> None:
+        """Weights, engine and gateway (listening on 127.0.0.1:PORT, as the
+        model's YAML says), until the gateway serves; base_url is its URL."""
+        self.start_weights()
+        self.start_engine()
+        self.start_gateway()
+        self.base_url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: self.control("status")["state"] == "serving", 30, "gateway serving")
+
     def control(self, verb: str, **request) -> dict:
         """One control request as JSON, whatever its fields (a test may send
         what the manager never would, to see the gateway refuse it); the

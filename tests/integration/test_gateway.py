@@ -37,11 +37,7 @@ def served(tmp_path: Path, tiny_checkpoint: Path):
         fixed={"listen": f"127.0.0.1:{port}", "gateway": {"retry_after": 7}},
         max_num_seqs=32,
     )
-    tree.start_weights()
-    tree.start_engine()
-    tree.start_gateway()
-    tree.base_url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+    tree.start_serving(port)
     yield tree
     tree.stop_all()
 

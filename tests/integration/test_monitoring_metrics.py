@@ -8,7 +8,6 @@ token for streaming and whole answers, the engine's vLLM-style histograms."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import hostd
 from tests.local import ModelTree, wait_for
 from tests.promql_names import SYNTHETIC, dashboard_exprs, equality_matchers, exposed_names, names_in, rule_exprs
+from test_overlap import free_port  # as test_standby.py
 
 # Matchers on label values that only an event this test cannot cause cheaply
 # makes: the reason says which.
@@ -28,21 +28,11 @@ EVENT_ONLY = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(root: Path, checkpoint: Path):
     port = free_port()
     tree = ModelTree(root)
     tree.write_config(checkpoint, fixed={"listen": f"127.0.0.1:{port}"}, max_num_seqs=6)
-    tree.start_weights()
-    tree.start_engine()
-    tree.start_gateway()
-    tree.base_url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+    tree.start_serving(port)
     return tree
 
 
