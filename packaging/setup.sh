@@ -25,15 +25,20 @@ apt_packages=(systemd-container dbus polkitd)
 if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
     apt_packages+=(python3-venv)
 fi
-missing=()
-for pkg in "${apt_packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
-        || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
-fi
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+updated=
+# apt_install [apt-get options] -- PACKAGE...: those not installed yet, with
+# one `apt-get update` per run at most.
+apt_install() {
+    local options=() missing=() pkg
+    while [ "$1" != "--" ]; do options+=("$1"); shift; done
+    shift
+    for pkg in "$@"; do installed "$pkg" || missing+=("$pkg"); done
+    ((${#missing[@]})) || return 0
+    [ -n "$updated" ] || { apt-get update -qq; updated=1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${options[@]}" "${missing[@]}"
+}
+apt_install -- "${apt_packages[@]}"
 # promtool only: prometheus's postinst starts the server, through its init
 # script (invoke-rc.d, which skips it when no runlevel is known, and fails the
 # install when the start fails) where PID 1 is not systemd and through
@@ -41,7 +46,7 @@ fi
 # answers 101 denies the start. (The service stays enabled for the next boot.)
 # Tried on a machine without systemd as PID 1, with and without a
 # policy-rc.d of its own: installs in 8 to 13 s with the .debs cached.
-if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
+if ! installed prometheus; then
     policy=/usr/sbin/policy-rc.d
     own_policy=
     if [ ! -e "$policy" ]; then
@@ -49,22 +54,12 @@ if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok i
         chmod 755 "$policy"
         own_policy=1
     fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+    apt_install --no-install-recommends -- prometheus
     if [ -n "$own_policy" ]; then
         rm -f "$policy"
     fi
 fi
-browser_packages=(cockpit-ws cockpit-bridge cockpit-system chromium)
-missing_browser=()
-for pkg in "${browser_packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
-        || missing_browser+=("$pkg")
-done
-if ((${#missing_browser[@]})); then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing_browser[@]}"
-fi
+apt_install --no-install-recommends -- cockpit-ws cockpit-bridge cockpit-system chromium
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
