@@ -27,10 +27,16 @@ if ((${#missing[@]})); then
     (cd "$out/debs" && apt-get download "${missing[@]}")
 fi
 
-# The GPU image has torch, transformers, safetensors, aiohttp, pyyaml, httpx,
-# xxhash, prometheus-client, nvidia-ml-py and pytest (.library KINDS.md); not
-# these. One version each, the ones the CPU machine's tests run with.
+# The GPU image has torch, safetensors, aiohttp, pyyaml, httpx, xxhash,
+# prometheus-client, nvidia-ml-py and pytest (.library KINDS.md); not these.
+# One version each, the ones the CPU machine's tests run with. Its
+# transformers is 5.17, outside pyproject's pin (>=5.24,<5.25: the batched
+# engine's internals), so the pinned one travels too
+# (tests/unit/test_gpu_tier_carry.py keeps the two in step);
+# packaging/check-requirements.py, run there before anything boots, says
+# what else would not meet the project's specifiers.
 binary=(
+    transformers==5.24.0                                                              # the builtin engine
     msgspec==0.23.0 logging-journald==0.6.12 dbus-fast==5.2.0 shtab==1.13.0        # hostd, hostd install
     openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 pydantic==2.14.4  # the tests' client
     pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 jiter==0.19.0 sniffio==1.3.1

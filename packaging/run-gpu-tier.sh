@@ -28,6 +28,9 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 # given back after the run: installing into the image's python3 is harmless.
 $py -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check .gpu/wheels/*.whl . \
     > "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 2; }
+# The project's own specifiers, met by what is installed now (one line per
+# problem, before anything boots: not a TypeError in the engine's journal).
+$py packaging/check-requirements.py --extra test || exit 2
 $py -c 'import hostd.main, msgspec, dbus_fast, sdnotify, openai, pynvml, torch; print("python:", torch.__version__, "cuda", torch.cuda.is_available())' || exit 2
 say "installed hostd and the wheels"
 
@@ -43,7 +46,7 @@ mountpoint -q /run/systemd/nspawn || mount -t tmpfs tmpfs /run/systemd/nspawn
 say "running tests/gpu_system"
 # Within the device tool's 10 minutes a command: at the limit pytest gets
 # SIGINT, so its fixtures still stop the container and write the journal.
-limit=${HOSTD_GPU_TIER_LIMIT:-$((530 - (SECONDS - start)))}
+limit=${HOSTD_GPU_TIER_LIMIT:-$((560 - (SECONDS - start)))}
 HOSTD_GPU_TIER_RESULTS=$out HOSTD_GPU_TIER_CHECKPOINTS=$checkpoints PYTHONUNBUFFERED=1 \
     timeout -s INT -k 30 "$limit" $py -m pytest tests/gpu_system -v -rA -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}

@@ -82,6 +82,15 @@ class Backend(abc.ABC):
         """What the engine refuses at start, given the model's config.json."""
         return []
 
+    def start_refusals(self, cfg) -> list[str]:
+        """What the engine would refuse at start that the config and the
+        checkpoint's config.json alone tell (no device, no upstream code):
+        `hostctl config --check`, `hostctl reload --check` and the manager's
+        Reload validation refuse it before anything is torn down, with the
+        words the engine would use. Empty when config.json cannot be read
+        (refusals() or the engine say so)."""
+        return []
+
     def check(self, cfg, model_config: Optional[dict] = None) -> None:
         """Raise BackendRefused naming every problem; with MODEL_CONFIG (the model's
         config.json) also what the engine refuses at start."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from pathlib import Path
 from hostd.backends.base import Backend
 
@@ -47,15 +48,33 @@ class BuiltinBackend(Backend):
         return problems
 
     def engine_refusals(self, cfg, model_config: dict) -> list[str]:
-        """What this engine refuses once it has read the model's config.json."""
+        """What this engine refuses once it has read the model's config.json:
+        the config-time rules (start_refusals) and a max_model_len past the
+        model's positions."""
+        problems = self._rules(cfg, model_config)
         positions = model_config.get("max_position_embeddings")
         limit = cfg.engine.max_model_len
         if positions and limit and limit > positions:
-            return [
+            problems.append(
                 f"engine.max_model_len: {limit} exceeds the model's max_position_embeddings "
                 f"({positions}); lower it or leave it unset"
-            ]
-        return []
+            )
+        return problems
+
+    def start_refusals(self, cfg) -> list[str]:
+        """hostd/engine/rules.py's refusals: the batched engine's transformers
+        and its KV budget against one request of max_model_len."""
+        try:
+            model_config = json.loads((Path(cfg.model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return []  # refusals() names a missing config.json; the engine an unreadable one
+        return self._rules(cfg, model_config) if isinstance(model_config, dict) else []
+
+    @staticmethod
+    def _rules(cfg, model_config: dict) -> list[str]:
+        from hostd.engine import rules  # no torch: the manager and hostctl import it
+
+        return rules.start_problems(cfg, model_config, rules.installed_transformers())
 
     def engine_kv_bytes(self, cfg, device_total):
         """The paged cache of engine.batching continuous (hostd/engine/budget.py,

@@ -27,7 +27,7 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import msgspec
 import msgspec.inspect
@@ -712,8 +712,31 @@ def _other_readers(st: os.stat_result, name: str) -> Optional[str]:
     return None
 
 
-def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[Problem]:
-    """Every problem in hostd.yaml and the given models (default: all)."""
+#: A backend's config-time refusals of one model (Backend.start_refusals),
+#: handed in by the caller: config/ sits below backends/ and never imports it.
+ModelRules = Callable[[Any], list[str]]
+
+
+def rule_problems(loaded: "LoadedModel", found: list[str], root: Path) -> list[Problem]:
+    """FOUND (a backend's refusals, each "key.path: why") as Problems naming
+    the file and line that set the key (the model's YAML for a default)."""
+    problems = []
+    for message in found:
+        key, sep, why = message.partition(": ")
+        if not (sep and key.replace("_", "").replace(".", "").isalnum()):
+            key, why = "", message
+        path = tuple(key.split(".")) if key else ()
+        origin = loaded.merged.origin(path) if path else DEFAULT_ORIGIN
+        file, line = loaded.merged.where(path) if origin != DEFAULT_ORIGIN else (None, None)
+        problems.append(Problem(file or str(model_file(loaded.name, root)), key, why, line))
+    return problems
+
+
+def check(root: Optional[Path] = None, names: Optional[list[str]] = None,
+          rules: Optional[ModelRules] = None) -> list[Problem]:
+    """Every problem in hostd.yaml and the given models (default: all); with
+    RULES, also what it says of each model that loads (hostctl hands in the
+    backends' start_refusals: what the engine would refuse at start)."""
     root = config_root(root)
     problems: list[Problem] = []
     try:
@@ -732,9 +755,12 @@ def check(root: Optional[Path] = None, names: Optional[list[str]] = None) -> lis
                     )
     for name in names:
         try:
-            load_model(name, root)  # every file for its own types too (_shadowed_problems)
+            loaded = load_model(name, root)  # every file for its own types too (_shadowed_problems)
         except ConfigError as exc:
             problems += exc.problems
+        else:
+            if rules is not None:
+                problems += rule_problems(loaded, rules(loaded.config), root)
         # What model@NAME.socket's first command refuses (hostd/accounts.py).
         if schema.model_name_problem(name) is None:
             problems += [Problem(str(model_file(name, root)), "", found) for found in accounts.problems(name)]
@@ -784,7 +810,8 @@ def across_models_problems(root: Path, names: list[str]) -> list[Problem]:
     return problems
 
 
-def check_candidate(candidate: Path, target: str, root: Optional[Path] = None) -> list[Problem]:
+def check_candidate(candidate: Path, target: str, root: Optional[Path] = None,
+                    rules: Optional[ModelRules] = None) -> list[Problem]:
     """Problems of CANDIDATE as if it were installed as TARGET, without
     installing it: TARGET is a model NAME (its NAME.yaml) or NAME.d/FILE.yaml
     (a drop-in of NAME). The check runs on a copy of ROOT's hostd.yaml and the
@@ -816,7 +843,7 @@ def check_candidate(candidate: Path, target: str, root: Optional[Path] = None) -
         placed.write_bytes(content)
         if dropin and not (copy / "models" / f"{name}.yaml").exists():
             return [Problem(target, "", f"--as: model {name!r} has no {model_file(name, root)} to drop in beside")]
-        problems = check(copy, [name])
+        problems = check(copy, [name], rules)
     def where(path: str) -> str:
         if path == str(placed):
             return str(candidate)

@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hostd.engine import rules
+from hostd.engine.budget import PAGE_SIZE
 from hostd.engine.generate import (
     Delta,
     GenerationCancelled,
@@ -72,10 +74,6 @@ from hostd.engine.generate import (
 
 log = logging.getLogger("hostd.engine")
 
-# Tokens per KV block (the library's page_size). vLLM's default block is 16
-# tokens; on CPU small blocks waste least of a small budget. On CUDA the
-# library's own default (256) suits its flash and decode kernels.
-PAGE_SIZE = {"cpu": 16, "cuda": 256}
 # Tokens one step may carry (prefill chunks plus one per decoding request):
 # vLLM's max_num_batched_tokens. Bounds the activations of a step; a longer
 # prompt is prefilled in chunks.
@@ -87,10 +85,14 @@ class BatchingUnsupported(RuntimeError):
 
 
 def check_supported() -> None:
-    """Raise BatchingUnsupported, saying what to do, when transformers lacks what this runner uses."""
+    """Raise BatchingUnsupported, saying what to do, when transformers lacks what this runner uses:
+    a version outside the tested range (engine/rules.py, the same words as `hostctl config --check`),
+    or one whose continuous batching lacks what is replaced here."""
     import transformers
 
-    problem = None
+    problem = rules.transformers_problem(transformers.__version__)
+    if problem:
+        raise BatchingUnsupported(problem)
     try:
         from transformers.generation.continuous_batching import cb_logits_processors, continuous_api
     except ImportError as error:
@@ -229,14 +231,10 @@ class BatchRunner(Runner):
         per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
         self.kv_bytes_per_token = per_token
         num_blocks = self.kv_cache_bytes // (per_token * page)
-        need = math.ceil(self.max_model_len / page)
-        if num_blocks < need:
-            raise ValueError(
-                f"the KV budget of {self.kv_cache_bytes} bytes holds {num_blocks * page} tokens "
-                f"({per_token} bytes each), fewer than one request of max_model_len={self.max_model_len}; "
-                f"raise engine.kv_cache_mib to at least {(need * page * per_token + (1 << 20) - 1) >> 20} "
-                "or lower max_model_len"
-            )
+        problem = rules.kv_problem(kv_cache_bytes=self.kv_cache_bytes, per_token=per_token,
+                                   max_model_len=self.max_model_len, device=kind)
+        if problem:  # the engine's start checked it from the config (rules.py); this is the built model's word
+            raise ValueError(problem)
         cb_config = ContinuousBatchingConfig(
             page_size=page,
             num_blocks=num_blocks,

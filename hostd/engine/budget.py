@@ -35,6 +35,12 @@ DEFAULT_SHARE = 0.2
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+# Tokens per KV block (transformers' page_size), per device kind. vLLM's
+# default block is 16 tokens; on CPU small blocks waste least of a small
+# budget. On CUDA the library's own default (256) suits its flash and decode
+# kernels. The cache holds whole blocks (engine/rules.py's KV rule).
+PAGE_SIZE = {"cpu": 16, "cuda": 256}
+
 
 def _positive(config: dict, key: str) -> Optional[int]:
     value = config.get(key)
@@ -76,15 +82,25 @@ def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_
     return max(min(need, int(DEFAULT_SHARE * device_total)), per_token * max_model_len)
 
 
+def resolve_dtype(config: dict, dtype: str) -> str:
+    """DTYPE, with 'auto' read as the checkpoint's own (as hostd/weights/checkpoint.py's resolve_dtype)."""
+    if dtype != "auto":
+        return dtype
+    found = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return found if found in DTYPE_BYTES else "float32"
+
+
+def positions(config: dict) -> int:
+    """The model's max_position_embeddings (2048 when config.json has none): max_model_len unset."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return _positive(text, "max_position_embeddings") or 2048
+
+
 def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int], max_num_seqs: int,
                    max_model_len: Optional[int], device_total: Optional[int]) -> int:
     """kv_cache_bytes for the checkpoint directory CHECKPOINT (its config.json):
     DTYPE 'auto' is the checkpoint's own, max_model_len None its max_position_embeddings."""
     config = json.loads((checkpoint / "config.json").read_text())
-    if dtype == "auto":  # as hostd/weights/checkpoint.py's resolve_dtype reads it
-        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-        dtype = dtype if dtype in DTYPE_BYTES else "float32"
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    length = max_model_len or _positive(text, "max_position_embeddings") or 2048
-    return kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, max_model_len=length,
-                          per_token=bytes_per_token(config, dtype), device_total=device_total)
+    return kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len or positions(config),
+                          per_token=bytes_per_token(config, resolve_dtype(config, dtype)), device_total=device_total)

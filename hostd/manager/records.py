@@ -68,13 +68,17 @@ class Committed(msgspec.Struct, kw_only=True):
 
     engine: dict[str, Any]
     fixed: dict[str, Any] = {}
+    # The weight daemon's (pid, socket inode) when it was written. Another
+    # daemon since means the model's units started again and read the disk:
+    # `fixed` then says what ran before that start, not what runs now.
+    weights: Optional[tuple[int, int]] = None
     at: float = 0.0
 
     @classmethod
-    def of(cls, cfg) -> "Committed":
+    def of(cls, cfg, weights: Optional[tuple[int, int]] = None) -> "Committed":
         """The record of the effective config CFG (a config.schema model)."""
         data = msgspec.to_builtins(cfg)
-        return cls(engine=data.pop("engine"), fixed=data, at=time.time())
+        return cls(engine=data.pop("engine"), fixed=data, weights=weights, at=time.time())
 
 
 class Records:
@@ -125,9 +129,10 @@ class Records:
         text = self.committed_text(name)
         return _decode(text, Committed) if text else None
 
-    def write_committed(self, name: str, cfg) -> None:
-        """CFG (a config.schema model) is what the engine was verified to run."""
-        self._write(self._dir(name) / COMMITTED, _encode(Committed.of(cfg)))
+    def write_committed(self, name: str, cfg, weights: Optional[tuple[int, int]] = None) -> None:
+        """CFG (a config.schema model) is what the engine was verified to run,
+        on the weight daemon WEIGHTS ((pid, socket inode), when known)."""
+        self._write(self._dir(name) / COMMITTED, _encode(Committed.of(cfg, weights)))
 
     # ------------------------------------------------------------ degraded
 

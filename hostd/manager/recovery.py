@@ -50,7 +50,7 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     if target is not None:
         log.info("recovery: %s runs the target of reload %s and passes its verify; committing",
                  name, intent.operation, extra=where)
-        model.records.write_committed(name, target)
+        model.records.write_committed(name, target, intent.weights)
         outcome = "committed"
     else:
         directory = model.dropins

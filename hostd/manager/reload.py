@@ -203,7 +203,7 @@ class Reload:
             self.target = self.config_with(self.reload_text, patch)
         else:
             self.target = current.config
-        if committed is not None:
+        if committed is not None and not await self.restarted_since(committed):
             self.check_fixed_unchanged(committed)
         if not patch and self.running_engine is None:
             raise errors.NotRunning(f"the engine of {name} does not answer (or reports no valid engine section) "
@@ -237,6 +237,16 @@ class Reload:
                 )
         return cfg
 
+    async def restarted_since(self, committed: Committed) -> bool:
+        """Has another weight daemon started since COMMITTED was written (a
+        `systemctl restart model@NAME`, which is how a fixed key is applied)?
+        Then the units read the disk at that start, and the record's fixed
+        fields describe what ran before it."""
+        if committed.weights is None:  # a record of an older manager: compare as before
+            return False
+        now = await self.model.probe.weights_identity()
+        return now is not None and tuple(now) != tuple(committed.weights)
+
     def check_fixed_unchanged(self, committed: Committed) -> None:
         if not committed.fixed:  # a record of an older manager, without them
             return
@@ -258,7 +268,8 @@ class Reload:
         """The backend's refusals from the config alone; never its
         install_refusals(), which run upstream code (the engine unit checks
         those as the model's user when it starts)."""
-        return backends.for_config(cfg).refusals(cfg)
+        backend = backends.for_config(cfg)
+        return backend.refusals(cfg) + backend.start_refusals(cfg)
 
     async def preflight(self) -> None:
         """Choose the strategy and check the memory, asking each thing once:
@@ -396,7 +407,7 @@ class Reload:
         await self.model.systemd.stop(self.model.next_unit, timeout=self.target.timeouts.stop + 30)
 
     async def commit(self) -> None:
-        self.model.records.write_committed(self.model.name, self.target)
+        self.model.records.write_committed(self.model.name, self.target, self.weights_before)
         self.model.records.drop_intent(self.model.name)
 
     async def rollback(self, cause: str) -> None:

@@ -21,6 +21,8 @@ if not torch.cuda.is_available():
 pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is needed to read GPU memory")
 
 from hostd.checkpoints import random_model  # noqa: E402
+from tests.gpu import cuda_configs  # noqa: E402
+from tests.gpu.cuda_configs import GPU_SHAPE  # noqa: E402
 from tests.local import ModelTree, wait_for  # noqa: E402
 from hostd.weights import client  # noqa: E402
 
@@ -50,16 +52,6 @@ def process_used(handle, pid: int) -> int | None:
         if proc.pid == pid:
             return proc.usedGpuMemory
     return None
-
-
-# Qwen2.5-0.5B's layer shapes with 48 layers instead of 24 and the vocabulary
-# of the checkpoint's own small tokenizer (~450 tokens) instead of 151936
-# entries: ~1.4 GiB in bf16, large enough that a copy would stand out of NVML's
-# noise and of the engine's own CUDA context (~0.8 GiB), and every greedy token
-# decodes to text. With the real 0.5b vocabulary nearly every random argmax is
-# an id the test tokenizer cannot decode: the text was empty on every start
-# (seen on the H200), so comparing it across restarts proved nothing.
-GPU_SHAPE = {**random_model.SIZES["0.5b"], "num_hidden_layers": 48, "vocab_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +85,7 @@ def test_cuda_ipc_restarts_share_one_copy_agree_with_disk_and_free_everything(tm
     # batched engine adds a KV cache and step buffers that outgrow this small
     # checkpoint's weights (failed on the H200 2026-12-01, 1.4 GiB of weights);
     # its one copy is checked by tests/gpu_system at 7B, KV cache subtracted.
-    tree.write_config(checkpoint, device="cuda", batching="none")
+    tree.write_config(checkpoint, **cuda_configs.restarts())
     try:
         daemon = tree.start_weights(timeout=600)
         held = client.status(tree.weights_socket)
@@ -171,7 +163,7 @@ def test_overlap_reload_on_cuda_two_engines_share_one_allocation(tmp_path: Path,
     # A small KV cache (the batched engine's default budget for this config is
     # larger than this checkpoint's 1.4 GiB of weights): what is measured is
     # that a second engine adds its working memory, never a weight-sized copy.
-    tree.write_config(checkpoint, device="cuda", fixed={"listen": f"127.0.0.1:{port}"}, kv_cache_mib=128)
+    tree.write_config(checkpoint, **cuda_configs.overlap(port))
     try:
         daemon = tree.start_weights(timeout=600)
         with_daemon = settle(nvml)
@@ -223,8 +215,7 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
     baseline = settle(nvml, 0.5)
     port = free_port()
     tree = ModelTree(tmp_path, name="gpu")
-    tree.write_config(checkpoint, device="cuda", fixed={"listen": f"127.0.0.1:{port}", "standby": True},
-                      kv_cache_mib=128, max_num_seqs=4)
+    tree.write_config(checkpoint, **cuda_configs.standby(port))
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
 
     def complete() -> str:

@@ -35,6 +35,7 @@ import pytest
 from container import SystemdContainer, processes_in_pid_namespace, wait_for
 from debian_container import CHECKOUT, DEBS, DebianSystemdContainer, unpack
 from ports import reserved_port
+import tier_configs
 from test_manager import busctl, hostctl, last_operation, op_property, read_file, wait_operation
 
 sys.path.insert(0, str(CHECKOUT / "benchmarks"))
@@ -43,6 +44,7 @@ import availability  # noqa: E402  (its load, memory sampler and table: the hand
 MODEL = "qwen"
 UMBRELLA, ENGINE, NEXT, WEIGHTS = (f"model@{MODEL}.service", f"model-engine@{MODEL}.service",
                                    f"model-engine-next@{MODEL}.service", f"model-weights@{MODEL}.service")
+STANDBY = f"model-engine-standby@{MODEL}.service"
 DROPINS = f"/etc/hostd/models/{MODEL}.d"
 INTENT = f"/var/lib/hostd/.manager/{MODEL}/reload-intent.json"
 #: Where packaging/run-gpu-tier.sh writes the 7B checkpoint on the host
@@ -152,7 +154,7 @@ def serving(c: SystemdContainer) -> None:
 
 @contextlib.contextmanager
 def strategy(c: SystemdContainer, name: str):
-    c.write_file(f"{DROPINS}/40-strategy.yaml", f"reload:\n  strategy: {name}\n")
+    c.write_file(f"{DROPINS}/40-strategy.yaml", tier_configs.strategy_dropin(name))
     try:
         yield
     finally:
@@ -188,18 +190,15 @@ def host(device, results, tmp_path_factory):
         if device == "cuda":
             done = Path(checkpoints) / f"{MODEL}.done"
             wait_for(done.exists, timeout=600, interval=1, what=f"the 7B checkpoint ({done})")
-            model_dir, extra = f"/srv/hostd/{MODEL}", "gpus: [0]\n"
+            model_dir = f"/srv/hostd/{MODEL}"
             c.weights_mib = sum(f.stat().st_size for f in (Path(checkpoints) / MODEL).glob("*.safetensors")) / MiB
         else:
-            model_dir, extra = f"/var/lib/hostd/checkpoints/{MODEL}", ""
+            model_dir = f"/var/lib/hostd/checkpoints/{MODEL}"
             c.run([c.python, "-m", "hostd.main", "make-checkpoint", model_dir], timeout=300)
             c.weights_mib = None
         port = reserved_port()
         c.base_url = f"http://127.0.0.1:{port}"
-        c.write_file(f"/etc/hostd/models/{MODEL}.yaml",
-                     f"backend: builtin\nmodel: {model_dir}\ndevice: {device}\n{extra}"
-                     f"listen: 127.0.0.1:{port}\nengine:\n  max_num_seqs: 8\n"
-                     "timeouts: {start: 900, stop: 120}\n")
+        c.write_file(f"/etc/hostd/models/{MODEL}.yaml", tier_configs.model_yaml(model_dir, device, port))
         c.systemctl("daemon-reload")
         c.systemctl("start", "hostd.service", timeout=120)
         yield c
@@ -564,6 +563,130 @@ def test_manager_killed_mid_overlap_recovers_with_exactly_one_engine(host, resul
     assert running_max_num_seqs(host) == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
 
 
+# ---------------------------------------------------------------- the warm standby
+
+
+def standby_answers(c: SystemdContainer) -> dict | None:
+    try:
+        return engine_health(c, "engine-standby")
+    except (httpx.HTTPError, OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def streaming_load(c: SystemdContainer, gpu, name: str):
+    """availability.py's load (4 streaming clients, no retries, 32 tokens
+    each) for the with-block and 3 s either side; yields its Run."""
+    run = availability.Run(name)
+    stop = threading.Event()
+    port = int(c.base_url.rsplit(":", 1)[1])
+    threads = [threading.Thread(target=availability.client_loop, args=(port, MODEL, 32, stop, run.outcomes))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(3.0)
+        yield run
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(300)
+
+
+def outcome_counts(run: availability.Run) -> dict:
+    kinds = [o.kind for o in run.outcomes]
+    return {k: kinds.count(k) for k in ("completed", "503", "lost", "error")}
+
+
+def test_the_warm_standby_reloads_under_load_and_takes_over_a_killed_engine(host, gpu, results):
+    """standby: true (a fixed key: a drop-in, daemon-reload and a restart of
+    the model, as docs/configuration.md says): a third engine process on the
+    same weights, warm. A standby reload through hostctl under the tier's load
+    answers no request 503 and loses none; kill -9 of the main engine with the
+    standby up answers no new request 503 while systemd restarts it; NVML
+    shows one copy of the weights under three engine processes' contexts."""
+    serving(host)
+    host.write_file(f"{DROPINS}/30-standby.yaml", tier_configs.STANDBY_DROPIN)
+    try:
+        host.systemctl("daemon-reload")
+        t0 = time.monotonic()
+        host.systemctl("restart", UMBRELLA, timeout=900)
+        wait_for(lambda: model_state(host) == "serving", timeout=300, what="serving per the manager")
+        wait_for(lambda: standby_answers(host) is not None, timeout=600, interval=0.5, what="the standby warm")
+        figures = {"start_with_standby_s": round(time.monotonic() - t0, 1)}
+        standby = standby_answers(host)
+        assert standby["slot"] == "standby" and standby["tensors_outside_shared"] == 0, standby
+        assert standby["weights_pid"] == main_pid(host, WEIGHTS)
+        assert standby["engine_config"] == engine_health(host)["engine_config"]
+        if gpu is not None:
+            weights = gpu.of_process(host_pid(host, main_pid(host, WEIGHTS)))
+            engines = {u: gpu.of_process(host_pid(host, main_pid(host, u))) for u in (ENGINE, STANDBY)}
+            kv = {ENGINE: engine_health(host).get("kv_cache_bytes") or 0, STANDBY: standby.get("kv_cache_bytes") or 0}
+            figures["memory_mib"] = {"weights_process": weights, **{u.split("@")[0]: m for u, m in engines.items()},
+                                     "kv_mib": {u.split("@")[0]: round(b / MiB) for u, b in kv.items()},
+                                     "used": round(gpu.used()), "baseline": round(host.gpu_baseline)}
+            assert weights is not None and weights >= host.weights_mib  # the one copy: the daemon's
+            for unit, mib in engines.items():  # each engine: its context, workspace and KV cache, no copy
+                assert mib is not None and mib - kv[unit] / MiB < host.weights_mib / 2, (unit, mib, kv[unit])
+            assert gpu.used() - host.gpu_baseline - sum(kv.values()) / MiB < host.weights_mib + 3 * 8192
+
+        # A standby reload through hostctl, under load.
+        target = another_value(host)
+        rebuilt: list[float] = []
+
+        def watch(started: float, done: threading.Event) -> None:
+            while not done.is_set():
+                health = standby_answers(host)
+                if health and health["engine_config"]["max_num_seqs"] == target:
+                    rebuilt.append(round(time.monotonic() - started, 2))
+                    return
+                time.sleep(0.05)
+
+        with streaming_load(host, gpu, "standby") as run:
+            done = threading.Event()
+            t0 = time.monotonic()
+            watcher = threading.Thread(target=watch, args=(t0, done))
+            watcher.start()
+            result = hostctl(host, "reload", MODEL, f"max_num_seqs={target}")
+            reload_s = round(time.monotonic() - t0, 2)
+            done.set()
+            watcher.join()
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"reload of {MODEL}: done (strategy standby, weights reused)" in result.stdout, result.stdout
+        path = last_operation(host)
+        notes = op_property(host, path, "Notes")
+        counts = outcome_counts(run)
+        figures["reload"] = {"reload_s": reload_s, "standby_on_new_config_s": rebuilt[0] if rebuilt else None,
+                             "notes": notes, **counts}
+        assert counts["503"] == 0 and counts["lost"] == 0 and counts["error"] == 0, (counts, sorted(
+            {o.detail for o in run.outcomes if o.kind != "completed"}))
+        assert counts["completed"] > 0 and running_max_num_seqs(host) == target
+        wait_for(lambda: (standby_answers(host) or {}).get("engine_config") == engine_health(host)["engine_config"],
+                 timeout=120, what="the standby on the committed config")
+
+        # kill -9 of the main engine, the standby up.
+        engine = main_pid(host, ENGINE)
+        with streaming_load(host, gpu, "failover") as run:
+            t0 = time.monotonic()
+            host.run(["kill", "-9", str(engine)])
+            wait_for(lambda: completes(host), timeout=120, interval=0.05, what="answered again")
+            answered_s = round(time.monotonic() - t0, 2)
+            wait_for(lambda: main_pid(host, ENGINE) not in (0, engine) and active(host, ENGINE) == "active",
+                     timeout=600, interval=0.5, what="the main engine restarted by systemd")
+            main_back_s = round(time.monotonic() - t0, 1)
+        counts = outcome_counts(run)
+        figures["failover"] = {"answered_again_s": answered_s, "main_back_s": main_back_s, **counts}
+        results["standby"] = figures
+        # Streams running on the killed engine were cut (as without a
+        # standby); no new request was answered 503.
+        assert counts["503"] == 0 and counts["completed"] > 0, counts
+        wait_for(lambda: completes(host), timeout=120, what="serving")
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/30-standby.yaml"])
+        host.systemctl("daemon-reload")
+
+
 # ---------------------------------------------------------------- stop
 
 
@@ -572,7 +695,7 @@ def test_stop_returns_gpu_memory_to_its_baseline(host, gpu, results):
     t0 = time.monotonic()
     host.systemctl("stop", UMBRELLA, timeout=300)
     results["stop_s"] = round(time.monotonic() - t0, 1)
-    everything = (UMBRELLA, ENGINE, NEXT, WEIGHTS, f"model@{MODEL}.socket")
+    everything = (UMBRELLA, ENGINE, NEXT, STANDBY, WEIGHTS, f"model@{MODEL}.socket")
     wait_for(lambda: all(active(host, u) in ("inactive", "failed") for u in everything), timeout=300,
              what="every unit of the model stopped")
     assert host.run(["pgrep", "-u", f"hostd-{MODEL}"], check=False).stdout.strip() == ""
