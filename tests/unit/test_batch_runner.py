@@ -228,3 +228,34 @@ def test_the_transformers_pyproject_admits_has_what_the_batched_runner_replaces(
     [pin] = [Requirement(d) for d in project["project"]["dependencies"] if d.startswith("transformers")]
     assert pin.specifier.contains(transformers.__version__), (str(pin), transformers.__version__)
     assert any(spec.operator == "<" for spec in pin.specifier), f"{pin}: no upper bound on internals batch.py replaces"
+
+
+def test_an_older_transformers_is_refused_at_start_and_at_config_time_saying_what_to_do(monkeypatch, tmp_path):
+    """docs/builtin.md's promise (issue 31: on the H200's 5.17 the check passed
+    and the engine died mid-start with a TypeError): the version found, the
+    one needed and engine.batching: none, from check_supported at start and
+    from the backend's config-time refusals the manager and hostctl ask."""
+    import json
+
+    import msgspec
+    import transformers
+
+    from hostd import backends
+    from hostd.config import schema
+    from hostd.engine import rules
+    from hostd.engine.batch import BatchingUnsupported, check_supported
+
+    check_supported()  # the installed one passes
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(BatchingUnsupported) as refused:
+        check_supported()
+    said = str(refused.value)
+    assert "transformers 5.17.0 is installed" in said and "transformers<5.25,>=5.24" in said, said
+    assert "engine.batching: none" in said
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4}))
+    monkeypatch.setattr(rules, "installed_transformers", lambda: "5.17.0")  # what the engine unit would import
+    cfg = msgspec.convert({"backend": "builtin", "model": str(tmp_path)}, type=schema.BuiltinModel)
+    assert backends.for_config(cfg).start_refusals(cfg) == [said]
+    none = msgspec.convert({"backend": "builtin", "model": str(tmp_path), "engine": {"batching": "none"}},
+                           type=schema.BuiltinModel)
+    assert backends.for_config(none).start_refusals(none) == []

@@ -109,3 +109,26 @@ def test_logs_runs_journalctl_on_the_models_field(monkeypatch):
     monkeypatch.setattr(hostctl_module.subprocess, "call", lambda argv: ran.append(argv) or 0)
     assert hostctl_module.main(["logs", "tiny", "-f", "-n", "50"]) == 0
     assert ran == [["journalctl", "HOSTD_MODEL=tiny", "--follow", "--lines", "50", "--no-pager"]]
+
+
+def test_a_kv_budget_that_cannot_hold_one_request_is_refused_naming_the_key_line_and_numbers(tmp_path: Path):
+    """The engine's start-time KV rule, at config time (issue 31): kv_cache_mib
+    128 and no max_model_len on a checkpoint of 32768 positions (tests/gpu's
+    shape of 58e553e), on cuda, where the H200 refused it only at start."""
+    from hostd.checkpoints import random_model
+    from tests.gpu.cuda_configs import GPU_SHAPE
+    from tests.unit.test_gpu_configs import config_json
+
+    checkpoint = config_json(tmp_path / "ckpt", GPU_SHAPE)
+    assert GPU_SHAPE["max_position_embeddings"] == random_model.SIZES["0.5b"]["max_position_embeddings"] == 32768
+    root = tmp_path / "etc"
+    (root / "models").mkdir(parents=True)
+    model = root / "models" / "gpu.yaml"
+    model.write_text(f"backend: builtin\nmodel: {checkpoint}\ndevice: cuda\nengine:\n  kv_cache_mib: 128\n")
+    result = hostctl("config", "--check", "--config-dir", str(root))
+    assert result.returncode == 1
+    assert (f"{model}:5: engine.kv_cache_mib: the KV budget of 134217728 bytes holds 5376 tokens (24576 bytes "
+            "each), fewer than one request of max_model_len=32768; raise engine.kv_cache_mib to at least 768 "
+            "or lower engine.max_model_len") in result.stderr, result.stderr
+    model.write_text(model.read_text() + "  max_model_len: 4096\n")
+    assert hostctl("config", "--check", "--config-dir", str(root)).returncode == 0

@@ -146,6 +146,32 @@ def test_a_check_refuses_as_reload_does_naming_the_key(tmp_path, monkeypatch, pa
     asyncio.run(go())
 
 
+def test_a_kv_budget_that_cannot_hold_one_request_is_refused_by_the_check_and_the_reload(tmp_path, monkeypatch):
+    """The engine's start-time KV rule before anything is torn down (issue 31):
+    kv_cache_mib 128 on a checkpoint of 32768 positions, max_model_len unset."""
+    world = World(tmp_path)
+    config = {"num_hidden_layers": 48, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+              "max_position_embeddings": 32768, "dtype": "bfloat16"}
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps(config))
+
+    async def go():
+        manager = await manager_of(world, monkeypatch)
+        before, sent = snapshot(world), len(world.bus.sent)
+        with pytest.raises(DBusError) as checked:
+            await call(manager.CheckReloadJSON, "tiny", '{"kv_cache_mib": 128}')
+        assert checked.value.type == "org.hostd1.Error.InvalidValue"
+        assert ("engine.kv_cache_mib: the KV budget of 134217728 bytes holds 5456 tokens (24576 bytes each), "
+                "fewer than one request of max_model_len=32768") in checked.value.text, checked.value.text
+        assert_nothing_changed(world, manager, before, sent)
+        monkeypatch.setattr(manager.authority, "require", _allow)
+        with pytest.raises(DBusError) as reloaded:
+            await call(manager.ReloadJSON, "tiny", '{"kv_cache_mib": 128}')
+        assert (reloaded.value.type, reloaded.value.text) == (checked.value.type, checked.value.text)
+        assert not world.dropin.exists() and world.restarts() == 0  # refused before anything was written
+
+    asyncio.run(go())
+
+
 async def _allow(*args, **kwargs) -> None:
     return None
 
