@@ -6,6 +6,7 @@ restarted and the gateway resumed, and how many D-Bus round trips it took."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reload_fakes import World  # noqa: E402
 
-from hostd import units  # noqa: E402
+from hostd import config, units  # noqa: E402
 from hostd.gateway import control  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
@@ -229,11 +230,13 @@ def test_a_cold_reload_costs_one_loadunit_and_one_getall_per_unit(world):
 # ---------------------------------------------------------------- recovery
 
 
-def intent_of(world: World, target: dict, previous_reload=None) -> Intent:
+def intent_of(world: World, target: dict, previous_reload=None, previous_rollback=None,
+              rollback_pin=None) -> Intent:
     running = dict(world.probe.engine)
     world.records.write_intent("tiny", Intent(
-        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=None,
-        previous_engine=running, target_engine={**running, **target}, weights=(7, 8),
+        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=previous_rollback,
+        rollback_pin=rollback_pin, previous_engine=running, target_engine={**running, **target},
+        weights=(7, 8),
     ))
     world.dropin.parent.mkdir(parents=True, exist_ok=True)
     world.dropin.write_text(yaml.safe_dump({"engine": target}))
@@ -314,3 +317,66 @@ def test_recovery_after_a_crash_inside_the_rollback_finishes_the_rollback_not_a_
     committed = world.records.committed("tiny")
     assert world.probe.engine["max_num_seqs"] == 8 and world.restarts() == 1
     assert committed is None  # not the restored config beside an engine that ran the target
+
+
+def pin_file(world: World) -> Path:
+    return world.root / "models/tiny.d" / R.ROLLBACK_DROPIN
+
+
+@pytest.mark.parametrize("strategy", ["restart", "overlap", "standby"])
+def test_a_manager_killed_in_the_rollback_of_a_refused_admin_dropin_leaves_the_pin_it_wrote(tmp_path, strategy):
+    """An engine refuses the administrator's own drop-in (an empty patch);
+    the rollback pins the values it ran before in 99-rollback.yaml and the
+    manager dies as the rollback's engine restart begins. Recovery keeps the
+    pin (it is in the intent): the files say the previous values, the engine
+    runs them, and no later engine start runs the refused ones."""
+    world = World(tmp_path, strategy="restart" if strategy == "restart" else "overlap",
+                  standby=strategy == "standby")
+    (world.root / "models/tiny.d").mkdir()
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine: {max_num_seqs: 6}\n")
+    world.bus.job_results[units.engine("tiny")] = ["failed"]  # the main engine refuses 6 at start
+
+    async def scenario() -> str:
+        await world.connect()
+        op = R.Operation(id=1, model="tiny", patch={})
+        reload = R.Reload(world.model(), op)
+        await reload.check()
+        assert op.strategy == strategy
+        task = None
+
+        def killed_in_rollback(o: R.Operation) -> None:
+            if o.stage == R.Stage.ROLLBACK:
+                task.cancel()  # the manager ends at the rollback's first wait: its engine restart
+
+        op.on_change = killed_in_rollback
+        task = reload.start()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)  # systemd finishes the jobs it had
+        assert op.state == R.State.RUNNING and pin_file(world).exists()
+        intent = world.records.intent("tiny")
+        assert intent is not None and intent.rollback_pin == pin_file(world).read_text()
+        return await world.recover(intent)
+
+    assert run(scenario()) == "restarted"
+    assert yaml.safe_load(pin_file(world).read_text())["engine"]["max_num_seqs"] == 8
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == 8
+    assert world.probe.engine["max_num_seqs"] == 8 and world.probe.slot == "main"
+    if strategy == "standby":
+        assert world.probe.standby_engine["max_num_seqs"] == 8
+    assert world.records.intent("tiny") is None
+
+
+@pytest.mark.parametrize("case", ["earlier pin", "pin recorded, not yet written"])
+def test_recovery_puts_back_99_rollback_as_the_intent_says(world, case):
+    """A non-empty previous_rollback (a pin from an earlier failed reload) is
+    put back when the reload did not pin anything itself; a pin the reload
+    recorded (rollback_pin) wins over it, written by recovery when the
+    manager died between the record and the file."""
+    earlier = "# an earlier rollback\nengine: {max_num_seqs: 8}\n"
+    ours = "# this reload's rollback\nengine: {max_num_seqs: 8}\n" if case != "earlier pin" else None
+    intent = intent_of(world, {"max_num_seqs": 4}, previous_rollback=earlier, rollback_pin=ours)
+    pin_file(world).write_text("engine: {max_num_seqs: 4}\n")  # what else might be there now
+    assert run(world.recover(intent)) == "left"
+    assert pin_file(world).read_text() == (ours or earlier)
+    assert world.records.intent("tiny") is None
