@@ -380,3 +380,73 @@ def test_recovery_puts_back_99_rollback_as_the_intent_says(world, case):
     assert run(world.recover(intent)) == "left"
     assert pin_file(world).read_text() == (ours or earlier)
     assert world.records.intent("tiny") is None
+
+
+# ---------------------------------------------------------------- the weight daemon
+
+
+def test_an_engine_on_another_weight_daemon_fails_verify_and_reuses_no_weights(world):
+    """model-weights@tiny started again while the engine restarted (the
+    engine, BindsTo= it, came up on the new daemon): verify's "same weight
+    daemon" rule refuses it, so the reload does not end done and
+    WeightsReused stays false."""
+    started = world.probe.engine_started
+
+    def on_a_new_daemon(slot: str = "main") -> None:
+        world.probe.daemon_restarted()
+        started(slot)
+
+    world.probe.engine_started = on_a_new_daemon
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state != R.State.DONE and not op.weights_reused
+    assert "the weight daemon changed (pid, inode) (7, 8) -> " in op.error, op.error
+
+
+def test_a_weights_restart_job_gives_the_daemon_a_new_identity(world):
+    before = run(world.probe.weights_identity())
+
+    async def restart_weights():
+        await world.connect()
+        await world.systemd.restart(units.weights("tiny"), timeout=5)
+
+    run(restart_weights())
+    assert run(world.probe.weights_identity()) != before
+
+
+def test_a_fixed_key_changed_on_disk_is_not_editable_until_the_model_restarts(world):
+    """The committed record holds the weight daemon it was verified on
+    (Committed.weights). A fixed key changed on disk since is NotEditable
+    while that daemon still runs; once another runs (systemctl restart
+    model@tiny, which read the disk at its start), the record's fixed keys
+    are what ran before it and the reload goes ahead."""
+    assert run(world.reload({"max_num_seqs": 4})).state == R.State.DONE
+    assert world.records.committed("tiny").weights == (7, 8)
+    model_yaml = world.root / "models/tiny.yaml"
+    model_yaml.write_text(model_yaml.read_text() + "served_model_name: renamed\n")
+
+    async def check(patch: dict) -> None:
+        await world.connect()
+        await R.check_only(world.model(), patch)
+
+    with pytest.raises(errors.NotEditable, match="fixed field.*served_model_name.*changed on disk"):
+        run(check({"max_num_seqs": 3}))
+    world.probe.daemon_restarted()  # the model's units started again
+    run(check({"max_num_seqs": 3}))  # no longer refused
+    op = run(world.reload({"max_num_seqs": 3}))
+    assert op.state == R.State.DONE
+    assert world.records.committed("tiny").fixed["served_model_name"] == "renamed"
+
+
+def test_an_engine_that_reports_another_weight_daemon_fails_verify(world):
+    """The daemon answering the manager is the one from before, but the new
+    engine says it attached another (pid, inode): not the weights retained."""
+    started = world.probe.engine_started
+
+    def attached_elsewhere(slot: str = "main") -> None:
+        started(slot)
+        world.probe.attached[slot] = (9, 9)
+
+    world.probe.engine_started = attached_elsewhere
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state != R.State.DONE and not op.weights_reused
+    assert "the engine attached to (9, 9)" in op.error, op.error
