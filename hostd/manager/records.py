@@ -57,7 +57,8 @@ class Intent(msgspec.Struct, kw_only=True):
 
 class Degraded(msgspec.Struct, kw_only=True):
     """A reload failed and so did its rollback: the model's State is degraded
-    (the gateway stays paused) until a reload ends done or rolled-back, or
+    (restart: the gateway stays paused; overlap, standby: it serves from the
+    second engine, on the target config) until a reload ends done or rolled-back, or
     the model is stopped or restarted. On disk, so that it survives the next
     operation starting and a restart of the manager."""
 

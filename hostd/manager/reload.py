@@ -608,7 +608,9 @@ class Reload:
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 # restart: the gateway stays paused, nothing safe to serve;
-                # overlap: the next engine may still serve the target config.
+                # overlap, standby: the gateway stays on the second engine,
+                # which passed the verify on the target config: the one
+                # engine known to work keeps answering (docs/operations.md).
                 error = f"{cause}; rollback failed: {again}"
                 self.model.records.write_degraded(self.model.name, Degraded(operation=op.id, cause=error))
                 return self._end(State.FAILED, error)

@@ -340,3 +340,24 @@ def test_a_stop_while_the_next_engine_starts_interrupts_instead_of_rolling_back(
     assert op.restored and not world.dropin.exists() and world.records.intent("tiny") is None
     assert "switch next" not in world.probe.calls and "switch main" not in world.probe.calls
     assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["overlap", "standby"])
+def test_a_failed_rollback_leaves_the_second_engine_serving_the_target_as_the_docs_say(tmp_path, standby):
+    """The main engine fails on the target and again on the previous config:
+    the Operation is failed and the model degraded; the gateway keeps sending
+    new requests to the second engine (next or standby), which runs the
+    target config and passed its verify, while the files on disk hold the
+    previous one (docs/operations.md, "Reloads"; docs/dbus-api.md, State)."""
+    world = World(tmp_path, standby=standby)
+    before = dict(world.probe.engine)
+    world.bus.job_results[MAIN] = ["failed", "failed"]
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.strategy) == (R.State.FAILED, "standby" if standby else "overlap")
+    assert "rollback failed" in op.error and world.records.degraded("tiny") is not None
+    second = "standby" if standby else "next"
+    assert world.probe.slot == second and "resume" not in world.probe.calls
+    assert world.probe.get_engine(second) == {**before, "max_num_seqs": 4}
+    assert world.probe.engine is None
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == before["max_num_seqs"]
+    assert f"stop {NEXT}" not in jobs(world)
