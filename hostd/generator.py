@@ -18,7 +18,9 @@ For each valid model it writes, into NORMAL_DIR:
   model whose `gpus:` names a GPU that NVML says this host lacks is treated
   as a broken config, below: its start fails at once, saying so)
 - model@NAME.service.d/50-hostd-standby.conf: Wants=model-engine-standby@NAME
-  for `standby: true`
+  for `standby: true`; otherwise model-engine-standby@NAME.service.d/50-hostd-standby.conf:
+  ExecCondition=/bin/false, so that the standby never starts (a restart of the
+  model stops one left from before `standby: true` was removed)
 - multi-user.target.wants/model@NAME.service for `autostart: true`
 
 Every drop-in names the YAML it came from (SourcePath=, as podman's Quadlet
@@ -56,6 +58,9 @@ from hostd import backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
 STANDBY_DROPIN = "50-hostd-standby.conf"  # model@NAME.service.d: Wants= the standby (`standby: true`)
+# model-engine-standby@NAME.service.d/STANDBY_DROPIN without `standby: true`:
+# a start is skipped (exit 1 of ExecCondition=: not a failure, no restart).
+STANDBY_OFF = "ExecCondition=/bin/false\n"
 UNIT_DIR_ENV = "HOSTD_UNIT_DIR"
 STATE_DIR = Path("/run/hostd-generator")  # NAME.listen: the address model@NAME.socket was generated with
 STATE_DIR_ENV = "HOSTD_GENERATOR_STATE_DIR"  # moves it, for tests
@@ -175,6 +180,13 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
         # start of the model starts it, a restart restarts it (its PartOf=).
         files[f"{units.umbrella(name)}.d/{STANDBY_DROPIN}"] = (
             header + "[Unit]\n" + f"Wants={units.engine(name, 'standby')}\n")
+    else:
+        # No standby asked for: the unit never starts. A standby left from
+        # before `standby: true` was removed is restarted by a restart of the
+        # model (PartOf=): that start is skipped, so the restart stops it
+        # instead of keeping a second engine and its memory.
+        files[f"{units.engine(name, 'standby')}.d/{STANDBY_DROPIN}"] = (
+            header + "[Service]\n" + STANDBY_OFF)
     return files
 
 
