@@ -199,8 +199,8 @@ def model_user_lines(name: str) -> str:
     """model@NAME.socket, first of the model's units to start, refuses an
     account or directory that is not the model's own, then creates the
     model's user (as root: '+', since the template runs the socket's commands
-    as the shared user; systemd-sysusers does nothing when the user exists)
-    and hands it the private runtime directory (the socket's RuntimeDirectory=,
+    as the shared user; systemd-sysusers does nothing when the user exists),
+    refuses a file of the model's secrets that others can read, and hands it the private runtime directory (the socket's RuntimeDirectory=,
     which systemd removes when the socket stops), in place of the template's
     placeholder command."""
     user = units.user(name)
@@ -210,6 +210,10 @@ def model_user_lines(name: str) -> str:
         # (hostd/accounts.py), before systemd-sysusers keeps an existing user.
         f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.accounts %i\n"
         f'ExecStartPre=+/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
+        # Then: no secret of the model in a file others can read
+        # (hostd/secretfiles.py); after sysusers, so that the group its
+        # chown names exists.
+        f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.secretfiles %i\n"
         f"ExecStartPre=+/usr/bin/install -d -m 0700 -o {user} -g {user} /run/hostd/%i\n"
     )
 

@@ -50,7 +50,7 @@ def host(systemd_container: SystemdContainer):
     c.ports = {}
     for backend, (name, _, _) in BACKENDS.items():
         c.ports[backend] = reserved_port()
-        c.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(c, backend, c.ports[backend]))
+        c.write_model_yaml(name, yaml_for(c, backend, c.ports[backend]))  # env: kept to root and the model
     c.systemctl("daemon-reload")
     c.systemctl("start", "hostd.service", timeout=120)
     return c
@@ -147,7 +147,7 @@ REFUSALS = [
                          ids=[f"{b}-{w}" for b, _, _, w in REFUSALS])
 def test_unsupported_settings_are_refused_before_upstream_starts(host, backend, extra, env, words):
     name = f"bad{backend[:2]}"
-    host.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(host, backend, reserved_port(), extra, env))
+    host.write_model_yaml(name, yaml_for(host, backend, reserved_port(), extra, env))
     host.systemctl("daemon-reload")
     since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
     try:
