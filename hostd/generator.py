@@ -18,7 +18,9 @@ For each valid model it writes, into NORMAL_DIR:
   model whose `gpus:` names a GPU that NVML says this host lacks is treated
   as a broken config, below: its start fails at once, saying so)
 - model@NAME.service.d/50-hostd-standby.conf: Wants=model-engine-standby@NAME
-  for `standby: true`
+  for `standby: true`; otherwise model-engine-standby@NAME.service.d/50-hostd-standby.conf:
+  ExecCondition=/bin/false, so that the standby never starts (a restart of the
+  model stops one left from before `standby: true` was removed)
 - multi-user.target.wants/model@NAME.service for `autostart: true`
 
 Every drop-in names the YAML it came from (SourcePath=, as podman's Quadlet
@@ -56,6 +58,9 @@ from hostd import backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
 STANDBY_DROPIN = "50-hostd-standby.conf"  # model@NAME.service.d: Wants= the standby (`standby: true`)
+# model-engine-standby@NAME.service.d/STANDBY_DROPIN without `standby: true`:
+# a start is skipped (exit 1 of ExecCondition=: not a failure, no restart).
+STANDBY_OFF = "ExecCondition=/bin/false\n"
 UNIT_DIR_ENV = "HOSTD_UNIT_DIR"
 STATE_DIR = Path("/run/hostd-generator")  # NAME.listen: the address model@NAME.socket was generated with
 STATE_DIR_ENV = "HOSTD_GENERATOR_STATE_DIR"  # moves it, for tests
@@ -175,6 +180,13 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
         # start of the model starts it, a restart restarts it (its PartOf=).
         files[f"{units.umbrella(name)}.d/{STANDBY_DROPIN}"] = (
             header + "[Unit]\n" + f"Wants={units.engine(name, 'standby')}\n")
+    else:
+        # No standby asked for: the unit never starts. A standby left from
+        # before `standby: true` was removed is restarted by a restart of the
+        # model (PartOf=): that start is skipped, so the restart stops it
+        # instead of keeping a second engine and its memory.
+        files[f"{units.engine(name, 'standby')}.d/{STANDBY_DROPIN}"] = (
+            header + "[Service]\n" + STANDBY_OFF)
     return files
 
 
@@ -187,8 +199,8 @@ def model_user_lines(name: str) -> str:
     """model@NAME.socket, first of the model's units to start, refuses an
     account or directory that is not the model's own, then creates the
     model's user (as root: '+', since the template runs the socket's commands
-    as the shared user; systemd-sysusers does nothing when the user exists)
-    and hands it the private runtime directory (the socket's RuntimeDirectory=,
+    as the shared user; systemd-sysusers does nothing when the user exists),
+    refuses a file of the model's secrets that others can read, and hands it the private runtime directory (the socket's RuntimeDirectory=,
     which systemd removes when the socket stops), in place of the template's
     placeholder command."""
     user = units.user(name)
@@ -198,6 +210,10 @@ def model_user_lines(name: str) -> str:
         # (hostd/accounts.py), before systemd-sysusers keeps an existing user.
         f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.accounts %i\n"
         f'ExecStartPre=+/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
+        # Then: no secret of the model in a file others can read
+        # (hostd/secretfiles.py); after sysusers, so that the group its
+        # chown names exists.
+        f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.secretfiles %i\n"
         f"ExecStartPre=+/usr/bin/install -d -m 0700 -o {user} -g {user} /run/hostd/%i\n"
     )
 

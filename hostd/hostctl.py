@@ -394,7 +394,7 @@ def model_summary(hostd, name: str) -> dict:
         "weights_not_retained_reason": props.get("WeightsNotRetainedReason", ""),
         "engine_status": props.get("EngineStatus", ""), "in_flight": props["InFlight"],
         "standby": props.get("Standby", False), "standby_state": props.get("StandbyState", ""),
-        "standby_pid": props.get("StandbyPID", 0),
+        "standby_pid": props.get("StandbyPID", 0), "start_problem": props.get("StartProblem", ""),
         "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
         "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
                                                           "WeightsReused", "CreatedUSec", "FinishedUSec")},
@@ -452,6 +452,8 @@ def print_detail(m: dict) -> None:
         ("Editable", ", ".join(m["editable"]) or "-"),
         ("Last op", m["_last_operation_text"]),
     ]
+    if m.get("start_problem"):  # the socket refuses to start the model (hostd/secretfiles.py)
+        rows.insert(0, ("Refused", m["start_problem"]))
     for label, value in rows:
         first, *more = value.split("\n")
         print(f"{label:>10}: {first}")

@@ -173,6 +173,15 @@ class ModelInterface(ServiceInterface):
         return ""
 
     @dbus_property(access=PropertyAccess.READ)
+    def StartProblem(self) -> "s":
+        """Why model@NAME.socket refuses to start the model although its
+        config loads: a file holding its secrets that others can read (one
+        line a file, naming it, who else reads it and the chown/chmod that
+        fixes it; hostd/secretfiles.py, the socket's own check); empty when
+        none. Read by the manager as root: the files' modes, never a value."""
+        return "\n".join(hostd_config.load.exposure_warnings(self.manager.root, [self.model_name]))
+
+    @dbus_property(access=PropertyAccess.READ)
     def Config(self) -> "s":
         loaded = self.loaded()
         return json.dumps(redacted(msgspec.to_builtins(loaded.config))) if loaded else "{}"

@@ -57,6 +57,18 @@ class CheckedUnixConnector(aiohttp.UnixConnector):
         return proto
 
 
+
+def weights_problem(before: tuple[int, int], now: Optional[tuple[int, int]], health: dict) -> Optional[str]:
+    """Verify's "same weight daemon" rule: why an engine whose /health is
+    HEALTH did not attach the weight daemon BEFORE ((pid, socket inode), read
+    as the reload began), the daemon answering NOW; None when it did. Another
+    daemon means the weights were loaded again: not the weights retained."""
+    engine_saw = (health.get("weights_pid"), health.get("weights_socket_inode"))
+    before = tuple(before)
+    if (tuple(now) if now is not None else None) != before or engine_saw != before:
+        return f"the weight daemon changed (pid, inode) {before} -> {now}; the engine attached to {engine_saw}"
+    return None
+
 class Probe:
     def __init__(self, name: str):
         self.name = name
@@ -205,13 +217,9 @@ class Probe:
             raise VerifyFailed(f"the engine runs {health.get('engine_config')}, not the target config")
         await self.smoke(cfg.served_model_name or self.name, slot)
         if weights_before is not None:
-            now = await self.weights_identity()
-            engine_saw = (health.get("weights_pid"), health.get("weights_socket_inode"))
-            if now != weights_before or engine_saw != weights_before:
-                raise VerifyFailed(
-                    f"the weight daemon changed (pid, inode) {weights_before} -> {now}; "
-                    f"the engine attached to {engine_saw}"
-                )
+            problem = weights_problem(weights_before, await self.weights_identity(), health)
+            if problem:
+                raise VerifyFailed(problem)
 
     async def engine_error(self, default: str, slot: str = "main") -> str:
         """The failing engine's own last error lines from the journal, else

@@ -45,6 +45,10 @@ class Intent(msgspec.Struct, kw_only=True):
     patch: dict[str, Any] = {}
     previous_reload: Optional[str] = None  # 90-reload.yaml before the reload; None: there was none
     previous_rollback: Optional[str] = None  # the same for 99-rollback.yaml
+    # 99-rollback.yaml as the reload's own rollback pins it (an engine refused
+    # the administrator's drop-in): written here before the file, so recovery
+    # keeps the pin instead of putting previous_rollback back. None: no pin.
+    rollback_pin: Optional[str] = None
     previous_engine: Optional[dict[str, Any]] = None  # the engine section a rollback brings back
     target_engine: dict[str, Any] = {}  # the engine section the reload applies
     weights: Optional[tuple[int, int]] = None  # the weight daemon's (pid, socket inode) before it
@@ -53,7 +57,8 @@ class Intent(msgspec.Struct, kw_only=True):
 
 class Degraded(msgspec.Struct, kw_only=True):
     """A reload failed and so did its rollback: the model's State is degraded
-    (the gateway stays paused) until a reload ends done or rolled-back, or
+    (restart: the gateway stays paused; overlap, standby: it serves from the
+    second engine, on the target config) until a reload ends done or rolled-back, or
     the model is stopped or restarted. On disk, so that it survives the next
     operation starting and a restart of the manager."""
 

@@ -3,7 +3,9 @@ intent is in the manager's records, records.py, from the `record` stage on).
 
 It decides on its next start: commit if the engine runs the target config
 and passes the reload's full verify (the record written from the intent);
-leave an engine that runs the previous config alone (the crash came before its
+otherwise the files go back to what they were before the reload, except a
+99-rollback.yaml the reload's own rollback pinned (Intent.rollback_pin),
+which stays; then leave an engine that runs the previous config alone (the crash came before its
 restart); else restart it with the previous config and resume (after a drain
 for the restart strategy). Recovery never stops an engine that still has
 admitted requests without draining it first, and after an overlap reload
@@ -55,7 +57,11 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     else:
         directory = model.dropins
         restore_file(directory / RELOAD_DROPIN, intent.previous_reload)
-        restore_file(directory / ROLLBACK_DROPIN, intent.previous_rollback)
+        # The reload's own rollback may have pinned the values an engine
+        # refused away (Intent.rollback_pin): that pin stays, or no later
+        # engine start would be safe from them.
+        pin = intent.rollback_pin if intent.rollback_pin is not None else intent.previous_rollback
+        restore_file(directory / ROLLBACK_DROPIN, pin)
         previous = intent.previous_engine
         if health is not None and previous is not None and probe.runs(health, previous):
             log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",

@@ -162,6 +162,7 @@ class Reload:
         self.health: Optional[dict] = None  # the engine's /health as validate read it (preflight reuses it)
         self.weights_before: Optional[tuple[int, int]] = None
         self.recorded = False  # the previous files are known: restore() may write
+        self.intent: Optional[Intent] = None  # what record() wrote
         self.unchanged = False  # validate found nothing to apply
         self.strategy_reason = ""
 
@@ -328,7 +329,7 @@ class Reload:
         self.previous_rollback = read_text(directory / ROLLBACK_DROPIN)
         self.recorded = True
         self.weights_before = await self.model.probe.weights_identity()
-        self.model.records.write_intent(self.model.name, Intent(
+        self.intent = Intent(
             operation=self.op.id,
             strategy=self.op.strategy,
             patch=self.op.patch,
@@ -337,7 +338,8 @@ class Reload:
             previous_engine=self.running_engine,
             target_engine=msgspec.to_builtins(self.target.engine),
             weights=self.weights_before,
-        ))
+        )
+        self.model.records.write_intent(self.model.name, self.intent)
         if self.reload_text is not None:
             write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
@@ -431,8 +433,13 @@ class Reload:
         # Pin the values the engine ran before rather than editing their file.
         if self.running_engine is None:
             raise RuntimeError("no committed or schema-valid previous values to pin")
-        write_atomic(directory / ROLLBACK_DROPIN,
-                     render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine}))
+        pin = render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine})
+        # The intent first: a manager killed from here on leaves a record
+        # whose recovery keeps (or writes) this pin rather than removing it.
+        if self.intent is not None:
+            self.intent = msgspec.structs.replace(self.intent, rollback_pin=pin)
+            self.model.records.write_intent(self.model.name, self.intent)
+        write_atomic(directory / ROLLBACK_DROPIN, pin)
         self.op.notes.append(f"previous values pinned in {directory / ROLLBACK_DROPIN}")
 
     def restore(self, cause: Optional[str] = None) -> None:
@@ -601,7 +608,9 @@ class Reload:
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 # restart: the gateway stays paused, nothing safe to serve;
-                # overlap: the next engine may still serve the target config.
+                # overlap, standby: the gateway stays on the second engine,
+                # which passed the verify on the target config: the one
+                # engine known to work keeps answering (docs/operations.md).
                 error = f"{cause}; rollback failed: {again}"
                 self.model.records.write_degraded(self.model.name, Degraded(operation=op.id, cause=error))
                 return self._end(State.FAILED, error)

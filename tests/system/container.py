@@ -560,6 +560,18 @@ class SystemdContainer:
             input=text,
         )
 
+    def write_model_yaml(self, name: str, text: str, path: str | None = None) -> None:
+        """A file of model NAME holding env: values (its YAML, or PATH), kept
+        to root and the model's user as hostd/secretfiles.py requires (root,
+        group hostd-NAME, 0640): the model's user made first, as
+        model@NAME.socket makes it (the same systemd-sysusers line), so the
+        group exists."""
+        user = f"hostd-{name}"
+        path = path or f"/etc/hostd/models/{name}.yaml"
+        self.run(["systemd-sysusers", "--inline", f'u {user} - "hostd model {name}" /var/lib/hostd/{name}'])
+        self.write_file(path, text, mode=0o640)
+        self.run(["chown", f"root:{user}", path])
+
     def read_file(self, path: str) -> str:
         return self.run(["cat", "--", path]).stdout
 

@@ -37,7 +37,7 @@ def host(systemd_container: SystemdContainer):
     c.write_file(f"{CHECKPOINT}/config.json", json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     c.write_file(f"{CHECKPOINT}/model.safetensors", "not really weights")
     c.ports = {"sglang": reserved_port()}
-    c.write_file(f"/etc/hostd/models/{SG}.yaml", yaml_for(c, "sglang", c.ports["sglang"]))
+    c.write_model_yaml(SG, yaml_for(c, "sglang", c.ports["sglang"]))  # env: kept to root and the model
     c.systemctl("daemon-reload")
     c.systemctl("start", "model@tiny.service", timeout=300)
     return c
@@ -203,7 +203,7 @@ def test_a_reload_refuses_a_tree_hostctl_config_check_refuses_and_names_the_file
 
 def test_start_of_a_model_that_cannot_serve_fails_naming_the_failed_unit_and_its_error(host):
     port = reserved_port()
-    host.write_file("/etc/hostd/models/vq.yaml", (
+    host.write_model_yaml("vq", (
         f"backend: vllm\nmodel: {CHECKPOINT}\nlisten: 127.0.0.1:{port}\ntimeouts: {{start: 120, stop: 30}}\n"
         "env:\n  HOSTD_VLLM: /nonexistent/vllm\n  HOSTD_TEST_GPU_UUID: GPU-12345678-1234-1234-1234-123456789abc\n"))
     host.systemctl("daemon-reload")

@@ -50,7 +50,7 @@ def host(systemd_container: SystemdContainer):
     c.ports = {}
     for backend, (name, _, _) in BACKENDS.items():
         c.ports[backend] = reserved_port()
-        c.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(c, backend, c.ports[backend]))
+        c.write_model_yaml(name, yaml_for(c, backend, c.ports[backend]))  # env: kept to root and the model
     c.systemctl("daemon-reload")
     c.systemctl("start", "hostd.service", timeout=120)
     return c
@@ -79,7 +79,7 @@ def last_operation(host: SystemdContainer) -> dict:
                     "ListOperations"]).stdout
     path = json.loads(out)["data"][0][-1][-1]
     props = {}
-    for name in ("State", "WeightsReused", "Restored", "Error"):
+    for name in ("State", "WeightsReused", "Restored", "Error", "Strategy", "Notes"):
         raw = host.run(["busctl", "--json=short", "get-property", "org.hostd1", path, "org.hostd1.Operation", name]).stdout
         props[name] = json.loads(raw)["data"]
     return props
@@ -102,6 +102,14 @@ def test_start_reload_keeps_upstream_weights_and_rollback_restores(host, backend
     host.systemctl("reload", f"model@{name}.service", timeout=180)
     op = last_operation(host)
     assert (op["State"], op["WeightsReused"]) == ("done", True), op
+    # The strategy is asserted, never left to chance: the bridge (overlap)
+    # where the preflight can size it, else a restart whose Notes say why
+    # (in this container NVML cannot be read for a cuda model).
+    if op["Strategy"] == "overlap":
+        assert any(note.startswith("bridge engine ran with") for note in op["Notes"]), op
+    else:
+        assert op["Strategy"] == "restart", op
+        assert any("overlap does not fit, falling back to restart" in note for note in op["Notes"]), op
     after = weights_status(host, name)
     assert after["pid"] == before["pid"]
     assert after["upstream_pids"] == before["upstream_pids"]
@@ -147,7 +155,7 @@ REFUSALS = [
                          ids=[f"{b}-{w}" for b, _, _, w in REFUSALS])
 def test_unsupported_settings_are_refused_before_upstream_starts(host, backend, extra, env, words):
     name = f"bad{backend[:2]}"
-    host.write_file(f"/etc/hostd/models/{name}.yaml", yaml_for(host, backend, reserved_port(), extra, env))
+    host.write_model_yaml(name, yaml_for(host, backend, reserved_port(), extra, env))
     host.systemctl("daemon-reload")
     since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
     try:

@@ -14,6 +14,10 @@ refuses, and reports the next slot's bridge budget as the real supervisor does.
 With World(standby=True) the model has a warm standby: its slot "runs" a
 config too, and FakeProbe.rebuild puts the section it is given there (or
 refuses, with fail_rebuild), as the standby engine's rebuild verb does.
+The weight daemon has an identity (pid, socket inode), a new one each time
+model-weights@NAME starts (FakeProbe.daemon_restarted); an engine reports on
+/health the identity it attached when it started, and verify applies the
+product's own "same weight daemon" rule (probe.weights_problem) to it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from hostd import backends, config, units
 from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
-from hostd.manager.probe import Memory, Probe, VerifyFailed
+from hostd.manager.probe import Memory, Probe, VerifyFailed, weights_problem
 from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
 
@@ -105,6 +109,8 @@ class FakeBus:
         results = self.job_results.get(name) or []
         result = results.pop(0) if results else "done"
         slot = {units.engine(self.world.name, s): s for s in ("main", "next", "standby")}.get(name)
+        if name == units.weights(self.world.name) and verb != "stop" and result == "done":
+            self.world.probe.daemon_restarted()
         if verb == "stop":
             self.set_state(name, "inactive")
             if slot == "next":
@@ -142,6 +148,15 @@ class FakeProbe:
         self.unsettled: dict[str, int] = {}  # slot -> requests still running when settle times out
         self.resume_fails = False
         self.fail_next_start = False  # the engine exits with an error once started
+        self.weights = (7, 8)  # the weight daemon's (pid, socket inode); None: it does not answer
+        # slot -> the daemon its engine attached when it started (an engine a
+        # test sets by hand attached the first one)
+        self.attached: dict[str, Optional[tuple[int, int]]] = dict.fromkeys(("main", "next", "standby"), self.weights)
+
+    def daemon_restarted(self) -> None:
+        """model-weights@NAME started again: another process, another socket."""
+        pid, inode = self.weights or (7, 8)
+        self.weights = (pid + 1000, inode + 1000)
 
     def set_engine(self, slot: str, engine: Optional[dict]) -> None:
         setattr(self, {"main": "engine", "next": "next_engine", "standby": "standby_engine"}[slot], engine)
@@ -170,11 +185,19 @@ class FakeProbe:
             self.set_engine(slot, None)
             return
         self.set_engine(slot, msgspec.to_builtins(config.load_model(self.world.name, self.world.root).config.engine))
+        self.attached[slot] = self.weights
 
     async def engine_health(self, slot: str = "main") -> Optional[dict]:
         self.calls.append("health" if slot == "main" else f"health {slot}")
         engine = self.get_engine(slot)
-        return None if engine is None else {"engine_config": engine, "bridge": self.bridge(slot)}
+        if engine is None:
+            return None
+        return {"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot)}
+
+    def attachment(self, slot: str) -> dict:
+        """What the engine in SLOT reports of its weight daemon on /health."""
+        pid, inode = self.attached[slot] or (None, None)
+        return {"weights_pid": pid, "weights_socket_inode": inode}
 
     def bridge(self, slot: str) -> str:
         """What the real engine supervisor of SLOT reports under "bridge"
@@ -215,7 +238,7 @@ class FakeProbe:
         return control.Settled(settled=remaining == 0, remaining=remaining)
 
     async def weights_identity(self):
-        return (7, 8)
+        return self.weights
 
     async def drain(self, timeout: float) -> dict:
         self.calls.append("drain")
@@ -237,6 +260,10 @@ class FakeProbe:
             raise VerifyFailed("the engine does not answer /health")
         if not self.runs({"engine_config": engine}, msgspec.to_builtins(cfg.engine)):
             raise VerifyFailed(f"the engine runs {engine}, not the target config")
+        if weights_before is not None:
+            problem = weights_problem(weights_before, self.weights, self.attachment(slot))
+            if problem:
+                raise VerifyFailed(problem)
 
     async def engine_error(self, default: str, slot: str = "main") -> str:
         return default

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 from pathlib import Path
 
 import pytest
@@ -285,7 +286,28 @@ def test_standby_true_makes_the_umbrella_want_the_standby_engine_with_the_models
     standby = (out / "model-engine-standby@warm.service.d/50-hostd.conf").read_text()
     assert "User=hostd-warm\nGroup=hostd-warm" in standby
     assert "Environment=CUDA_VISIBLE_DEVICES=1" in standby and "DeviceAllow=/dev/nvidia1 rw" in standby
-    # Without standby: the unit's drop-in exists (a hand start runs as the
-    # model's user), but nothing wants it.
+    # Without standby: the unit's drop-in exists (it runs as the model's
+    # user), nothing wants it, and its start is skipped.
     assert not (out / "model@cold.service.d/50-hostd-standby.conf").exists()
     assert (out / "model-engine-standby@cold.service.d/50-hostd.conf").exists()
+    assert (out / "model-engine-standby@cold.service.d/50-hostd-standby.conf").read_text().endswith(
+        "[Service]\nExecCondition=/bin/false\n")
+    assert not (out / "model-engine-standby@warm.service.d/50-hostd-standby.conf").exists()
+
+
+def test_a_standby_removed_from_the_yaml_is_stopped_by_the_next_restart_of_the_model(tmp_path: Path):
+    """standby: true, then removed, then daemon-reload (the generator runs
+    again): the umbrella no longer wants the standby, and the standby's own
+    drop-in skips its start, so `systemctl restart model@NAME`, which
+    restarts it as PartOf= the model, leaves it stopped."""
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "warm", "backend: builtin\nmodel: /m\nstandby: true\n")
+    generator.generate(out, Path("/etc/systemd/system"), etc)
+    assert (out / "model@warm.service.d/50-hostd-standby.conf").exists()
+    assert not (out / "model-engine-standby@warm.service.d/50-hostd-standby.conf").exists()
+    model(etc, "warm", "backend: builtin\nmodel: /m\n")
+    shutil.rmtree(out)  # systemd empties the output directory before each run
+    generator.generate(out, Path("/etc/systemd/system"), etc)
+    assert not (out / "model@warm.service.d/50-hostd-standby.conf").exists()
+    off = (out / "model-engine-standby@warm.service.d/50-hostd-standby.conf").read_text()
+    assert "ExecCondition=/bin/false" in off and "SourcePath=" in off

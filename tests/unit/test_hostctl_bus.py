@@ -104,3 +104,23 @@ def test_is_active_and_status_exit_3_unless_the_model_serves(state, code, monkey
     assert hostctl.main(["is-active", "--quiet", "m"]) == code
     assert capsys.readouterr().out == ""
     assert hostctl.main(["status", "m", "--json"]) == code
+
+
+def test_status_shows_why_the_socket_refuses_to_start_the_model(monkeypatch, capsys):
+    """Model.StartProblem (a secrets file others can read) is the first line
+    of `hostctl status NAME`, with the fix it names."""
+    problem = ("/etc/hostd/models/m.yaml holds env: values or secret flags and is readable by every user "
+               "(mode 0644); keep it to root and the model's user: chown root:hostd-m /etc/hostd/models/m.yaml "
+               "&& chmod 0640 /etc/hostd/models/m.yaml")
+
+    class Refused(StateClient):
+        def model(self, name: str) -> dict:
+            return {**super().model(name), "StartProblem": problem}
+
+    monkeypatch.setattr(hostctl, "_client", lambda: Refused("stopped"))
+    assert hostctl.main(["status", "m"]) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"   Refused: {problem}"
+    monkeypatch.setattr(hostctl, "_client", lambda: StateClient("stopped"))
+    hostctl.main(["status", "m"])
+    assert "Refused" not in capsys.readouterr().out

@@ -105,3 +105,39 @@ def test_settle_is_not_sent_to_a_gateway_older_than_protocol_3(tmp_path, monkeyp
 
     assert asyncio.run(scenario()) is None
     assert seen == [{"verb": "status"}]
+
+
+def test_verify_refuses_an_engine_on_another_weight_daemon(tmp_path):
+    """The real Probe.verify_engine (the fakes of reload_fakes.py apply the
+    same probe.weights_problem): health and the smoke request pass, but the
+    daemon answering now, or the one the engine reports, is not the one from
+    before the reload."""
+    import msgspec
+    import pytest
+
+    from hostd import config
+    from hostd.manager.probe import VerifyFailed
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/tiny.yaml").write_text("backend: builtin\nmodel: /m\ndevice: cpu\n")
+    cfg = config.load_model("tiny", tmp_path).config
+    probe = Probe("tiny")
+    engine = msgspec.to_builtins(cfg.engine)
+    daemon = {"now": (7, 8), "engine": (7, 8)}
+
+    async def engine_health(slot="main"):
+        pid, inode = daemon["engine"]
+        return {"engine_config": engine, "weights_pid": pid, "weights_socket_inode": inode}
+
+    async def smoke(served, slot="main"):
+        return None
+
+    async def weights_identity():
+        return daemon["now"]
+
+    probe.engine_health, probe.smoke, probe.weights_identity = engine_health, smoke, weights_identity
+    asyncio.run(probe.verify_engine(cfg, (7, 8)))  # the same daemon: verified
+    for now, saw in [((1007, 1008), (1007, 1008)), ((7, 8), (9, 9))]:
+        daemon.update(now=now, engine=saw)
+        with pytest.raises(VerifyFailed, match="the weight daemon changed"):
+            asyncio.run(probe.verify_engine(cfg, (7, 8)))

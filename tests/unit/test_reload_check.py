@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -212,13 +213,22 @@ def test_a_check_refuses_a_stopped_model_and_a_busy_one_as_reload_does(tmp_path,
 def test_a_check_with_a_standby_says_standby_and_journals_no_stage(tmp_path, monkeypatch, caplog):
     world = World(tmp_path, standby=True)
 
+    def stage_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "stage" in r.getMessage() or "reload 0" in r.getMessage()]
+
     async def go():
         manager = await manager_of(world, monkeypatch)
+        # A stage line is INFO (operation.Operation.enter): caught at DEBUG,
+        # not at the WARNING the root logger passes on by default.
+        caplog.set_level(logging.DEBUG)
         caplog.clear()
         answer = json.loads(await call(manager.CheckReloadJSON, "tiny", '{"max_num_seqs": 3}'))
         assert (answer["strategy"], answer["reason"]) == ("standby", "the warm standby rebuilds on the new config")
         assert world.probe.rebuilds == []  # the standby was asked nothing but /health
-        assert not [r for r in caplog.records if "stage" in r.getMessage() or "reload 0" in r.getMessage()]
+        assert stage_lines() == []
+        # What the check would have written, had it been a reload: seen here.
+        op = await world.reload({"max_num_seqs": 3})
+        assert "reload 1 of tiny: stage preflight" in stage_lines() and op.state == R.State.DONE
 
     asyncio.run(go())
 

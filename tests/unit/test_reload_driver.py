@@ -6,6 +6,7 @@ restarted and the gateway resumed, and how many D-Bus round trips it took."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reload_fakes import World  # noqa: E402
 
-from hostd import units  # noqa: E402
+from hostd import config, units  # noqa: E402
 from hostd.gateway import control  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
@@ -229,11 +230,13 @@ def test_a_cold_reload_costs_one_loadunit_and_one_getall_per_unit(world):
 # ---------------------------------------------------------------- recovery
 
 
-def intent_of(world: World, target: dict, previous_reload=None) -> Intent:
+def intent_of(world: World, target: dict, previous_reload=None, previous_rollback=None,
+              rollback_pin=None) -> Intent:
     running = dict(world.probe.engine)
     world.records.write_intent("tiny", Intent(
-        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=None,
-        previous_engine=running, target_engine={**running, **target}, weights=(7, 8),
+        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=previous_rollback,
+        rollback_pin=rollback_pin, previous_engine=running, target_engine={**running, **target},
+        weights=(7, 8),
     ))
     world.dropin.parent.mkdir(parents=True, exist_ok=True)
     world.dropin.write_text(yaml.safe_dump({"engine": target}))
@@ -314,3 +317,136 @@ def test_recovery_after_a_crash_inside_the_rollback_finishes_the_rollback_not_a_
     committed = world.records.committed("tiny")
     assert world.probe.engine["max_num_seqs"] == 8 and world.restarts() == 1
     assert committed is None  # not the restored config beside an engine that ran the target
+
+
+def pin_file(world: World) -> Path:
+    return world.root / "models/tiny.d" / R.ROLLBACK_DROPIN
+
+
+@pytest.mark.parametrize("strategy", ["restart", "overlap", "standby"])
+def test_a_manager_killed_in_the_rollback_of_a_refused_admin_dropin_leaves_the_pin_it_wrote(tmp_path, strategy):
+    """An engine refuses the administrator's own drop-in (an empty patch);
+    the rollback pins the values it ran before in 99-rollback.yaml and the
+    manager dies as the rollback's engine restart begins. Recovery keeps the
+    pin (it is in the intent): the files say the previous values, the engine
+    runs them, and no later engine start runs the refused ones."""
+    world = World(tmp_path, strategy="restart" if strategy == "restart" else "overlap",
+                  standby=strategy == "standby")
+    (world.root / "models/tiny.d").mkdir()
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine: {max_num_seqs: 6}\n")
+    world.bus.job_results[units.engine("tiny")] = ["failed"]  # the main engine refuses 6 at start
+
+    async def scenario() -> str:
+        await world.connect()
+        op = R.Operation(id=1, model="tiny", patch={})
+        reload = R.Reload(world.model(), op)
+        await reload.check()
+        assert op.strategy == strategy
+        task = None
+
+        def killed_in_rollback(o: R.Operation) -> None:
+            if o.stage == R.Stage.ROLLBACK:
+                task.cancel()  # the manager ends at the rollback's first wait: its engine restart
+
+        op.on_change = killed_in_rollback
+        task = reload.start()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)  # systemd finishes the jobs it had
+        assert op.state == R.State.RUNNING and pin_file(world).exists()
+        intent = world.records.intent("tiny")
+        assert intent is not None and intent.rollback_pin == pin_file(world).read_text()
+        return await world.recover(intent)
+
+    assert run(scenario()) == "restarted"
+    assert yaml.safe_load(pin_file(world).read_text())["engine"]["max_num_seqs"] == 8
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == 8
+    assert world.probe.engine["max_num_seqs"] == 8 and world.probe.slot == "main"
+    if strategy == "standby":
+        assert world.probe.standby_engine["max_num_seqs"] == 8
+    assert world.records.intent("tiny") is None
+
+
+@pytest.mark.parametrize("case", ["earlier pin", "pin recorded, not yet written"])
+def test_recovery_puts_back_99_rollback_as_the_intent_says(world, case):
+    """A non-empty previous_rollback (a pin from an earlier failed reload) is
+    put back when the reload did not pin anything itself; a pin the reload
+    recorded (rollback_pin) wins over it, written by recovery when the
+    manager died between the record and the file."""
+    earlier = "# an earlier rollback\nengine: {max_num_seqs: 8}\n"
+    ours = "# this reload's rollback\nengine: {max_num_seqs: 8}\n" if case != "earlier pin" else None
+    intent = intent_of(world, {"max_num_seqs": 4}, previous_rollback=earlier, rollback_pin=ours)
+    pin_file(world).write_text("engine: {max_num_seqs: 4}\n")  # what else might be there now
+    assert run(world.recover(intent)) == "left"
+    assert pin_file(world).read_text() == (ours or earlier)
+    assert world.records.intent("tiny") is None
+
+
+# ---------------------------------------------------------------- the weight daemon
+
+
+def test_an_engine_on_another_weight_daemon_fails_verify_and_reuses_no_weights(world):
+    """model-weights@tiny started again while the engine restarted (the
+    engine, BindsTo= it, came up on the new daemon): verify's "same weight
+    daemon" rule refuses it, so the reload does not end done and
+    WeightsReused stays false."""
+    started = world.probe.engine_started
+
+    def on_a_new_daemon(slot: str = "main") -> None:
+        world.probe.daemon_restarted()
+        started(slot)
+
+    world.probe.engine_started = on_a_new_daemon
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state != R.State.DONE and not op.weights_reused
+    assert "the weight daemon changed (pid, inode) (7, 8) -> " in op.error, op.error
+
+
+def test_a_weights_restart_job_gives_the_daemon_a_new_identity(world):
+    before = run(world.probe.weights_identity())
+
+    async def restart_weights():
+        await world.connect()
+        await world.systemd.restart(units.weights("tiny"), timeout=5)
+
+    run(restart_weights())
+    assert run(world.probe.weights_identity()) != before
+
+
+def test_a_fixed_key_changed_on_disk_is_not_editable_until_the_model_restarts(world):
+    """The committed record holds the weight daemon it was verified on
+    (Committed.weights). A fixed key changed on disk since is NotEditable
+    while that daemon still runs; once another runs (systemctl restart
+    model@tiny, which read the disk at its start), the record's fixed keys
+    are what ran before it and the reload goes ahead."""
+    assert run(world.reload({"max_num_seqs": 4})).state == R.State.DONE
+    assert world.records.committed("tiny").weights == (7, 8)
+    model_yaml = world.root / "models/tiny.yaml"
+    model_yaml.write_text(model_yaml.read_text() + "served_model_name: renamed\n")
+
+    async def check(patch: dict) -> None:
+        await world.connect()
+        await R.check_only(world.model(), patch)
+
+    with pytest.raises(errors.NotEditable, match="fixed field.*served_model_name.*changed on disk"):
+        run(check({"max_num_seqs": 3}))
+    world.probe.daemon_restarted()  # the model's units started again
+    run(check({"max_num_seqs": 3}))  # no longer refused
+    op = run(world.reload({"max_num_seqs": 3}))
+    assert op.state == R.State.DONE
+    assert world.records.committed("tiny").fixed["served_model_name"] == "renamed"
+
+
+def test_an_engine_that_reports_another_weight_daemon_fails_verify(world):
+    """The daemon answering the manager is the one from before, but the new
+    engine says it attached another (pid, inode): not the weights retained."""
+    started = world.probe.engine_started
+
+    def attached_elsewhere(slot: str = "main") -> None:
+        started(slot)
+        world.probe.attached[slot] = (9, 9)
+
+    world.probe.engine_started = attached_elsewhere
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state != R.State.DONE and not op.weights_reused
+    assert "the engine attached to (9, 9)" in op.error, op.error

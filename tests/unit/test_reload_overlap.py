@@ -168,6 +168,22 @@ def test_recovery_mid_overlap_restores_and_leaves_exactly_the_main_engine(world)
     assert jobs(world) == [f"stop {NEXT}"] and "drain" not in world.probe.calls
 
 
+def test_recovery_whose_main_engine_does_not_come_back_leaves_the_next_engine_serving(world):
+    """The manager died with the new engine serving and the main one down;
+    recovery's restart of the main engine fails too. The second engine is
+    the only one that answers: it keeps serving (the gateway stays on it),
+    rather than leaving no engine at all."""
+    intent = overlap_intent(world, {"max_num_seqs": 4})
+    world.probe.engine_started("next")
+    world.probe.slot = "next"
+    world.probe.engine = None  # main died restarting before the crash
+    world.bus.job_results[MAIN] = ["failed"]  # and recovery's restart fails as well
+    assert run(world.recover(intent)) == "restarted"
+    assert jobs(world) == [f"restart {MAIN}"]  # NEXT is not stopped
+    assert world.probe.next_engine is not None and world.probe.slot == "next"
+    assert "switch main" not in world.probe.calls and world.records.intent("tiny") is None
+
+
 def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
     intent = overlap_intent(world, {"max_num_seqs": 4})
     world.probe.engine_started("next")
@@ -302,3 +318,46 @@ def test_requests_outliving_drain_timeout_on_the_old_engine_abandon_the_reload_a
     assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]  # the old engine never restarted
     assert world.probe.slot == "main" and world.probe.outcomes[-1] == "failed"
     assert world.probe.engine == before and not world.dropin.exists()
+
+
+def test_a_stop_while_the_next_engine_starts_interrupts_instead_of_rolling_back(world):
+    """systemctl stop model@tiny while model-engine-next@tiny starts: the stop
+    fails that start; the reload ends failed "interrupted" (not rolled-back
+    with the next engine's words), puts the file back, stops the next engine
+    and never switches the gateway."""
+    world.bus.job_results[NEXT] = ["failed"]
+    start = world.bus.run_job
+
+    async def stopped_meanwhile(verb, name, job):
+        if name == NEXT and verb == "start":
+            world.bus.set_state(units.umbrella("tiny"), "deactivating")
+        return await start(verb, name, job)
+
+    world.bus.run_job = stopped_meanwhile
+    op = drive(world, {"max_num_seqs": 4})
+    assert (op.state, op.strategy) == (R.State.FAILED, "overlap")
+    assert op.error.startswith("interrupted: the model is being stopped"), op.error
+    assert op.restored and not world.dropin.exists() and world.records.intent("tiny") is None
+    assert "switch next" not in world.probe.calls and "switch main" not in world.probe.calls
+    assert jobs(world) == [f"start {NEXT}", f"stop {NEXT}"]
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["overlap", "standby"])
+def test_a_failed_rollback_leaves_the_second_engine_serving_the_target_as_the_docs_say(tmp_path, standby):
+    """The main engine fails on the target and again on the previous config:
+    the Operation is failed and the model degraded; the gateway keeps sending
+    new requests to the second engine (next or standby), which runs the
+    target config and passed its verify, while the files on disk hold the
+    previous one (docs/operations.md, "Reloads"; docs/dbus-api.md, State)."""
+    world = World(tmp_path, standby=standby)
+    before = dict(world.probe.engine)
+    world.bus.job_results[MAIN] = ["failed", "failed"]
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.strategy) == (R.State.FAILED, "standby" if standby else "overlap")
+    assert "rollback failed" in op.error and world.records.degraded("tiny") is not None
+    second = "standby" if standby else "next"
+    assert world.probe.slot == second and "resume" not in world.probe.calls
+    assert world.probe.get_engine(second) == {**before, "max_num_seqs": 4}
+    assert world.probe.engine is None
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == before["max_num_seqs"]
+    assert f"stop {NEXT}" not in jobs(world)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reload_fakes import World  # noqa: E402
 
-from hostd import units  # noqa: E402
+from hostd import config, units  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 from hostd.manager.records import Intent  # noqa: E402
 
@@ -201,3 +201,42 @@ def test_recovery_after_main_restarted_commits_and_leaves_the_standby_on_the_tar
     assert world.records.committed("tiny").engine["max_num_seqs"] == 4
     assert world.probe.slot == "main" and world.probe.standby_engine["max_num_seqs"] == 4
     assert "rebuild standby" not in world.probe.calls and jobs(world) == []
+
+
+def test_an_admins_dropin_the_standby_refuses_is_pinned_and_main_never_restarts(world):
+    """`systemctl reload` (an empty patch) of an administrator's drop-in the
+    standby's rebuild refuses: the previous values go to 99-rollback.yaml, as
+    after a refused restart or next engine, so no later engine start (a
+    crash of main, a restart of the standby) runs what was refused."""
+    before = dict(world.probe.engine)
+    (world.root / "models/tiny.d").mkdir(exist_ok=True)
+    (world.root / "models/tiny.d/50-admin.yaml").write_text("engine:\n  max_num_seqs: 6\n")
+    world.probe.fail_rebuild = "engine.max_num_seqs: 6 does not fit"
+    op = run(world.reload({}))
+    assert (op.state, op.strategy, op.restored) == (R.State.ROLLED_BACK, "standby", True)
+    pin = yaml.safe_load((world.root / "models/tiny.d/99-rollback.yaml").read_text())
+    assert pin["engine"]["max_num_seqs"] == before["max_num_seqs"]
+    assert any("pinned" in note for note in op.notes)
+    assert config.load_model("tiny", world.root).config.engine.max_num_seqs == before["max_num_seqs"]
+    assert jobs(world) == [] and world.probe.engine == before and world.probe.standby_engine == before
+
+
+def test_a_stop_during_the_standby_rebuild_interrupts_and_leaves_the_standby_alone(world):
+    """systemctl stop model@tiny while the standby rebuilds: the rebuild
+    fails (its engine is going away); the reload ends failed "interrupted",
+    not rolled-back, puts the file back, moves no traffic and asks nothing
+    more of the standby (it is being stopped with the model)."""
+    real = world.probe.rebuild
+
+    async def stopped_while_rebuilding(engine, slot="standby"):
+        world.bus.set_state(units.umbrella("tiny"), "deactivating")
+        world.probe.standby_engine = None  # stopped with the model: the rebuild gets no answer
+        return await real(engine, slot)
+
+    world.probe.rebuild = stopped_while_rebuilding
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert (op.state, op.strategy) == (R.State.FAILED, "standby")
+    assert op.error.startswith("interrupted: the model is being stopped"), op.error
+    assert op.restored and not world.dropin.exists() and world.records.intent("tiny") is None
+    assert world.probe.rebuilds == [{**world.probe.engine, "max_num_seqs": 4}]  # never asked to go back
+    assert "switch main" not in world.probe.calls and jobs(world) == []

@@ -1,0 +1,46 @@
+"""Are model NAME's secrets (env: values, secret flags) in files that only
+root and the model's user may read? Refuse to start the model if not, as ssh
+refuses a private key that others can read.
+
+One job: model@NAME.socket runs `python -m hostd.secretfiles NAME` (as root,
+from hostd-generator) right after systemd-sysusers has created the model's
+user, before any other unit of the model starts. For each of the model's
+files (NAME.yaml and its drop-ins) that holds env: values or a secret flag
+and that someone else can read (every user, another group's members, or
+another owner), it prints the file, who else reads it and the chown/chmod
+that keep it to root and the model's user, and exits 1: the socket does not
+start, so neither does the model. The group in that chown exists at this
+point, since sysusers ran first. The rule is the one `hostctl config
+--check` warns with and the manager's Model.StartProblem shows
+(config.load.exposure_warnings).
+
+Trusts: stat and the account database, as root sees them. It only reads.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from hostd import config
+
+
+def problems(name: str, root=None) -> list[str]:
+    """One line for each file of model NAME whose secrets others can read."""
+    return config.load.exposure_warnings(root, [name])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m hostd.secretfiles NAME", file=sys.stderr)
+        return 2
+    name = argv[0]
+    found = problems(name)
+    for problem in found:
+        print(f"hostd: model {name} is not started: {problem}", file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
