@@ -301,7 +301,10 @@ class BuiltinEngine(_Strict):
         _doc(
             "batching continuous: MiB of the paged KV cache, allocated at start "
             "(GPU memory on cuda, host memory on cpu); requests beyond it wait "
-            "for blocks. It must hold one request of max_model_len. Unset: "
+            "for blocks. It must hold one request of max_model_len, in whole "
+            "pages of 16 tokens on cpu and 256 on cuda: `hostctl config --check`, "
+            "`hostctl reload --check` and a reload refuse one that does not, "
+            "naming the numbers, as the engine would at start. Unset: "
             "max_num_seqs requests of max_model_len tokens, capped at 20 % of "
             "the device's memory so that a second engine fits beside it for an "
             "overlap reload (hostd/engine/budget.py)."
