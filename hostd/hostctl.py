@@ -37,7 +37,7 @@ import yaml
 from dbus_fast.errors import DBusError
 
 import hostd
-from hostd import config, units
+from hostd import backends, config, units
 from hostd.config import show
 from hostd.manager import api
 
@@ -76,14 +76,6 @@ def table(args: argparse.Namespace, header: list[str], rows: list[list]) -> None
         print(f"\n{len(rows)} model(s) listed." if header[0] == "MODEL" else f"\n{len(rows)} listed.")
 
 
-def start_refusals(cfg) -> list[str]:
-    """What the model's engine would refuse at start, told by its config and
-    checkpoint alone (the same words as the manager's Reload validation)."""
-    from hostd import backends
-
-    return backends.for_config(cfg).start_refusals(cfg)
-
-
 def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
     """`config --check [NAME]`, or `--check --file F --as TARGET`: every
     problem, one per line on stderr (or all in --json), exit 1 when any."""
@@ -92,12 +84,12 @@ def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
         return EXIT_USAGE
     if args.file:
         names = [args.as_.partition(".d/")[0]]
-        problems = config.check_candidate(Path(args.file), args.as_, root, start_refusals)
+        problems = config.check_candidate(Path(args.file), args.as_, root, backends.for_config)
         warnings: list[str] = []
     else:
         names = [args.name] if args.name else config.list_models(root)
-        problems = config.check(root, [args.name] if args.name else None, start_refusals)
-        warnings = config.load.exposure_warnings(root, [args.name] if args.name else None)
+        problems = config.check(root, [args.name] if args.name else None, backends.for_config)
+        warnings = config.exposure_warnings(root, [args.name] if args.name else None)
     if args.json:
         emit_json(args, {"ok": not problems, "root": str(root), "models": names, "warnings": warnings,
                          "problems": [{"file": p.file, "line": p.line, "key": p.key, "message": p.message}

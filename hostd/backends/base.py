@@ -139,6 +139,9 @@ class Backend(abc.ABC):
         memory. None when the engine does not, or it cannot be told here."""
         return None
 
+    #: The engine key memory_fraction reads (the check across models names it).
+    memory_fraction_key: Optional[str] = None
+
     def memory_fraction(self, cfg) -> Optional[float]:
         """The fraction of each GPU the engine sizes its memory pool by, which
         includes the daemon-held weights; None when it sizes by need."""

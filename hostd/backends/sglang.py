@@ -250,6 +250,8 @@ class SglangBackend(upstream.UpstreamBackend):
         )
         return [problem] if problem else []
 
+    memory_fraction_key = "mem_fraction_static"
+
     def memory_fraction(self, cfg) -> Optional[float]:
         return cfg.engine.mem_fraction_static
 

@@ -355,6 +355,8 @@ class VllmBackend(upstream.UpstreamBackend):
         )
         return [problem] if problem else []
 
+    memory_fraction_key = "gpu_memory_utilization"
+
     def memory_fraction(self, cfg) -> float:
         return cfg.engine.gpu_memory_utilization
 

@@ -1,4 +1,5 @@
 """hostd's configuration: schema (what is valid), load (files, merge, origins),
+check (every problem of the host's files, for `hostctl config --check`),
 atomic (how the manager writes drop-ins)."""
 
 from hostd.config.atomic import write_atomic
@@ -7,8 +8,6 @@ from hostd.config.load import (
     LoadedModel,
     NoSuchModel,
     Problem,
-    check,
-    check_candidate,
     config_root,
     dropin_dir,
     list_models,
@@ -16,6 +15,7 @@ from hostd.config.load import (
     load_model,
     model_file,
 )
+from hostd.config.check import check, check_candidate, exposure_warnings
 from hostd.config.schema import editable_fields, model_name_problem
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "config_root",
     "dropin_dir",
     "editable_fields",
+    "exposure_warnings",
     "list_models",
     "load_daemon",
     "load_model",

@@ -179,7 +179,7 @@ class ModelInterface(ServiceInterface):
         line a file, naming it, who else reads it and the chown/chmod that
         fixes it; hostd/secretfiles.py, the socket's own check); empty when
         none. Read by the manager as root: the files' modes, never a value."""
-        return "\n".join(hostd_config.load.exposure_warnings(self.manager.root, [self.model_name]))
+        return "\n".join(hostd_config.exposure_warnings(self.manager.root, [self.model_name]))
 
     @dbus_property(access=PropertyAccess.READ)
     def Config(self) -> "s":

@@ -31,6 +31,23 @@ def make(backend: str, **keys):
     return msgspec.convert({"backend": backend, "model": "/srv/ckpt", **keys}, schema.MODEL_TYPES[backend])
 
 
+# A table keyed by backend names (GPU_FRACTION_KEYS was one): only the
+# schema may have them (one config type per backend); the rest asks the backend.
+BACKEND_TABLE = re.compile(r"""["'](vllm|sglang|builtin)["'] *:""")
+SCHEMA = HOSTD / "config" / "schema.py"
+
+
+def test_no_code_outside_the_backends_package_keeps_a_table_by_backend_name():
+    found = [
+        f"{path.relative_to(HOSTD.parent)}:{number}: {line.strip()}"
+        for path in sorted(HOSTD.rglob("*.py"))
+        if "backends" not in path.relative_to(HOSTD).parts and path != SCHEMA
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if BACKEND_TABLE.search(line)
+    ]
+    assert found == []
+
+
 def test_no_code_outside_the_backends_package_compares_the_backend_name():
     found = [
         f"{path.relative_to(HOSTD.parent)}:{number}: {line.strip()}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hostd import config, units
-from hostd.config import load
+from hostd import accounts
 
 
 def configure(root: Path, name: str, checkpoint: Path) -> Path:
@@ -85,4 +85,4 @@ def test_config_check_refuses_an_existing_account_hostd_did_not_create_for_the_m
     assert str(path) in found and "the group hostd-tiny exists" in found
     ok = pwd.struct_passwd(("hostd-tiny", "x", 4242, 4242, "hostd model tiny", "/var/lib/hostd/tiny", "/bin/false"))
     monkeypatch.setattr(pwd, "getpwnam", lambda name: ok)
-    assert load.account_problem("tiny") is None
+    assert accounts.account_problem("tiny") is None
