@@ -53,23 +53,23 @@ import collections
 import itertools
 import logging
 import math
-import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hostd.engine import rules
 from hostd.engine.budget import PAGE_SIZE
 from hostd.engine.generate import (
+    Completion,
     Delta,
     GenerationCancelled,
     Runner,
     SamplingParams,
-    TextDecoder,
     eos_token_ids,
     model_device,
     pick_token,
+    request_generator,
 )
 
 log = logging.getLogger("hostd.engine")
@@ -333,13 +333,7 @@ class BatchRunner(Runner):
         self._loop = asyncio.get_running_loop()
         seq = next(self._seq)
         request_id = f"hostd-{seq}"
-        generator = None
-        if params.temperature != 0:
-            generator = torch.Generator(device=self._device)
-            if params.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(params.seed)
+        generator = request_generator(params, self._device)
         request = _Request(asyncio.Queue())
         self._requests[request_id] = request
         self._samplers[seq] = (params, generator)
@@ -354,9 +348,7 @@ class BatchRunner(Runner):
             )
             if added is None:
                 raise GenerationCancelled("the batching loop refused the request: it is stopping")
-            decoder = TextDecoder(self.tokenizer, prompt_ids, params.stop)
-            count_tokens = 0
-            last = None
+            completion = Completion(self.tokenizer, prompt_ids, params, self.eos_ids)
             while True:
                 item = await request.queue.get()
                 if isinstance(item, _Failed):
@@ -365,23 +357,11 @@ class BatchRunner(Runner):
                 if isinstance(item, _Cancelled):
                     finished = True  # the library was told already
                     raise GenerationCancelled("the engine stopped this generation while shutting down")
-                count_tokens += 1
-                last = item
-                if item in eos_ids:
-                    finished = True
-                    break
-                text, stopped = decoder.add(item)
-                if stopped:
-                    yield Delta(text, count_tokens, "stop")
+                delta = completion.add(item)
+                finished = completion.generator_done  # a stop string: the library is told in finally
+                yield delta
+                if delta.finish_reason:
                     return
-                if count_tokens >= params.max_tokens:
-                    finished = True
-                    break
-                yield Delta(text, count_tokens)
-            if last in eos_ids:
-                yield Delta(decoder.flush(), count_tokens, "stop")
-            else:
-                yield Delta(decoder.flush(), count_tokens, "length")
         finally:
             self._requests.pop(request_id, None)
             self._samplers.pop(seq, None)

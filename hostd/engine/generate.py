@@ -149,13 +149,7 @@ def generate_tokens(
     eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
     device = model_device(model)
     cache_keyword = _cache_keyword(model)
-    generator = None
-    if params.temperature != 0:
-        generator = torch.Generator(device=device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
+    generator = request_generator(params, device)
     cache = _new_cache(model)
     inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for _ in range(params.max_tokens):
@@ -175,6 +169,52 @@ def warm_up(model: torch.nn.Module, tokenizer) -> None:
     prompt = tokenizer.encode("Hello", add_special_tokens=True) or [0]
     for _ in generate_tokens(model, prompt, SamplingParams(max_tokens=2, temperature=0.0), eos_ids=()):
         pass
+
+
+def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The request's own random generator on DEVICE (both runners): None when
+    greedy, else seeded by params.seed, or at random without one."""
+    if params.temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+class Completion:
+    """The token -> Delta rule of both runners (generate.Runner, batch.BatchRunner):
+    each token's text through TextDecoder, and when the completion ends.
+
+    ``add(token)`` returns the Delta that TOKEN adds; its finish_reason is set
+    when the completion ends there: "stop" at an end-of-sequence token (not
+    with ignore_eos; the token counts, its text is none) or a stop string,
+    "length" at max_tokens, whose Delta carries that token's text and all
+    held back. ``generator_done`` is then whether the model's loop ended the
+    sequence too (eos, max_tokens), or must be told to (a stop string).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: Iterable[int]) -> None:
+        self.decoder = TextDecoder(tokenizer, prompt_ids, params.stop)
+        self.eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
+        self.max_tokens = params.max_tokens
+        self.tokens = 0
+        self.generator_done = False
+
+    def add(self, token: int) -> Delta:
+        self.tokens += 1
+        if token in self.eos:
+            self.generator_done = True
+            return Delta(self.decoder.flush(), self.tokens, "stop")
+        text, stopped = self.decoder.add(token)
+        if stopped:
+            return Delta(text, self.tokens, "stop")
+        if self.tokens >= self.max_tokens:
+            self.generator_done = True
+            return Delta(text + self.decoder.flush(), self.tokens, "length")
+        return Delta(text, self.tokens)
 
 
 class TextDecoder:
@@ -411,34 +451,18 @@ class Runner:
             raise
         worker.add_done_callback(finished)
 
-        decoder = TextDecoder(self.tokenizer, prompt_ids, params.stop)
-        eos_ids = frozenset() if params.ignore_eos else self.eos_ids
-        count = 0
-        last = None
+        completion = Completion(self.tokenizer, prompt_ids, params, self.eos_ids)
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, _Failed):
                     raise item.error
                 if isinstance(item, _Done):
-                    break
-                count += 1
-                last = item
-                if item in eos_ids:
-                    break
-                text, stopped = decoder.add(item)
-                if stopped:
-                    yield Delta(text, count, "stop")
+                    raise GenerationCancelled("the engine stopped this generation while shutting down")
+                delta = completion.add(item)
+                yield delta
+                if delta.finish_reason:
                     return
-                if count >= params.max_tokens:
-                    break
-                yield Delta(text, count)
-            if last in eos_ids:
-                yield Delta(decoder.flush(), count, "stop")
-            elif count >= params.max_tokens:
-                yield Delta(decoder.flush(), count, "length")
-            else:
-                raise GenerationCancelled("the engine stopped this generation while shutting down")
         finally:
             cancel.set()
             # End only once the worker thread has (within one model step), so that

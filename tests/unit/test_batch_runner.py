@@ -259,3 +259,19 @@ def test_an_older_transformers_is_refused_at_start_and_at_config_time_saying_wha
     none = msgspec.convert({"backend": "builtin", "model": str(tmp_path), "engine": {"batching": "none"}},
                            type=schema.BuiltinModel)
     assert backends.for_config(none).start_refusals(none) == []
+
+
+@pytest.mark.parametrize("runner_kind", ["one-request", "batched"])
+def test_a_completion_that_ends_at_max_tokens_carries_its_last_tokens_text(tiny, runner_kind):
+    """Both runners' text is the decode of every token they generated: the
+    token at max_tokens included (both dropped its text before issue 32's
+    one Completion rule: 'azaz' instead of 'azaz t' for 3 tokens)."""
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("Hello world")
+    for max_tokens in (1, 3, 7):
+        make = (lambda: Runner(model, tokenizer, 1)) if runner_kind == "one-request" else batch_runner(tiny)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        tokens = list(generate_tokens(model, prompt, params, eos_ids=()))
+        text, count, reason = run(with_runner(make, lambda r: collect(r, prompt, params)))
+        assert (count, reason) == (max_tokens, "length")
+        assert text == tokenizer.decode(tokens, skip_special_tokens=True), (max_tokens, text, tokens)
