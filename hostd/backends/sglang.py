@@ -188,7 +188,7 @@ class SglangBackend(upstream.UpstreamBackend):
             "--port", str(port),
             *(["--weight-cache-mode", "client"] if self.retains_weights(cfg) else []),
             "--enable-metrics",  # sglang:* on /metrics, passed on by the gateway
-            *self.editable_args(cfg.engine),
+            *upstream.editable_args(cfg.engine, EDITABLE_FLAGS),
             *cfg.extra_args,
             *cfg.engine_extra_args,
             *(self.bridge_args(cfg, bridge) if bridge is not None else []),
@@ -211,16 +211,6 @@ class SglangBackend(upstream.UpstreamBackend):
             return (f"model: {cfg.model}/config.json does not give num_hidden_layers, the KV heads and "
                     "the head size, so hostd cannot size the bridge engine's --max-total-tokens")
         return None
-
-    @staticmethod
-    def editable_args(engine) -> list[str]:
-        args: list[str] = []
-        for key, flag in EDITABLE_FLAGS.items():
-            value = getattr(engine, key)
-            if value is None or value is False:
-                continue
-            args += [flag] if value is True else [flag, str(value)]
-        return args
 
     def refusals(self, cfg) -> list[str]:
         retained = self.retains_weights(cfg)  # reads the checkpoint's config.json: once

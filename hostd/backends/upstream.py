@@ -176,6 +176,24 @@ def _read_quantization(path: Path) -> Optional[dict]:
     return quant if isinstance(quant, dict) else None
 
 
+def editable_args(engine, flags: dict[str, str]) -> list[str]:
+    """The command-line flags for ENGINE's editable keys (FLAGS: key -> upstream
+    flag): none for an unset or false key, the bare flag for true, the flag
+    and each value for a list (vLLM's capture sizes), else the flag and value."""
+    args: list[str] = []
+    for key, flag in flags.items():
+        value = getattr(engine, key)
+        if value is None or value is False:
+            continue
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, list):
+            args += [flag, *(str(v) for v in value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
 def common_refusals(cfg, *, owned_flags: dict[str, str], refused_flags: dict[str, str],
                     editable_flags: dict[str, str], aliases: dict[str, str], retained: bool) -> list[str]:
     """The refusals both upstream backends make, each naming the setting.

@@ -255,7 +255,7 @@ class VllmBackend(upstream.UpstreamBackend):
             *self._layout_args(cfg),
             *load,
             "--uds", str(self.engine_socket(model, slot)),
-            *self.editable_args(cfg.engine),
+            *upstream.editable_args(cfg.engine, EDITABLE_FLAGS),
             *cfg.extra_args,
             *cfg.engine_extra_args,
         ]
@@ -305,21 +305,6 @@ class VllmBackend(upstream.UpstreamBackend):
             need = bridge.weights_bytes + bridge.kv_bytes + upstream.BRIDGE_NON_KV_BYTES
             fraction = min(cfg.engine.gpu_memory_utilization, -(-need * 100 // bridge.gpu_total) / 100)
             args += ["--gpu-memory-utilization", f"{fraction:.2f}"]
-        return args
-
-    @staticmethod
-    def editable_args(engine) -> list[str]:
-        args: list[str] = []
-        for key, flag in EDITABLE_FLAGS.items():
-            value = getattr(engine, key)
-            if value is None or value is False:
-                continue
-            if value is True:
-                args.append(flag)
-            elif isinstance(value, list):
-                args += [flag, *(str(v) for v in value)]
-            else:
-                args += [flag, str(value)]
         return args
 
     def refusals(self, cfg) -> list[str]:

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hostd.engine import rules
+from hostd.engine import budget, rules
 from hostd.engine.budget import PAGE_SIZE
 from hostd.engine.generate import (
     Completion,
@@ -225,10 +225,8 @@ class BatchRunner(Runner):
         kind = "cuda" if device.type == "cuda" else "cpu"
         config = self.model.config.get_text_config()
         page = PAGE_SIZE[kind]
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
+        # budget.py's arithmetic, on the built model's config and dtype (the manager's preflight uses the same)
+        per_token = budget.bytes_per_token(config.to_dict(), str(self.model.dtype).removeprefix("torch."))
         self.kv_bytes_per_token = per_token
         num_blocks = self.kv_cache_bytes // (per_token * page)
         problem = rules.kv_problem(kv_cache_bytes=self.kv_cache_bytes, per_token=per_token,
