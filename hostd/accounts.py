@@ -30,7 +30,7 @@ import os
 import pwd
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hostd import paths, units
 
@@ -102,16 +102,22 @@ def problems(name: str) -> list[str]:
     return ([account] if account else []) + directory_problems(name)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def start_check(module: str, problems_of: Callable[[str], list[str]], argv: Optional[list[str]] = None) -> int:
+    """`python -m MODULE NAME`, a check model@NAME.socket runs before the model
+    starts: each of PROBLEMS_OF(NAME) on stderr (the journal), exit 1 when any."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m hostd.accounts NAME", file=sys.stderr)
+        print(f"usage: python -m {module} NAME", file=sys.stderr)
         return 2
     name = argv[0]
-    found = problems(name)
+    found = problems_of(name)
     for problem in found:
         print(f"hostd: model {name} is not started: {problem}", file=sys.stderr)
     return 1 if found else 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return start_check("hostd.accounts", problems, argv)
 
 
 if __name__ == "__main__":

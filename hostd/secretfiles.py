@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from hostd import config
+from hostd import accounts, config
 
 
 def problems(name: str, root=None) -> list[str]:
@@ -31,15 +31,7 @@ def problems(name: str, root=None) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m hostd.secretfiles NAME", file=sys.stderr)
-        return 2
-    name = argv[0]
-    found = problems(name)
-    for problem in found:
-        print(f"hostd: model {name} is not started: {problem}", file=sys.stderr)
-    return 1 if found else 0
+    return accounts.start_check("hostd.secretfiles", problems, argv)
 
 
 if __name__ == "__main__":
