@@ -64,6 +64,7 @@ from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.gateway import control, keys, limits, routes
 from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, ReloadClock, engine_families, numeric_fields
+from hostd.gateway.slots import Slots, SwitchRefused
 from hostd.gateway.state import HELD, Admission, State
 
 log = logging.getLogger("hostd.gateway")
@@ -80,12 +81,8 @@ class Gateway:
         self.cfg = cfg
         self.limits = cfg.gateway
         self.engine_sockets = engine_sockets  # slot -> socket (paths.ENGINE_SOCKETS)
-        self.slot = "main"  # where new requests go; `switch` moves it
-        # standby: true (the standby's socket is given): where new requests go
-        # when the engine serving them dies; FAILED_OVER is then the dead one's slot.
-        self.standby = "standby" in engine_sockets
-        self.failed_over = ""
-        self._failover_lock = asyncio.Lock()
+        # Where new requests go (slots.py); set up once the metrics exist.
+        self.slots = Slots(engine_sockets, self.engine_ok, on_failover=lambda: self.metrics.failovers.inc())
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.control_socket = control_socket
         self.backend = backends.for_config(cfg)
@@ -129,7 +126,7 @@ class Gateway:
 
     @property
     def engine_socket(self) -> Path:
-        return self.engine_sockets[self.slot]
+        return self.engine_sockets[self.slots.current]
 
     async def _startup(self, app: web.Application) -> None:
         for slot, path in self.engine_sockets.items():
@@ -210,7 +207,7 @@ class Gateway:
         upstream_version: hostd_limit, hostd_weights_retained and
         hostd_build_info), None when it does not answer."""
         try:
-            async with self.sessions[self.slot].get(
+            async with self.sessions[self.slots.current].get(
                     "http://engine/health", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
                 return await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
@@ -219,7 +216,7 @@ class Gateway:
     async def engine_metrics(self) -> str:
         """The engine's own families (backend.metrics_prefixes), '' when it does not answer."""
         try:
-            async with self.sessions[self.slot].get(
+            async with self.sessions[self.slots.current].get(
                     "http://engine/metrics", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
                 if r.status != 200:
                     return ""
@@ -299,7 +296,7 @@ class Gateway:
             if scan is not None and scan.feed(data):
                 self.metrics.ttft.observe(loop.time() - admitted)
 
-        slot = self.slot  # the engine this request goes to, whatever a switch does meanwhile
+        slot = self.slots.current  # the engine this request goes to, whatever a switch does meanwhile
         self.admission.sent(slot)
         try:
             for attempt in range(2):
@@ -313,12 +310,12 @@ class Gateway:
                 except forward.Unreachable as exc:
                     log.warning("engine unreachable (%s slot): %s", slot, exc)
                     await self._engine_lost(slot)
-                    if attempt or self.slot == slot or self.admission.state != State.SERVING:
+                    if attempt or self.slots.current == slot or self.admission.state != State.SERVING:
                         status = "503"
                         return self.unavailable("engine-down")
                     # Failed over to the standby: the dead engine took nothing of it.
-                    self.admission.moved(slot, self.slot)
-                    slot = self.slot
+                    self.admission.moved(slot, self.slots.current)
+                    slot = self.slots.current
             gone = request.transport is None or request.transport.is_closing()
             status = CLIENT_CLOSED if gone else str(response.status)
             if tokens and status == "200" and not forward.is_event_stream(response.headers):
@@ -338,44 +335,17 @@ class Gateway:
 
     async def _engine_lost(self, slot: str) -> None:
         """Stop admitting when the engine new requests go to is gone, unless
-        the standby takes them (_fail_over); one that failed on the engine a
+        the standby takes them (slots.fail_over); one that failed on the engine a
         switch left (an overlap reload restarting it) says nothing about the
         one that serves."""
-        if slot == self.slot and not await self._fail_over(slot):
+        if slot == self.slots.current and not await self._fail_over(slot):
             await self.admission.engine_lost()
 
     async def _fail_over(self, slot: str) -> bool:
-        """standby: true: new requests go to the standby when the engine in
-        SLOT, which they went to, stopped answering; True when they do (or a
-        request that saw the same death moved them already)."""
-        if not self.standby or slot == "standby" or self.admission.state in HELD:
-            return False
-        async with self._failover_lock:
-            if self.slot != slot:
-                return self.slot == "standby"
-            if not await self.engine_ok("standby"):
-                log.warning("the %s engine stopped answering and the standby does not answer either", slot)
-                return False
-            self.slot, self.failed_over = "standby", slot
-        self.metrics.failovers.inc()
-        log.warning("failover: the %s engine stopped answering; new requests go to the standby (%s) until it "
-                    "answers again", slot, self.engine_sockets["standby"])
-        self._report()
-        return True
-
-    async def _fail_back(self) -> None:
-        """After a failover: new requests go back to the engine that died once
-        its slot answers /health again (a restarted engine listens only once
-        it is warm)."""
-        back = self.failed_over
-        if back and self.slot == "standby" and await self.engine_ok(back):
-            async with self._failover_lock:
-                if self.failed_over != back or self.slot != "standby":
-                    return
-                self.slot, self.failed_over = back, ""
-            log.info("failover ends: the %s engine answers again; new requests go to it, %d running on the "
-                     "standby finish there", back, self.admission.on_slot.get("standby", 0))
+        moved = await self.slots.fail_over(slot, held=self.admission.state in HELD)
+        if moved:
             self._report()
+        return moved
 
     def _count_bytes(self, n: int) -> None:
         self.admission.counters.proxied_bytes += n
@@ -384,7 +354,7 @@ class Gateway:
     # ------------------------------------------------------------ monitor
 
     async def engine_ok(self, slot: Optional[str] = None) -> bool:
-        session = self.sessions[slot or self.slot]
+        session = self.sessions[slot or self.slots.current]
         try:
             async with session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return r.status == 200
@@ -395,19 +365,19 @@ class Gateway:
         while True:
             if self.admission.state not in HELD:
                 healthy = await self.engine_ok()
-                if not healthy and await self._fail_over(self.slot):
+                if not healthy and await self._fail_over(self.slots.current):
                     healthy = True
                 await self.admission.engine_healthy(healthy)
-                if self.failed_over and healthy:
-                    await self._fail_back()
+                if self.slots.failed_over and healthy and await self.slots.fail_back(
+                        self.admission.on_slot.get("standby", 0)):
+                    self._report()
             self._report()
             await asyncio.sleep(HEALTH_INTERVAL)
 
     def _report(self) -> None:
         a = self.admission
         text = f"{a.state.value}: {a.in_flight} in flight, {a.counters.admitted} admitted, {sum(a.counters.rejected.values())} rejected"
-        if self.failed_over:
-            text += f"; on the standby (the {self.failed_over} engine stopped answering)"
+        text += self.slots.status_line()
         if text != self._last_status:
             self._last_status = text
             systemd.status(text)
@@ -437,7 +407,7 @@ class Gateway:
         elif isinstance(request, control.Switch):
             if request.outcome is not None and request.slot != "main":
                 raise control.ControlError("outcome ends a reload: it goes with the switch back to main")
-            moved = request.slot != self.slot
+            moved = request.slot != self.slots.current
             result = await self.switch(request.slot)
             # An overlap reload runs from the switch to the second engine to the switch back.
             if moved and request.slot != "main":
@@ -451,7 +421,7 @@ class Gateway:
                      request.slot)
             result = await self.admission.settle(request.slot, request.timeout)
         else:
-            result = self.admission.snapshot(self.slot, self.failed_over)
+            result = self.admission.snapshot(self.slots.current, self.slots.failed_over)
         self._report()
         return result
 
@@ -473,23 +443,12 @@ class Gateway:
         return control.KeysReplaced(keys=len(self.api_keys))
 
     async def switch(self, slot: str) -> control.GatewayStatus:
-        """New requests go to SLOT's engine from now on (an overlap reload);
-        running ones finish where they are. Refused while that engine does
-        not answer /health, so a switch never sends traffic into the void."""
-        if slot not in self.engine_sockets:
-            raise control.ControlError(f"this model has no {slot} slot (standby: true makes the standby's)")
-        if slot != self.slot:
-            if not await self.engine_ok(slot):
-                raise control.ControlError(
-                    f"the engine in slot {slot} ({self.engine_sockets[slot]}) does not answer /health; not switching"
-                )
-            log.info("switch: new requests go to the %s engine (%s); %d in flight stay where they are",
-                     slot, self.engine_sockets[slot], self.admission.in_flight)
-            self.slot = slot
-        if self.failed_over:
-            log.info("switch: the failover from the %s engine ends (the manager decides now)", self.failed_over)
-            self.failed_over = ""  # the manager decides where new requests go now
-        return self.admission.snapshot(self.slot)
+        """New requests go to SLOT's engine from now on (slots.py)."""
+        try:
+            await self.slots.switch(slot, self.admission.in_flight)
+        except SwitchRefused as exc:
+            raise control.ControlError(str(exc)) from None
+        return self.admission.snapshot(self.slots.current)
 
 
 def listener_from_config(listen: str) -> socket.socket:
