@@ -158,6 +158,20 @@ def test_idle_keep_alive_connections_at_the_cap_make_room_for_a_new_client(tmp_p
             conn.close()
 
 
+def test_unfinished_heads_at_the_cap_make_room_for_a_new_client_oldest_first(tmp_path: Path):
+    # Issue 33, M2: heads still arriving were never evicted, so heads renewed
+    # every header_timeout (from enough addresses) kept every new client out.
+    with front_door(tmp_path, max_connections=20, max_connections_per_client=20, header_timeout=30) as door:
+        slow = [connect(door, b"GET /v1/mod") for _ in range(20)]  # the whole cap, none idle
+        with client(LEGIT) as http:
+            assert http.post(door.base_url + "/v1/completions", json=COMPLETION).status_code == 200
+        assert slow[0].recv(4096) == b""  # the oldest unfinished head was closed to make room
+        assert all(still_open(conn) for conn in slow[2:])
+        assert "hostd_gateway_connections_refused_total 0.0" in metrics(door)
+        for conn in slow:
+            conn.close()
+
+
 def test_one_client_holds_at_most_its_share_of_connections(tmp_path: Path):
     with front_door(tmp_path, max_connections=20, max_connections_per_client=5, header_timeout=30) as door:
         slow = [connect(door, b"GET /v1/mod") for _ in range(5)]  # unfinished headers: never idle
