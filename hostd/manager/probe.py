@@ -31,6 +31,7 @@ log = logging.getLogger("hostd.manager.probe")
 # the model's code: answers are typed, capped and timed.
 CONTROL_TIMEOUT = 10.0  # s for a control answer, beyond what the request may take (a drain's timeout)
 HEALTH_MAX = 1 << 20  # bytes of an engine's /health answer (a few KiB in practice)
+SMOKE_ERROR_BYTES = 300  # bytes of a failed smoke request's answer shown: enough for the reason, never the whole
 
 
 class VerifyFailed(Exception):
@@ -42,6 +43,17 @@ class RebuildFailed(Exception):
 
 
 REBUILD_TIMEOUT = 600.0  # s: a skeleton, an attach and a warm-up; seconds at 7B (docs/benchmarks.md)
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The first LIMIT bytes of RESPONSE's body (fewer when it ends first); the model's engine chooses its size."""
+    data = b""
+    while len(data) < limit:
+        chunk = await response.content.read(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class CheckedUnixConnector(aiohttp.UnixConnector):
@@ -164,7 +176,10 @@ class Probe:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
             async with http.post("http://engine/v1/completions", json=body) as response:
                 if response.status != 200:
-                    raise VerifyFailed(f"smoke request answered {response.status}: {(await response.text())[:300]}")
+                    head = await _read_at_most(response, SMOKE_ERROR_BYTES)
+                    response.close()  # the rest is never read
+                    raise VerifyFailed(f"smoke request answered {response.status}: "
+                                       f"{head.decode('utf-8', 'replace')}")
 
     async def rebuild(self, engine: dict, slot: str = "standby") -> dict:
         """Ask the engine in SLOT (the warm standby) to rebuild itself on the
