@@ -326,3 +326,18 @@ def test_a_reload_during_recovery_answers_busy_and_the_recovery_is_a_visible_ope
         assert world.records.committed("tiny").engine["max_num_seqs"] == 32
 
     asyncio.run(go())
+
+
+def test_a_deeply_nested_json_patch_is_invalid_value_with_no_traceback_in_the_journal(world, caplog):
+    # Issue 33, N5: RecursionError reached the journal as an ERROR traceback, once per call.
+    async def go():
+        manager = await manager_of(world)
+        with pytest.raises(DBusError) as nested:
+            await call(manager.CheckReloadJSON, "tiny", "[" * 4000 + "]" * 4000)
+        assert nested.value.type == "org.hostd1.Error.InvalidValue"
+        assert "nested too deeply" in nested.value.text
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(go())
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not [r for r in caplog.records if r.exc_info]

@@ -187,17 +187,24 @@ def test_without_a_commit_an_invalid_engine_report_is_never_pinned(tmp_path: Pat
 
 
 def test_a_patch_over_the_loaders_node_limit_is_refused_naming_the_key(tmp_path: Path):
+    # The patch's own weight limit (reload.MAX_PATCH_BYTES) refuses it first, before the loader's.
     world = World(tmp_path)
-    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: more than 100000 values"):
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the value takes more than 8192 bytes"):
         asyncio.run(world.reload({"max_num_seqs": list(range(1, 150_001))}))
     assert not world.dropin.exists() and world.restarts() == 0
 
 
 def test_a_patch_over_the_loaders_size_limit_is_refused_naming_the_key(tmp_path: Path):
     world = World(tmp_path)
-    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the file would be larger"):
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the value takes more than 8192 bytes"):
         asyncio.run(world.reload({"max_num_seqs": "x" * (config.load.MAX_FILE_BYTES + 1)}))
     assert not world.dropin.exists() and world.restarts() == 0
+
+
+def test_a_drop_in_over_the_loaders_size_limit_is_refused_naming_the_key():
+    big = {"engine": {"max_num_seqs": "x" * (config.load.MAX_FILE_BYTES + 1)}}
+    with pytest.raises(config.ConfigError, match="engine.max_num_seqs: the file would be larger"):
+        config.load.render_yaml(big, R.RELOAD_DROPIN)
 
 
 def test_a_vllm_patch_of_150000_graph_sizes_is_refused_before_anything_is_written(tmp_path: Path):
