@@ -161,6 +161,19 @@ def test_config_problem_says_why_the_yaml_does_not_load_and_never_a_value(world)
     asyncio.run(go())
 
 
+def test_config_problem_never_shows_a_secret_that_holds_a_control_character(world):
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        (world.root / "models/tiny.d").mkdir()
+        (world.root / "models/tiny.d/50-x.yaml").write_text("env:\n  HF_TOKEN: |\n    hf_s3cret\n")
+        problem = model.ConfigProblem
+        assert "env.HF_TOKEN" in problem and "U+000A" in problem, problem
+        assert "s3cret" not in problem
+
+    asyncio.run(go())
+
+
 def test_editable_schema_lists_the_editable_fields_with_the_ranges_the_manager_enforces(world):
     async def go():
         manager = await manager_of(world)

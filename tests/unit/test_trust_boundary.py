@@ -56,6 +56,16 @@ def test_strings_that_reach_unit_files_refuse_control_characters(data, key):
         msgspec.convert({"backend": "builtin", "model": "/m", **data}, schema.BuiltinModel)
 
 
+def test_a_control_character_in_a_secret_is_named_by_key_character_and_position_never_the_value():
+    # Issue 33, N3: the value (the trailing newline of a YAML | block) was printed whole.
+    with pytest.raises(msgspec.ValidationError) as refused:
+        msgspec.convert({"backend": "builtin", "model": "/m", "env": {"HF_TOKEN": "hf_s3cret\n"}},
+                        schema.BuiltinModel)
+    message = str(refused.value)
+    assert "env.HF_TOKEN" in message and "U+000A" in message and "position 9 of 10" in message
+    assert "s3cret" not in message and "hf_" not in message
+
+
 def test_upstream_extra_args_refuse_control_characters():
     with pytest.raises(msgspec.ValidationError, match=r"extra_args\[1\].*control character"):
         msgspec.convert({"backend": "vllm", "model": "/m", "extra_args": ["--x", "a\nb"]},
