@@ -311,19 +311,8 @@ class Probe:
         except (OSError, weights_client.WeightsRefused):
             pass
         held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
-        with nvml.session() as pynvml:
-            out = []
-            for index in cfg.gpus:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                daemon = held // max(1, len(cfg.gpus))
-                engine = next(
-                    (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                     if p.pid == engine_pid), None)
-                if engine is None:
-                    engine = max(0, info.used - daemon)
-                out.append(GpuMemory(index, info.total, info.free, engine, daemon))
-            return out
+        # In a thread: NVML takes milliseconds per GPU, and this is root's only loop.
+        return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held)
 
     def overlap_problem(self, cfg, health: Optional[dict], memory: "Memory") -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
@@ -424,6 +413,23 @@ def _second_engine(cfg, backend, health: Optional[dict], serving: int, device_to
 def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
     target = backend.engine_kv_bytes(cfg, device_total)
     return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
+
+
+def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int) -> list["GpuMemory"]:
+    """Probe.gpu_memory's NVML reading of GPUS (blocking: run it in a thread)."""
+    with nvml.session() as pynvml:
+        out = []
+        for index in gpus:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            daemon = held // max(1, len(gpus))
+            engine = next(
+                (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                 if p.pid == engine_pid), None)
+            if engine is None:
+                engine = max(0, info.used - daemon)
+            out.append(GpuMemory(index, info.total, info.free, engine, daemon))
+        return out
 
 
 class GpuMemory(NamedTuple):

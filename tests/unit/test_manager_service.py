@@ -257,6 +257,7 @@ def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(w
 
     async def go():
         monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+        monkeypatch.setattr(model_bus, "GPU_MEMORY_CACHE_S", -1)  # every call reads again (the cache: below)
         manager = await manager_of(world)
         model = manager.models["tiny"]
         readings = iter([Memory([GpuMemory(0, 100, 40, 30, 20)], ""), Memory(None, "NVML unavailable (x)"),
@@ -272,6 +273,55 @@ def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(w
         assert json.loads(await call(model.GpuMemory)) == []  # a model on no GPU
 
     asyncio.run(go())
+
+
+def test_gpu_memory_answers_every_caller_within_a_second_from_one_reading(world, monkeypatch):
+    # Issue 33, N4: any caller ran NVML on root's loop, uncached, per call.
+    from hostd.manager.probe import GpuMemory, Memory
+
+    async def go():
+        monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+        monkeypatch.setattr(model_bus, "GPU_MEMORY_CACHE_S", 3600)  # no test run takes this long
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        reads = []
+
+        async def read_memory(cfg, pid):
+            reads.append(pid)
+            await asyncio.sleep(0)  # callers arrive while it runs
+            return Memory([GpuMemory(0, 100, 40, 30, 20)], "")
+
+        world.probe.read_memory = read_memory
+        answers = await asyncio.gather(*(call(model.GpuMemory) for _ in range(5)))
+        answers.append(await call(model.GpuMemory))
+        assert len(reads) == 1 and len(set(answers)) == 1, (reads, answers)
+
+    asyncio.run(go())
+
+
+def test_gpu_memory_asks_nvml_from_a_thread_one_session_at_a_time(monkeypatch, tmp_path):
+    import threading
+    import types
+
+    import msgspec as _msgspec
+
+    from hostd.config import schema
+    from hostd.manager.probe import Probe
+
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))  # no weights socket: the daemon holds nothing
+    threads = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: threads.append(threading.current_thread()),
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=100, free=40, used=60),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    cfg = _msgspec.convert({"backend": "builtin", "model": "/m", "device": "cuda", "gpus": [0]}, schema.BuiltinModel)
+    gpus = asyncio.run(Probe("tiny").gpu_memory(cfg, 4242))
+    assert [g.free for g in gpus] == [40]
+    assert threads and threads[0] is not threading.main_thread()
 
 
 def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(world):
