@@ -10,7 +10,9 @@ behave the same way:
   the next hop's client library sets for its own connection (Host,
   Content-Length). Repeated fields (Set-Cookie) pass as they are.
 - Bodies: the request body is read once by the caller (it decides limits) and
-  sent as bytes; the response is never decoded or parsed (auto_decompress is
+  sent as bytes, without its Content-Encoding field (REQUEST_FIELDS_STOPPED:
+  the gateway accepts identity bodies only, so a second field that slipped by
+  could only tell the next hop to inflate); the response is never decoded or parsed (auto_decompress is
   off), and passes through as it arrives, so SSE events reach the client when
   the engine writes them. A non-streaming response keeps its Content-Length;
   one of at most WHOLE_BYTES is read whole and sent with its headers in one
@@ -49,6 +51,11 @@ HOP_BY_HOP = frozenset({
     "proxy-authenticate", "proxy-authorization", "trailer",
 })
 SET_PER_HOP = frozenset({"host", "content-length"})
+# Request fields never passed on. Content-Encoding: the body is sent as the
+# caller read it, and an engine's parser takes the last of several fields
+# (aiohttp's does), so "identity" followed by "gzip" had the engine inflate a
+# bomb the gateway thought uncompressed (issue 33, M3).
+REQUEST_FIELDS_STOPPED = frozenset({"content-encoding"})
 WHOLE_BYTES = 256 << 10
 
 # Failures of the engine side while a response streams.
@@ -108,7 +115,7 @@ async def forward(
     response's body once, before it is sent);
     STREAM_ERROR is the OpenAI error object sent as a last SSE event when the
     engine fails mid-stream. Raises Unreachable or Broken (see the module)."""
-    headers = forwarded_headers(request.headers, drop)
+    headers = forwarded_headers(request.headers, drop | REQUEST_FIELDS_STOPPED)
     if add:
         headers.update(add)
     try:

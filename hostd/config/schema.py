@@ -55,10 +55,14 @@ def control_character_problem(key: str, value: str) -> Optional[str]:
     """Why VALUE cannot be used for KEY: a control character. Such strings reach
     unit files (a newline there starts a new setting, e.g. an ExecStartPre= run
     as root), environment blocks and command lines, so every string a model
-    config passes on is refused with one, not escaped."""
+    config passes on is refused with one, not escaped. The problem names the
+    key, the character and its position, never the value: it may be a secret
+    (an env: token), and the problem reaches ConfigProblem (any local user),
+    the generator's 0644 drop-in and the journal."""
     for i, c in enumerate(value):
         if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F:
-            return f"{key}: {value!r} contains the control character {c!r} at position {i}; remove it"
+            return (f"{key}: the value contains the control character U+{ord(c):04X} ({c!r}) at position {i} "
+                    f"of {len(value)}; remove it (a YAML '|' block ends with a newline, '|-' does not)")
     return None
 
 

@@ -14,10 +14,14 @@ get 503 with Retry-After.
 
 Work is bounded before it is done, and never done on the event loop: a prompt
 (or a chat's messages) longer in characters than ``max_model_len`` times the
-tokenizer's longest token cannot fit and is refused unread; tokenizing and
-applying the chat template run on one preparation thread with its own copy of
-the tokenizer (Hugging Face tokenizers are not thread-safe; the loop's copy
-decodes completions); stop strings are capped in count and total length
+tokenizer's longest token cannot fit and is refused unread (a chat counts
+every string its template receives, roles included, and at least one token per
+message; openai_api caps a role's length and the number of messages);
+tokenizing and applying the chat template run on two preparation lanes, each a
+thread with its own copy of the tokenizer (Hugging Face tokenizers are not
+thread-safe; the loop's copy decodes completions): texts up to
+SHORT_PREPARE_CHARS on one, longer ones on the other, so that one client's
+long prompts never hold up everyone's short ones; stop strings are capped in count and total length
 (openai_api.MAX_STOP_STRINGS, MAX_STOP_CHARS), since each generated token is
 checked against all of them on the loop.
 """
@@ -62,11 +66,16 @@ from hostd.engine.openai_api import (
     envelope,
     read_request,
     shutting_down_error,
+    sse_event,
     token_usage,
 )
 
 CLIENT_MAX_SIZE = 64 * 1024 * 1024  # request bodies: long contexts need more than aiohttp's 1 MiB
 STATUS_CLIENT_CLOSED = "499"  # requests_total status for a client that left before the end (nginx's code)
+# Texts up to this many characters are prepared on the short lane: any tokenizer
+# and template takes milliseconds for them, so a queue of long prompts (each up to
+# max_model_len times the longest token, seconds of work) cannot stall them.
+SHORT_PREPARE_CHARS = 8192
 
 _log = logging.getLogger("hostd.engine")
 
@@ -228,6 +237,17 @@ class _RunnerCollector:
                                   value=s.generated_tokens)
 
 
+class _PrepareLane:
+    """One preparation thread and the copy of the tokenizer only it uses."""
+
+    def __init__(self, tokenizer, name: str) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass
 class Engine:
     """Everything the handlers share: the model's runner, the limits, shutdown state, metrics."""
@@ -248,11 +268,11 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.idle.set()
-        # The preparation thread's own tokenizer: the loop's decodes completions meanwhile.
-        self._prep_tokenizer = copy.deepcopy(self.tokenizer)
-        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostd-prepare")
-        longest = longest_token_chars(self.tokenizer)
-        self.max_prompt_chars = None if longest is None else self.limits.max_model_len * longest
+        # Each lane's own tokenizer: the loop's decodes completions meanwhile.
+        self._short_lane = _PrepareLane(self.tokenizer, "hostd-prepare-short")
+        self._long_lane = _PrepareLane(self.tokenizer, "hostd-prepare-long")
+        self.longest_token = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = None if self.longest_token is None else self.limits.max_model_len * self.longest_token
         self.requests_total = Counter(
             "hostd_engine_requests", "Generation requests answered, by endpoint and HTTP status "
             f"({STATUS_CLIENT_CLOSED}: the client left before the end)",
@@ -286,14 +306,16 @@ class Engine:
             return f"shutting down: {self.in_flight} request(s) in flight"
         return f"serving: {s.running} running, {s.waiting} waiting"
 
-    # --- request preparation: checks on the loop, tokenizing on the preparation thread
+    # --- request preparation: checks on the loop, tokenizing on a preparation lane
 
-    async def prepared(self, prepare: Callable[..., list[int]], *args) -> list[int]:
-        """PREPARE(*ARGS) on the preparation thread, the only user of its tokenizer."""
-        return await asyncio.get_running_loop().run_in_executor(self._prep, prepare, *args)
+    async def prepared(self, chars: int, prepare: Callable[..., list[int]], *args) -> list[int]:
+        """PREPARE(tokenizer, *ARGS) on the lane for a text of CHARS characters, with that lane's tokenizer."""
+        lane = self._short_lane if chars <= SHORT_PREPARE_CHARS else self._long_lane
+        return await asyncio.get_running_loop().run_in_executor(lane.thread, prepare, lane.tokenizer, *args)
 
     def close(self) -> None:
-        self._prep.shutdown(wait=False, cancel_futures=True)
+        self._short_lane.close()
+        self._long_lane.close()
 
     def check_text_fits(self, chars: int, what: str, param: str) -> None:
         """Refuse, unread, a text of CHARS characters that no tokenization fits in max_model_len."""
@@ -319,23 +341,31 @@ class Engine:
             raise OpenAIError(400, f"stop strings are {total} characters long together; at most {MAX_STOP_CHARS} "
                               "are allowed", param="stop")
 
-    def check_prompt(self, prompt: str | list) -> None:
-        """What can be refused before tokenizing a completions prompt."""
+    def check_prompt(self, prompt: str | list) -> int:
+        """What can be refused before tokenizing a completions prompt; its size in characters."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
             self.check_text_fits(len(prompt), "prompt", "prompt")
+            return len(prompt)
+        return len(prompt) if isinstance(prompt, list) else 0
 
-    def check_messages(self, messages: list[ChatMessage]) -> None:
-        """What can be refused before templating a chat: the template holds every message's text."""
+    def check_messages(self, messages: list[ChatMessage]) -> int:
+        """What can be refused before templating a chat; its size in characters. The
+        template receives every message's role and text, and wraps each message in
+        delimiters of at least one token: each message also counts as one token's
+        worth of characters, so a million empty messages cost what they weigh."""
         chars = 0
         for message in messages:
+            chars += len(message.role)
             content = message.content
             if isinstance(content, list):
-                chars += sum(len(p.text or "") for p in content)
+                chars += sum(len(p.type) + len(p.text or "") for p in content)
             elif content:
                 chars += len(content)
+        chars += len(messages) * (self.longest_token or 1)
         self.check_text_fits(chars, "messages", "messages")
+        return chars
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_name:
@@ -347,11 +377,11 @@ class Engine:
                 code="model_not_found",
             )
 
-    def prompt_ids(self, prompt: str | list) -> list[int]:
+    def prompt_ids(self, tokenizer, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._prep_tokenizer.encode(prompt, add_special_tokens=True)
+            return tokenizer.encode(prompt, add_special_tokens=True)
         if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             limit = self.vocab_size or 2**63
             bad = [t for t in prompt if not 0 <= t < limit]
@@ -368,7 +398,7 @@ class Engine:
             param="prompt",
         )
 
-    def chat_prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt_ids(self, tokenizer, messages: list[ChatMessage]) -> list[int]:
         if not messages:
             raise OpenAIError(400, "messages is empty; send at least one message", param="messages")
         conversation = []
@@ -385,19 +415,18 @@ class Engine:
                     )
                 content = "".join(p.text or "" for p in content)
             conversation.append({"role": message.role, "content": content or ""})
-        if not getattr(self._prep_tokenizer, "chat_template", None):
+        if not getattr(tokenizer, "chat_template", None):
             raise OpenAIError(
                 400, f"the model '{self.served_name}' has no chat template; use {COMPLETIONS} with a prompt",
                 param="messages",
             )
         try:
-            text = self._prep_tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                            tokenize=False)
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # jinja's TemplateError and raise_exception() in templates
             raise OpenAIError(
                 400, f"the model's chat template refused these messages: {error}", param="messages"
             ) from None
-        return self._prep_tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def job(self, body: CommonFields, prompt_ids: list[int], fmt, *, prompt_field: str, max_tokens_field: str,
             max_tokens: int | None) -> Job:
@@ -510,7 +539,7 @@ async def _answer_stream(request: web.Request, engine: Engine, job: Job, fmt) ->
 
     async def send(choices: list[dict]) -> None:
         chunk = envelope(job, fmt.chunk_object, choices, engine.served_name) | usage_field
-        await response.write(b"data: " + encode(chunk) + b"\n\n")
+        await response.write(sse_event(chunk))
 
     completion_tokens, finish = 0, None
     started = time.monotonic()
@@ -530,7 +559,7 @@ async def _answer_stream(request: web.Request, engine: Engine, job: Job, fmt) ->
         if job.include_usage:
             usage = envelope(job, fmt.chunk_object, [], engine.served_name)
             usage["usage"] = token_usage(len(job.prompt_ids), completion_tokens)
-            await response.write(b"data: " + encode(usage) + b"\n\n")
+            await response.write(sse_event(usage))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:  # the client left; leaving the aclosing block stopped its generation
@@ -548,7 +577,7 @@ async def _answer_stream(request: web.Request, engine: Engine, job: Job, fmt) ->
             problem = OpenAIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
             request[_OUTCOME] = "500"
         with contextlib.suppress(ConnectionResetError):
-            await response.write(b"data: " + encode(problem.body()) + b"\n\n")
+            await response.write(sse_event(problem.body()))
             await response.write_eof()
         return response
     _log_done(engine, job, completion_tokens, finish, started)
@@ -567,16 +596,16 @@ def _log_done(engine: Engine, job: Job, completion_tokens: int, finish: str | No
 
 async def _read_and_tokenize(request: web.Request, kind: type) -> tuple[Engine, Any, list[int]]:
     """The request's body and its prompt as token ids: the cheap checks on the
-    loop first, then tokenizing (and a chat's template) on the preparation thread."""
+    loop first, then tokenizing (and a chat's template) on a preparation lane."""
     engine = request.app[ENGINE]
     body = await read_request(request, kind)
     engine.check_model(body.model)
     engine.check_stop(body.stop)
     if kind is ChatRequest:
-        engine.check_messages(body.messages)
-        return engine, body, await engine.prepared(engine.chat_prompt_ids, body.messages)
-    engine.check_prompt(body.prompt)
-    return engine, body, await engine.prepared(engine.prompt_ids, body.prompt)
+        chars = engine.check_messages(body.messages)
+        return engine, body, await engine.prepared(chars, engine.chat_prompt_ids, body.messages)
+    chars = engine.check_prompt(body.prompt)
+    return engine, body, await engine.prepared(chars, engine.prompt_ids, body.prompt)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -78,6 +78,21 @@ def encode(value: Any) -> bytes:
     return msgspec.json.encode(value)
 
 
+# Characters JSON leaves raw but Python's str.splitlines (and the line
+# iterators of some HTTP clients built on it) takes for line ends: raw inside an
+# SSE data line, they cut the JSON mid-string. Their UTF-8 bytes occur nowhere
+# else in UTF-8, so replacing the bytes escapes exactly these characters.
+_SSE_ESCAPES = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_event(value: Any) -> bytes:
+    """VALUE as one server-sent event: a data line of JSON that every line splitter reads as one line."""
+    data = encode(value)
+    for raw, escaped in _SSE_ESCAPES:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
+
+
 # --- OpenAI wire format: requests --------------------------------------------
 
 
@@ -116,6 +131,14 @@ REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096  # all of one request's stop strings together
 
+# A chat's role goes into the template as text, and each message adds the
+# template's delimiters even when empty: an unbounded role (30 MiB) or a
+# million empty messages cost a preparation thread minutes while counting as
+# no content. Roles are short words (system, user, assistant, tool,
+# developer); OpenAI's API takes at most 2048 messages.
+MAX_ROLE_CHARS = 64
+MAX_MESSAGES = 2048
+
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
@@ -143,12 +166,12 @@ class ContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    role: Annotated[str, msgspec.Meta(max_length=MAX_ROLE_CHARS)]
     content: str | list[ContentPart] | None = None
 
 
 class ChatRequest(CommonFields, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = None
 
 

@@ -265,8 +265,12 @@ async def _application(model, tokenizer, limits: Limits, served_name: str, healt
             await app.cleanup()
             raise
     engine.on_change = lambda: status.set(engine.summary())
+    # auto_decompress off: a body is never inflated here, whatever its
+    # Content-Encoding says (a bomb costs this loop what it weighs, issue 33 M3);
+    # an encoded body is not JSON, so it is answered 400.
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=CANCEL_GRACE_S, logger=logs.protocol_logger(log))
+                           shutdown_timeout=CANCEL_GRACE_S, auto_decompress=False,
+                           logger=logs.protocol_logger(log))
     await runner.setup()
     return _Serving(app=app, engine=engine, runner=runner)
 

@@ -255,8 +255,9 @@ class EngineSupervisor:
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
             listener = sockets.acquire(self.socket_path)
+            # auto_decompress off: bodies pass to the upstream engine as they came, never inflated here.
             runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                                   logger=logs.protocol_logger(log))
+                                   auto_decompress=False, logger=logs.protocol_logger(log))
             await runner.setup()
             await web.SockSite(runner, listener).start()
             log.info("serving %s through %s engine pid %d", self.name, self.cfg.backend, self.proc.pid)

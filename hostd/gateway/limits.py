@@ -9,8 +9,12 @@ holds or has sent, never for what it announced. Three pieces:
 - Connections (Connections, wrapping aiohttp's protocol factory): at most
   max_connections open at once, at most per_client of them from one client.
   A connection over either cap first makes room by closing the longest-idle
-  keep-alive connection (of that client, for its own cap); only when none is
-  idle is it answered at once with a complete 503 (JSON body, Connection:
+  keep-alive connection (of that client, for its own cap); at the total cap,
+  when none is idle, the connection that has been sending an unfinished
+  request head the longest is closed instead (heads renewed every
+  header_timeout from many addresses would otherwise keep everyone out, and a
+  client that sends its head at once is never in that phase for long); only
+  when neither is found is it answered at once with a complete 503 (JSON body, Connection:
   close) and closed, without reading from it. A connection must finish its
   request headers within header_timeout of connecting or of sending the first
   byte of its next request, in at most MAX_HEADER_BYTES (431 otherwise), and
@@ -147,6 +151,7 @@ class Connections:
         self.too_large = too_large
         self.open: dict[asyncio.BaseTransport, "_Guarded"] = {}
         self.idle: dict["_Guarded", None] = {}  # idle keep-alive connections, longest idle first
+        self.heads: dict["_Guarded", None] = {}  # connections in an unfinished request head, oldest first
         self.clients: dict[str, int] = {}  # open connections per client
         self.lingering = 0  # refused connections not closed yet
         self._sweeper: Optional[asyncio.Task] = None
@@ -181,6 +186,8 @@ class Connections:
         if len(self.open) >= self.max_connections:
             victim = next(iter(self.idle), None)
             if victim is None:
+                victim = next(iter(self.heads), None)
+            if victim is None:
                 return False
             victim.evict()
         self.open[conn.transport] = conn
@@ -191,6 +198,7 @@ class Connections:
         if self.open.pop(conn.transport, None) is None:
             return
         self.idle.pop(conn, None)
+        self.heads.pop(conn, None)
         left = self.clients[conn.client] - 1
         if left:
             self.clients[conn.client] = left
@@ -258,8 +266,8 @@ class _Guarded(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)
 
     def set_phase(self, phase: str) -> None:
-        if self.phase == "idle":
-            self.guard.idle.pop(self, None)
+        self.guard.idle.pop(self, None)
+        self.guard.heads.pop(self, None)
         self.phase = phase
         if phase == "active":
             self.deadline = float("inf")
@@ -267,6 +275,7 @@ class _Guarded(asyncio.Protocol):
         if phase == "idle":
             self.guard.idle[self] = None
         elif phase == "headers":
+            self.guard.heads[self] = None
             self.header_bytes, self.tail = 0, b""
         timeout = self.guard.idle_timeout if phase == "idle" else self.guard.header_timeout
         self.deadline = asyncio.get_running_loop().time() + timeout
@@ -279,7 +288,7 @@ class _Guarded(asyncio.Protocol):
             self.transport.close()
 
     def evict(self) -> None:
-        """Close this idle connection to make room for a new one."""
+        """Close this connection (idle, or in an unfinished head) to make room for a new one."""
         self.guard.forget(self)
         self.guard.on_event("evicted")
         if self.transport is not None:

@@ -244,12 +244,15 @@ class Gateway:
 
     async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
         g = self.limits
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding != "identity" and request.body_exists:
+        encodings = request.headers.getall("Content-Encoding", [])
+        if len(encodings) > 1 or any(e.strip().lower() != "identity" for e in encodings):
             # Inflating is work on the only event loop that a few bytes can
             # multiply (a "bomb"), and the engines take no encoded bodies.
+            # Every field counts, not the first: a parser behind us may read the last.
+            shown = ", ".join(repr(e) for e in encodings)
             response = self.refuse(415, "invalid_request_error", "unsupported_content_encoding",
-                                   f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed")
+                                   f"Content-Encoding {shown} is not accepted: send one body uncompressed, "
+                                   "with no Content-Encoding field or one field 'identity'")
             response.force_close()  # the body is not read
             return response
         client = self.connections.client(request.transport) if self.connections is not None else ""

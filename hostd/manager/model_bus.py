@@ -10,6 +10,7 @@ values. Reload asks polkit first (authority.admin); CheckReload, which
 changes nothing, does not.
 """
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -31,6 +32,7 @@ from hostd.manager.records import Degraded
 
 log = logging.getLogger("hostd.manager")
 
+GPU_MEMORY_CACHE_S = 1.0  # GpuMemory answers from one NVML reading this long (any local user may ask)
 GATEWAY_UP = ("serving", "paused", "reloading", "engine-down")  # model States with a gateway to ask
 
 
@@ -82,6 +84,7 @@ class ModelInterface(ServiceInterface):
         self._stamp: Optional[tuple] = None
         self._loaded: Optional[hostd_config.LoadedModel] = None
         self._problem: Optional[hostd_config.ConfigError] = None
+        self._gpu_reading: Optional[tuple] = None  # (when, (config, engine pid), task): GpuMemory's cache
         # What a reload or a recovery acts on: built here only.
         self.handles = reload_mod.ModelHandles(name, manager.root, manager.systemd, Probe(name),
                                                manager.records, self.load)
@@ -315,11 +318,23 @@ class ModelInterface(ServiceInterface):
         loaded = self.loaded()
         if loaded is None:
             return json.dumps([])
-        memory = await self.handles.probe.read_memory(loaded.config, self._pid(self.units[1]))
+        memory = await self._gpu_memory(loaded.config, self._pid(self.units[1]))
         if memory.gpus is None:
             return json.dumps({"unreadable": memory.unreadable} if memory.unreadable else [])
         return json.dumps([{"index": g.index, "total": g.total, "free": g.free, "engine": g.engine,
                             "weights": g.daemon} for g in memory.gpus])
+
+    async def _gpu_memory(self, cfg, engine_pid: int):
+        """GpuMemory's reading: any caller may ask, so one reading of the same
+        config and engine serves every call within GPU_MEMORY_CACHE_S, those
+        that arrive while it runs included (NVML is never asked in parallel)."""
+        loop = asyncio.get_running_loop()
+        key = (msgspec.json.encode(cfg), engine_pid)
+        cached = self._gpu_reading
+        if cached is None or cached[1] != key or loop.time() - cached[0] > GPU_MEMORY_CACHE_S:
+            cached = self._gpu_reading = (loop.time(), key,
+                                          asyncio.ensure_future(self.handles.probe.read_memory(cfg, engine_pid)))
+        return await asyncio.shield(cached[2])  # a caller that leaves does not cancel the others' reading
 
     @method()
     @replies

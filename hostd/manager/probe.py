@@ -31,6 +31,7 @@ log = logging.getLogger("hostd.manager.probe")
 # the model's code: answers are typed, capped and timed.
 CONTROL_TIMEOUT = 10.0  # s for a control answer, beyond what the request may take (a drain's timeout)
 HEALTH_MAX = 1 << 20  # bytes of an engine's /health answer (a few KiB in practice)
+SMOKE_ERROR_BYTES = 300  # bytes of a failed smoke request's answer shown: enough for the reason, never the whole
 
 
 class VerifyFailed(Exception):
@@ -42,6 +43,17 @@ class RebuildFailed(Exception):
 
 
 REBUILD_TIMEOUT = 600.0  # s: a skeleton, an attach and a warm-up; seconds at 7B (docs/benchmarks.md)
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The first LIMIT bytes of RESPONSE's body (fewer when it ends first); the model's engine chooses its size."""
+    data = b""
+    while len(data) < limit:
+        chunk = await response.content.read(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class CheckedUnixConnector(aiohttp.UnixConnector):
@@ -176,7 +188,10 @@ class Probe:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
             async with http.post("http://engine/v1/completions", json=body) as response:
                 if response.status != 200:
-                    raise VerifyFailed(f"smoke request answered {response.status}: {(await response.text())[:300]}")
+                    head = await _read_at_most(response, SMOKE_ERROR_BYTES)
+                    response.close()  # the rest is never read
+                    raise VerifyFailed(f"smoke request answered {response.status}: "
+                                       f"{head.decode('utf-8', 'replace')}")
 
     async def rebuild(self, engine: dict, slot: str = "standby") -> dict:
         """Ask the engine in SLOT (the warm standby) to rebuild itself on the
@@ -304,19 +319,8 @@ class Probe:
         except (OSError, weights_client.WeightsRefused):
             pass
         held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
-        with nvml.session() as pynvml:
-            out = []
-            for index in cfg.gpus:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                daemon = held // max(1, len(cfg.gpus))
-                engine = next(
-                    (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                     if p.pid == engine_pid), None)
-                if engine is None:
-                    engine = max(0, info.used - daemon)
-                out.append(GpuMemory(index, info.total, info.free, engine, daemon))
-            return out
+        # In a thread: NVML takes milliseconds per GPU, and this is root's only loop.
+        return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held)
 
     def overlap_problem(self, cfg, health: Optional[dict], memory: "Memory") -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
@@ -417,6 +421,23 @@ def _second_engine(cfg, backend, health: Optional[dict], serving: int, device_to
 def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
     target = backend.engine_kv_bytes(cfg, device_total)
     return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
+
+
+def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int) -> list["GpuMemory"]:
+    """Probe.gpu_memory's NVML reading of GPUS (blocking: run it in a thread)."""
+    with nvml.session() as pynvml:
+        out = []
+        for index in gpus:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            daemon = held // max(1, len(gpus))
+            engine = next(
+                (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                 if p.pid == engine_pid), None)
+            if engine is None:
+                engine = max(0, info.used - daemon)
+            out.append(GpuMemory(index, info.total, info.free, engine, daemon))
+        return out
 
 
 class GpuMemory(NamedTuple):

@@ -170,6 +170,7 @@ class Reload:
 
     async def validate(self) -> None:
         name, patch = self.model.name, self.op.patch
+        check_patch_size(patch)
         try:
             current = self.model.load()
         except hostd_config.NoSuchModel:
@@ -193,6 +194,7 @@ class Reload:
             else:
                 why = f"{key!r} is not a field of the {current.config.backend} backend"
             raise errors.NotEditable(f"{why}; editable: {', '.join(editable)}")
+        check_patch_types(current.config.engine, patch)
         committed = self.model.records.committed(name)
         self.current = current.config
         health = self.health = await self.model.probe.engine_health()
@@ -801,3 +803,57 @@ async def check_only(model: ModelHandles, patch: dict) -> dict:
 def patch_from_variants(patch: dict[str, Any]) -> dict:
     """D-Bus a{sv} -> plain values (Variant.value)."""
     return {k: getattr(v, "value", v) for k, v in patch.items()}
+
+
+# Any local user may ask CheckReload, and the bus carries 32 MiB: a patch is
+# weighed before anything parses, converts or renders it, since rendering a
+# multi-megabyte value to YAML held root's only event loop for seconds
+# (issue 33, N1). An engine's editable values take a few hundred bytes.
+MAX_PATCH_BYTES = 8192
+
+
+def check_patch_size(patch: dict) -> None:
+    """Refuse (InvalidValue naming the key) a PATCH over MAX_PATCH_BYTES."""
+    total = 0
+    for key, value in patch.items():
+        size = len(str(key)) + _weight(value)
+        if size > MAX_PATCH_BYTES:
+            raise errors.InvalidValue(
+                f"engine.{key}: the value takes more than {MAX_PATCH_BYTES} bytes; a reload patch holds at most "
+                f"{MAX_PATCH_BYTES} in all (an engine's limits take a few hundred)")
+        total += size
+    if total > MAX_PATCH_BYTES:
+        raise errors.InvalidValue(f"the patch takes more than {MAX_PATCH_BYTES} bytes; send fewer or smaller values")
+
+
+def _weight(value: Any) -> int:
+    """About the bytes VALUE takes as JSON, counted without recursion and no
+    further than just past MAX_PATCH_BYTES (the caller refuses it then)."""
+    total, stack = 0, [value]
+    while stack and total <= MAX_PATCH_BYTES:
+        item = stack.pop()
+        item = getattr(item, "value", item)  # a D-Bus Variant inside a container
+        if isinstance(item, (str, bytes)):
+            total += len(item) + 2
+        elif isinstance(item, dict):
+            total += 2 + len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += 2 + len(item)
+            stack.extend(item)
+        else:
+            total += 8
+    return total
+
+
+def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:
+    """Refuse (InvalidValue naming the key) a PATCH that ENGINE's struct does not
+    take, before it is rendered: the loader would refuse the file it makes anyway."""
+    try:
+        msgspec.convert({**msgspec.to_builtins(engine), **patch}, type(engine))
+    except msgspec.ValidationError as exc:
+        message, _, where = str(exc).rpartition(" - at `$.")
+        if not message:
+            raise errors.InvalidValue(f"the patch makes an invalid engine section: {exc}") from None
+        raise errors.InvalidValue(f"engine.{where.rstrip('`')}: {message}") from None

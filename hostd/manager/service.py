@@ -375,9 +375,17 @@ class Manager(ServiceInterface):
 
 
 def patch_from_json(patch: str) -> dict:
-    """ReloadJSON's and CheckReloadJSON's patch: a JSON object ("" is {})."""
+    """ReloadJSON's and CheckReloadJSON's patch: a JSON object ("" is {}), weighed
+    before it is parsed (reload.MAX_PATCH_BYTES), its nesting refused as any
+    other invalid value (a RecursionError is no bug to log with its traceback)."""
+    size = len(patch.encode("utf-8", "surrogatepass"))
+    if size > reload_mod.MAX_PATCH_BYTES:
+        raise errors.InvalidValue(f"patch is {size} bytes of JSON; at most {reload_mod.MAX_PATCH_BYTES} are "
+                                  "accepted (an engine's limits take a few hundred)")
     try:
         data = (json.loads(patch) if patch.strip() else None) or {}
+    except RecursionError:
+        raise errors.InvalidValue("patch is nested too deeply to parse; send a JSON object of field: value") from None
     except ValueError as exc:
         raise errors.InvalidValue(f"patch is not JSON: {exc}") from None
     if not isinstance(data, dict):

@@ -109,7 +109,11 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
                     return
                 state.inflight += 1
             try:
-                request = json.loads(raw or b"{}")
+                try:
+                    request = json.loads(raw or b"{}")
+                except ValueError:  # vLLM and SGLang answer a body that is not JSON 400
+                    self._send(400, {"error": {"message": "the request body is not valid JSON"}})
+                    return
                 if request.get("model") != served_name:
                     self._send(404, {"error": {"message": f"model {request.get('model')!r} does not exist"}})
                     return

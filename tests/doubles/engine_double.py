@@ -37,6 +37,7 @@ def main() -> None:
                               "probe": request.headers.get("X-Probe"),
                               "authorization": request.headers.get("Authorization"),
                               "request_id": request.headers.getall("X-Request-Id", []),
+                              "content_encoding": request.headers.getall("Content-Encoding", []),
                               "body_bytes": len(await request.read())}) + "\n")
         return await handler(request)
 

@@ -339,6 +339,55 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_free_for_health(make_engine, 
     assert answers and answers[0].choices[0].text is not None
 
 
+def test_a_chat_is_counted_by_every_string_its_template_receives_and_one_token_a_message(engine: Engine):
+    # Issue 33, H2: roles went into the template uncounted and unbounded, and
+    # empty messages counted as nothing although each adds the template's delimiters.
+    client = engine.openai()
+    with pytest.raises(openai.BadRequestError) as long_role:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "u" * 65, "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as many:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}] * 2049, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as empty:  # 300 messages cannot fit in 256 tokens
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ""}] * 300, max_tokens=2)
+
+    assert long_role.value.param == "messages" and "messages[0].role" in long_role.value.message
+    assert "length <= 64" in long_role.value.message
+    assert many.value.param == "messages" and "length <= 2048" in many.value.message
+    assert empty.value.code == "context_length_exceeded" and "characters" in empty.value.message  # refused unread
+
+
+def test_a_long_prompt_being_prepared_does_not_hold_up_a_short_one(make_engine, tmp_path: Path):
+    # Issue 33, H2: one preparation thread let one client's long prompts stall everyone.
+    gate = tmp_path / "release-encoding"
+    engine = make_engine(max_num_seqs=2, max_model_len=4096, encode_gate=str(gate))
+    answers: list = []
+    long_prompt = "GATE " + "hello " * 1500  # over SHORT_PREPARE_CHARS, within what 4096 tokens can hold
+
+    def send() -> None:
+        answers.append(engine.openai().completions.create(model=MODEL, prompt=long_prompt, max_tokens=1))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    wait_until(lambda: Path(str(gate) + ".waiting").exists(), "the long prompt's encoding has begun")
+    short = engine.openai().with_options(timeout=30).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert short.choices[0].text is not None and not answers  # answered while the long one still waits
+    gate.touch()
+    sender.join(SAFETY_TIMEOUT_S)
+    assert answers and answers[0].usage.prompt_tokens > 1000
+
+
+def test_an_encoded_body_is_never_inflated_by_the_engine(engine: Engine):
+    # Issue 33, M3: the engine's server inflated gzip bodies (a 1 MB bomb is 1 GiB on its loop).
+    import gzip
+
+    body = gzip.compress(json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode())
+    with engine.http() as http:
+        answer = http.post("/v1/completions", content=body,
+                           headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert "not valid JSON" in answer.json()["error"]["message"]
+
+
 def test_unknown_model_is_not_found_and_unsupported_fields_are_refused(engine: Engine):
     client = engine.openai()
     with pytest.raises(openai.NotFoundError) as unknown:

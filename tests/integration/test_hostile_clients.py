@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from test_front_door import COMPLETION, FrontDoor, door, front_door, still_open  # noqa: F401 (door: a fixture)
-from tests.local import wait_for
+from test_front_door import COMPLETION, FrontDoor, door, free_port, front_door, still_open  # noqa: F401 (door: a fixture)
+from tests.local import ModelTree, wait_for
 
 MiB = 1 << 20
 LEGIT, WATCHER = "127.0.0.2", "127.0.0.3"  # the other clients' source addresses
@@ -158,6 +158,20 @@ def test_idle_keep_alive_connections_at_the_cap_make_room_for_a_new_client(tmp_p
             conn.close()
 
 
+def test_unfinished_heads_at_the_cap_make_room_for_a_new_client_oldest_first(tmp_path: Path):
+    # Issue 33, M2: heads still arriving were never evicted, so heads renewed
+    # every header_timeout (from enough addresses) kept every new client out.
+    with front_door(tmp_path, max_connections=20, max_connections_per_client=20, header_timeout=30) as door:
+        slow = [connect(door, b"GET /v1/mod") for _ in range(20)]  # the whole cap, none idle
+        with client(LEGIT) as http:
+            assert http.post(door.base_url + "/v1/completions", json=COMPLETION).status_code == 200
+        assert slow[0].recv(4096) == b""  # the oldest unfinished head was closed to make room
+        assert all(still_open(conn) for conn in slow[2:])
+        assert "hostd_gateway_connections_refused_total 0.0" in metrics(door)
+        for conn in slow:
+            conn.close()
+
+
 def test_one_client_holds_at_most_its_share_of_connections(tmp_path: Path):
     with front_door(tmp_path, max_connections=20, max_connections_per_client=5, header_timeout=30) as door:
         slow = [connect(door, b"GET /v1/mod") for _ in range(5)]  # unfinished headers: never idle
@@ -183,6 +197,23 @@ def test_a_compressed_request_body_is_refused_415_and_never_inflated_or_forwarde
     assert response.json()["error"]["code"] == "unsupported_content_encoding"
     assert not [r for r in door.engine_saw() if r["probe"] == "gzip"]
     assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+
+
+def test_two_content_encoding_fields_are_refused_415_and_the_field_is_never_forwarded(door: FrontDoor):
+    # Issue 33, M3: the gateway read the first field (identity) and passed both
+    # on; the engine's parser took the last (gzip) and inflated a bomb.
+    bomb = gzip.compress(b" " * (8 * MiB))
+    answer = door.raw(head(len(bomb))[:-2] + b"X-Probe: two\r\nContent-Encoding: identity\r\n"
+                      b"Content-Encoding: gzip\r\nConnection: close\r\n\r\n" + bomb)
+    assert answer.startswith(b"HTTP/1.1 415 "), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "unsupported_content_encoding"
+    body = json.dumps(COMPLETION).encode()
+    one = door.raw(head(len(body))[:-2] + b"X-Probe: identity\r\nContent-Encoding: identity\r\n"
+                   b"Connection: close\r\n\r\n" + body)
+    assert one.startswith(b"HTTP/1.1 200 "), one[:300]
+    seen = door.engine_saw()
+    assert not [r for r in seen if r["probe"] == "two"]
+    assert [r["content_encoding"] for r in seen if r["probe"] == "identity"] == [[]]  # dropped on the way
 
 
 # ---------------------------------------------------------------- item 10: headers
@@ -225,3 +256,37 @@ def test_malformed_requests_log_no_traceback_and_no_error(door: FrontDoor):
     assert httpx.get(door.base_url + "/health", timeout=10).status_code == 200
     log = door.gateway.log()
     assert "Traceback" not in log and " ERROR " not in log, log[-2000:]
+
+
+# ---------------------------------------------------------------- issue 33, H2: a chat's size
+
+
+def test_a_huge_role_or_a_million_empty_messages_are_refused_unread_and_another_client_is_served(
+        tmp_path: Path, tiny_checkpoint: Path):
+    # Through the gateway to the builtin engine, no key. A 30 MiB role used to
+    # reach the template uncounted (minutes of one preparation thread, everyone
+    # waiting behind it), and 1M messages {"role": "u"} counted as no content.
+    port = free_port()
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, fixed={"listen": f"127.0.0.1:{port}"}, max_num_seqs=2)
+    try:
+        tree.start_serving(port)
+        url = tree.base_url + "/v1/chat/completions"
+        role = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u" * (30 * MiB)}]})
+        many = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u"}] * 1_000_000})
+        with httpx.Client(timeout=120) as attacker:
+            huge_role = attacker.post(url, content=role, headers={"Content-Type": "application/json"})
+            many_messages = attacker.post(url, content=many, headers={"Content-Type": "application/json"})
+        with client(LEGIT) as http:
+            small = http.post(url, json={"model": "tiny", "max_tokens": 2,
+                                         "messages": [{"role": "user", "content": "hi"}]})
+
+        assert huge_role.status_code == 400, huge_role.text[:300]
+        assert huge_role.json()["error"]["param"] == "messages"
+        assert "messages[0].role" in huge_role.json()["error"]["message"]
+        assert many_messages.status_code == 400, many_messages.text[:300]
+        assert "length <= 2048" in many_messages.json()["error"]["message"]
+        assert small.status_code == 200, small.text
+        assert tree.control("status")["state"] == "serving"
+    finally:
+        tree.stop_all()

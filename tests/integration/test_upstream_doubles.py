@@ -5,6 +5,7 @@ sockets, upstream death, and hostd's bound on SGLang's unbounded drain."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -83,6 +84,11 @@ def test_engine_restart_keeps_weights_supervisor_and_upstream_sockets(backend, s
         answer = http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
         assert http.get("/v1/models").json()["data"][0]["id"] == "m"
+        # Issue 33, M3: the proxy never inflates a body; upstream gets the bytes as sent, undecodable.
+        gzipped = gzip.compress(json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 1}).encode())
+        encoded = http.post("/v1/completions", content=gzipped,
+                            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        assert encoded.status_code == 400, encoded.text
 
     assert engine.stop() == 0
     tree.start_engine(timeout=60)

@@ -6,6 +6,7 @@ tests/integration/test_hostile_clients.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import logging
 import socket
@@ -81,3 +82,16 @@ def test_aiohttps_server_logs_a_clients_protocol_error_as_one_debug_line_and_a_b
 def test_the_gateway_unit_bounds_the_gateways_memory():
     unit = (Path(__file__).resolve().parents[2] / "units" / "model@.service").read_text()
     assert "\nMemoryMax=1G\n" in unit
+
+
+def test_sse_events_escape_the_characters_that_splitlines_takes_for_line_ends():
+    # Issue 33 (info): raw U+2028 in a data line cut the JSON for clients
+    # that split the stream with str.splitlines.
+    from hostd.engine.openai_api import sse_event
+
+    text = "a\u2028b\u2029c\x85d\u00e9\n"
+    event = sse_event({"delta": {"content": text}})
+    line, rest = event.split(b"\n", 1)
+    assert rest == b"\n" and len(line.decode().splitlines()) == 1
+    assert b"\\u2028" in line and b"\\u2029" in line and b"\\u0085" in line
+    assert json.loads(line.removeprefix(b"data: "))["delta"]["content"] == text

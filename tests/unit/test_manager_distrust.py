@@ -90,6 +90,35 @@ def test_an_engine_health_answer_past_the_cap_is_not_read(tmp_path, monkeypatch)
     assert asyncio.run(go()) is None
 
 
+def test_a_smoke_error_is_read_to_300_bytes_never_whole(tmp_path, monkeypatch):
+    # Issue 33, L4: a 400 MiB error answer took the manager from 41 to 870 MiB.
+    # This one never ends: reading it whole never returns.
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "tiny").mkdir(mode=0o700)
+
+    async def completions(request):
+        response = web.StreamResponse(status=400)
+        await response.prepare(request)
+        while True:
+            await response.write(b"x" * 65536)
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.UnixSite(runner, str(tmp_path / "tiny" / "engine.sock")).start()
+        try:
+            with pytest.raises(probe.VerifyFailed) as failed:
+                await asyncio.wait_for(Probe("tiny").smoke("tiny"), 30)  # a safety net, not a timing
+            return str(failed.value)
+        finally:
+            await runner.cleanup()
+
+    message = asyncio.run(go())
+    assert message.startswith("smoke request answered 400: xxx") and len(message) < 400
+
+
 def test_one_models_bad_gateway_answer_does_not_stop_the_others_in_flight_counts(tmp_path, monkeypatch):
     world = World(tmp_path)
     (world.root / "models/bad.yaml").write_text((world.root / "models/tiny.yaml").read_text())

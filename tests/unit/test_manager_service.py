@@ -161,6 +161,19 @@ def test_config_problem_says_why_the_yaml_does_not_load_and_never_a_value(world)
     asyncio.run(go())
 
 
+def test_config_problem_never_shows_a_secret_that_holds_a_control_character(world):
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        (world.root / "models/tiny.d").mkdir()
+        (world.root / "models/tiny.d/50-x.yaml").write_text("env:\n  HF_TOKEN: |\n    hf_s3cret\n")
+        problem = model.ConfigProblem
+        assert "env.HF_TOKEN" in problem and "U+000A" in problem, problem
+        assert "s3cret" not in problem
+
+    asyncio.run(go())
+
+
 def test_editable_schema_lists_the_editable_fields_with_the_ranges_the_manager_enforces(world):
     async def go():
         manager = await manager_of(world)
@@ -244,6 +257,7 @@ def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(w
 
     async def go():
         monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+        monkeypatch.setattr(model_bus, "GPU_MEMORY_CACHE_S", -1)  # every call reads again (the cache: below)
         manager = await manager_of(world)
         model = manager.models["tiny"]
         readings = iter([Memory([GpuMemory(0, 100, 40, 30, 20)], ""), Memory(None, "NVML unavailable (x)"),
@@ -259,6 +273,55 @@ def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(w
         assert json.loads(await call(model.GpuMemory)) == []  # a model on no GPU
 
     asyncio.run(go())
+
+
+def test_gpu_memory_answers_every_caller_within_a_second_from_one_reading(world, monkeypatch):
+    # Issue 33, N4: any caller ran NVML on root's loop, uncached, per call.
+    from hostd.manager.probe import GpuMemory, Memory
+
+    async def go():
+        monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+        monkeypatch.setattr(model_bus, "GPU_MEMORY_CACHE_S", 3600)  # no test run takes this long
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        reads = []
+
+        async def read_memory(cfg, pid):
+            reads.append(pid)
+            await asyncio.sleep(0)  # callers arrive while it runs
+            return Memory([GpuMemory(0, 100, 40, 30, 20)], "")
+
+        world.probe.read_memory = read_memory
+        answers = await asyncio.gather(*(call(model.GpuMemory) for _ in range(5)))
+        answers.append(await call(model.GpuMemory))
+        assert len(reads) == 1 and len(set(answers)) == 1, (reads, answers)
+
+    asyncio.run(go())
+
+
+def test_gpu_memory_asks_nvml_from_a_thread_one_session_at_a_time(monkeypatch, tmp_path):
+    import threading
+    import types
+
+    import msgspec as _msgspec
+
+    from hostd.config import schema
+    from hostd.manager.probe import Probe
+
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))  # no weights socket: the daemon holds nothing
+    threads = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: threads.append(threading.current_thread()),
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=100, free=40, used=60),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    cfg = _msgspec.convert({"backend": "builtin", "model": "/m", "device": "cuda", "gpus": [0]}, schema.BuiltinModel)
+    gpus = asyncio.run(Probe("tiny").gpu_memory(cfg, 4242))
+    assert [g.free for g in gpus] == [40]
+    assert threads and threads[0] is not threading.main_thread()
 
 
 def test_a_name_that_is_no_model_name_is_refused_with_the_name_rule_not_a_path(world):
@@ -326,3 +389,18 @@ def test_a_reload_during_recovery_answers_busy_and_the_recovery_is_a_visible_ope
         assert world.records.committed("tiny").engine["max_num_seqs"] == 32
 
     asyncio.run(go())
+
+
+def test_a_deeply_nested_json_patch_is_invalid_value_with_no_traceback_in_the_journal(world, caplog):
+    # Issue 33, N5: RecursionError reached the journal as an ERROR traceback, once per call.
+    async def go():
+        manager = await manager_of(world)
+        with pytest.raises(DBusError) as nested:
+            await call(manager.CheckReloadJSON, "tiny", "[" * 4000 + "]" * 4000)
+        assert nested.value.type == "org.hostd1.Error.InvalidValue"
+        assert "nested too deeply" in nested.value.text
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(go())
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not [r for r in caplog.records if r.exc_info]

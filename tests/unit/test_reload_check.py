@@ -259,3 +259,33 @@ def test_checks_of_one_model_run_one_at_a_time(tmp_path, monkeypatch):
         assert most == 1 and len({a for a in answers}) == 1
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("patch, names", [
+    ({"max_num_seqs": "x" * (4 << 20)}, "engine.max_num_seqs: the value takes more than 8192 bytes"),  # as JSON
+    ({"max_num_seqs": "8", "batching": "none"}, "engine.max_num_seqs: Expected `int`, got `str`"),
+])
+def test_a_patch_is_weighed_and_typed_before_it_is_rendered_naming_the_key(tmp_path, monkeypatch, patch, names):
+    # Issue 33, N1: any local user's patch was rendered to YAML on root's only
+    # loop before its type was checked (a 4M-character value: 4.9 s).
+    world = World(tmp_path)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the patch was rendered")
+
+    async def go():
+        manager = await manager_of(world, monkeypatch)
+        monkeypatch.setattr(R, "render", never)
+        for method, argument in ((manager.CheckReload, patch), (manager.CheckReloadJSON, json.dumps(patch))):
+            with pytest.raises(DBusError) as checked:
+                await call(method, "tiny", argument)
+            assert checked.value.type == "org.hostd1.Error.InvalidValue", checked.value.text
+            assert names in checked.value.text or "bytes of JSON" in checked.value.text, checked.value.text
+
+    asyncio.run(go())
+
+
+def test_a_json_patch_over_8_kib_is_refused_before_it_is_parsed(monkeypatch):
+    monkeypatch.setattr(service.json, "loads", lambda *a, **k: pytest.fail("the patch was parsed"))
+    with pytest.raises(service.errors.InvalidValue, match="patch is 8193 bytes of JSON; at most 8192"):
+        service.patch_from_json(" " * 8193)

@@ -56,6 +56,16 @@ def test_strings_that_reach_unit_files_refuse_control_characters(data, key):
         msgspec.convert({"backend": "builtin", "model": "/m", **data}, schema.BuiltinModel)
 
 
+def test_a_control_character_in_a_secret_is_named_by_key_character_and_position_never_the_value():
+    # Issue 33, N3: the value (the trailing newline of a YAML | block) was printed whole.
+    with pytest.raises(msgspec.ValidationError) as refused:
+        msgspec.convert({"backend": "builtin", "model": "/m", "env": {"HF_TOKEN": "hf_s3cret\n"}},
+                        schema.BuiltinModel)
+    message = str(refused.value)
+    assert "env.HF_TOKEN" in message and "U+000A" in message and "position 9 of 10" in message
+    assert "s3cret" not in message and "hf_" not in message
+
+
 def test_upstream_extra_args_refuse_control_characters():
     with pytest.raises(msgspec.ValidationError, match=r"extra_args\[1\].*control character"):
         msgspec.convert({"backend": "vllm", "model": "/m", "extra_args": ["--x", "a\nb"]},
@@ -187,17 +197,24 @@ def test_without_a_commit_an_invalid_engine_report_is_never_pinned(tmp_path: Pat
 
 
 def test_a_patch_over_the_loaders_node_limit_is_refused_naming_the_key(tmp_path: Path):
+    # The patch's own weight limit (reload.MAX_PATCH_BYTES) refuses it first, before the loader's.
     world = World(tmp_path)
-    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: more than 100000 values"):
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the value takes more than 8192 bytes"):
         asyncio.run(world.reload({"max_num_seqs": list(range(1, 150_001))}))
     assert not world.dropin.exists() and world.restarts() == 0
 
 
 def test_a_patch_over_the_loaders_size_limit_is_refused_naming_the_key(tmp_path: Path):
     world = World(tmp_path)
-    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the file would be larger"):
+    with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the value takes more than 8192 bytes"):
         asyncio.run(world.reload({"max_num_seqs": "x" * (config.load.MAX_FILE_BYTES + 1)}))
     assert not world.dropin.exists() and world.restarts() == 0
+
+
+def test_a_drop_in_over_the_loaders_size_limit_is_refused_naming_the_key():
+    big = {"engine": {"max_num_seqs": "x" * (config.load.MAX_FILE_BYTES + 1)}}
+    with pytest.raises(config.ConfigError, match="engine.max_num_seqs: the file would be larger"):
+        config.load.render_yaml(big, R.RELOAD_DROPIN)
 
 
 def test_a_vllm_patch_of_150000_graph_sizes_is_refused_before_anything_is_written(tmp_path: Path):
