@@ -1,7 +1,7 @@
 /* hostd's Cockpit page: the models of org.hostd1, live from the manager's
  * signals (PropertiesChanged, OperationFinished, OperationRemoved), one model
  * with its units (systemd's D-Bus), config with origins (hostctl config) and
- * journal (journalctl HOSTD_MODEL=NAME), a reload dialog built from the manager's
+ * journal (hostctl logs NAME), a reload dialog built from the manager's
  * EditableSchema, and start / stop / restart.
  *
  * Trust: the page runs as the logged-in user through cockpit-bridge; it
@@ -309,7 +309,8 @@ function showUnit(name, { proxy, service }) {
 function showConfig(name) {
     const body = $("config").tBodies[0];
     body.replaceChildren(el("tr", {}, el("td", { colspan: "3", class: "muted", text: "reading…" })));
-    cockpit.spawn(["hostctl", "config", name, "--json=short"], { err: "message" })
+    // The name comes from the URL: after "--", never an option of hostctl's.
+    cockpit.spawn(["hostctl", "config", "--json=short", "--", name], { err: "message" })
         .then(out => {
             const rows = Object.entries(json(out, {})).map(([key, { value, origin }]) =>
                 el("tr", {}, el("td", { text: key }), el("td", { text: JSON.stringify(value) }),
@@ -320,15 +321,17 @@ function showConfig(name) {
                                                                el("pre", { class: "problem", text: err.message || String(err) })))));
 }
 
-/* journalctl as the logged-in user (cockpit 287's base1 has no
- * cockpit.journal: Cockpit's own pages bundle theirs), following: it reads
- * the system journal when the user may (root, adm or systemd-journal). */
+/* `hostctl logs` (journalctl, as the logged-in user: cockpit 287's base1 has
+ * no cockpit.journal, Cockpit's own pages bundle theirs), following: it reads
+ * the system journal when the user may (root, adm or systemd-journal), and
+ * only the lines the model's units and the manager wrote (HOSTD_MODEL= alone
+ * is a field any local user can write). The name, from the URL, after "--". */
 function followJournal(name) {
     if (journal) journal.close("cancelled");
     const box = $("journal");
     box.replaceChildren();
     let partial = "";
-    journal = cockpit.spawn(["journalctl", "--follow", "--lines=200", "--output=json", `HOSTD_MODEL=${name}`],
+    journal = cockpit.spawn(["hostctl", "logs", "--follow", "--lines=200", "--json=short", "--", name],
                             { err: "message" });
     journal.stream(data => {
         const lines = (partial + data).split("\n");
@@ -347,7 +350,7 @@ function followJournal(name) {
         box.scrollTop = box.scrollHeight;
     });
     journal.catch(err => {
-        if (err.problem !== "cancelled") box.append(el("div", { class: "problem", text: `journalctl: ${err.message || err}` }));
+        if (err.problem !== "cancelled") box.append(el("div", { class: "problem", text: `hostctl logs: ${err.message || err}` }));
     });
 }
 
