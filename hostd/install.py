@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -201,11 +202,23 @@ def run_tool(*argv: str) -> None:
 
 def file_change(path: Path, text: str, mode: int) -> str:
     """What writing TEXT with MODE to PATH changes: "installed" (new),
-    "updated" (other content or mode) or "unchanged"."""
+    "updated" (other content or mode) or "unchanged". Unchanged only for a
+    regular file (not a symlink: it is not followed) owned by the user
+    install runs as (root, for a real install) with MODE and TEXT: a link
+    someone planted, or a file of theirs with the right content, stays
+    theirs to change after install, under units root runs; it is replaced."""
     try:
-        same = path.read_text() == text and path.stat().st_mode & 0o7777 == mode
+        st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return "installed"
+    except OSError:
+        return "updated"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != mode:
+        return "updated"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            same = f.read() == text
     except (OSError, UnicodeDecodeError):
         return "updated"
     return "unchanged" if same else "updated"

@@ -198,6 +198,42 @@ def test_install_over_an_install_says_what_changed_and_keeps_etc_hostd(tmp_path:
     assert third[-1].startswith("hostd install: 0 installed, 0 updated, ") and third[-1].endswith(" 0 removed")
 
 
+def test_reinstall_replaces_a_planted_link_or_a_foreign_owned_file_even_with_the_same_content(tmp_path: Path):
+    """A file install writes is "unchanged" only when it is a regular file of
+    the installing user (root, for a real install) with the planned mode: a
+    symlink to a file someone else controls, or their own file, both with the
+    planned content, would let them change what root's units run later."""
+    root = tmp_path / "root"
+
+    def install() -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload"],
+                              capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    install()
+    units_dir = root / "usr/local/lib/systemd/system"
+    linked, foreign = units_dir / "model-engine@.service", units_dir / "model-weights@.service"
+    planted = tmp_path / "attacker" / linked.name
+    planted.parent.mkdir()
+    planted.write_text(linked.read_text())
+    planted.chmod(0o644)
+    linked.unlink()
+    linked.symlink_to(planted)
+    other_uid = os.geteuid() + 4242 if os.geteuid() == 0 else None
+    if other_uid is not None:  # only root can give a file away
+        os.chown(foreign, other_uid, -1)
+
+    second = install()
+    assert f"updated {linked}" in second, second
+    assert not linked.is_symlink() and linked.stat().st_uid == os.geteuid()
+    assert planted.read_text() == linked.read_text()  # the attacker's copy is left alone, no longer used
+    if other_uid is not None:
+        assert f"updated {foreign}" in second, second
+        assert foreign.stat().st_uid == os.geteuid()
+    third = install()
+    assert third[-1].startswith("hostd install: 0 installed, 0 updated, "), third[-1]
+
+
 def test_install_under_tmp_keeps_the_services_able_to_see_it(tmp_path: Path):
     root = tmp_path / "root"
     subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload",
