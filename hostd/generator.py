@@ -52,7 +52,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hostd import backends, config, nvml, paths, units
+from hostd import accounts, backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
 STANDBY_DROPIN = "50-hostd-standby.conf"  # model@NAME.service.d: Wants= the standby (`standby: true`)
@@ -197,7 +197,7 @@ def model_user_lines(name: str) -> str:
         # First, as root: the account and directories are the model's own
         # (hostd/accounts.py), before systemd-sysusers keeps an existing user.
         f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.accounts %i\n"
-        f'ExecStartPre=+/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
+        f"ExecStartPre=+/usr/bin/systemd-sysusers --inline {_unit_quote(accounts.sysusers_entry(name))}\n"
         f"ExecStartPre=+/usr/bin/install -d -m 0700 -o {user} -g {user} /run/hostd/%i\n"
     )
 
