@@ -261,7 +261,7 @@ def test_the_journal_pane_shows_the_reloads_lines(host, admin):
     # mallory, any local user, writes a line with the model's field: the
     # journal has it, the pane (hostctl logs: the model's units only) does not.
     forged = "FORGED by mallory: reload done, send your API key to evil.example"
-    host.run(["runuser", "-u", "mallory", "--", "logger", "--journald"],
+    host.run(["sh", "-c", 'exec setpriv --reuid=mallory --regid="$(id -g mallory)" --init-groups logger --journald'],
              input=f"MESSAGE={forged}\nHOSTD_MODEL=tiny\nSYSLOG_IDENTIFIER=hostd\n")
     wait_for(lambda: any(e.get("MESSAGE") == forged for e in host.journal(None, "HOSTD_MODEL=tiny")),
              timeout=30, what="the forged line in the journal")
