@@ -20,7 +20,13 @@ model writes:
   taken over.
 
 Trusts: the account database (pwd, grp) and lstat, as root sees them. It
-only reads; each refusal names the account or the path, and the owner.
+only reads (each refusal names the account or the path, and the owner),
+except `--create NAME`: configuration management (the Ansible role) creates
+the model's user before it writes the model's YAML root:USER 0640, so that
+the file's group exists; it asks the same questions first, then runs
+systemd-sysusers with the entry model@NAME.socket runs (sysusers_entry).
+`--user NAME` prints the user only. Both refuse a NAME that is not a model
+name (config.schema.model_name_problem) before using it anywhere.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import subprocess
 import sys
-from pathlib import Path
 from typing import Callable, Optional
 
 from hostd import paths, units
@@ -102,22 +108,64 @@ def problems(name: str) -> list[str]:
     return ([account] if account else []) + directory_problems(name)
 
 
-def start_check(module: str, problems_of: Callable[[str], list[str]], argv: Optional[list[str]] = None) -> int:
-    """`python -m MODULE NAME`, a check model@NAME.socket runs before the model
-    starts: each of PROBLEMS_OF(NAME) on stderr (the journal), exit 1 when any."""
+def sysusers_entry(name: str) -> str:
+    """systemd-sysusers' line for model NAME's user (and its group): the
+    comment is what account_problem recognises as hostd's."""
+    return f'u {units.user(name)} - "hostd model {name}" {paths.STATE_ROOT}/{name}'
+
+
+def create(name: str) -> int:
+    """`--create NAME`: the model's user and group, as model@NAME.socket
+    creates them at its first start, unless one of problems(NAME); prints
+    the user and whether it was created."""
+    found = problems(name)
+    for problem in found:
+        print(f"hostd: model {name}'s user is not created: {problem}", file=sys.stderr)
+    if found:
+        return 1
+    existed = _uid(units.user(name)) is not None
+    if not existed:
+        subprocess.run(["systemd-sysusers", "--inline", sysusers_entry(name)], check=True)
+    print(f"{units.user(name)} {'exists' if existed else 'created'}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from hostd.config import schema
+
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(f"usage: python -m {module} NAME", file=sys.stderr)
+    mode = argv[0] if len(argv) == 2 and argv[0] in ("--user", "--create") else None
+    if len(argv) != (2 if mode else 1):
+        print("usage: python -m hostd.accounts [--user | --create] NAME", file=sys.stderr)
         return 2
-    name = argv[0]
-    found = problems_of(name)
+    name = argv[-1]
+    problem = schema.model_name_problem(name)
+    if problem:
+        print(f"hostd: {problem}", file=sys.stderr)
+        return 1
+    if mode == "--user":
+        print(units.user(name))
+        return 0
+    if mode == "--create":
+        return create(name)
+    return refuse_start(name, problems(name))
+
+
+def refuse_start(name: str, found: list[str]) -> int:
+    """Each of FOUND on stderr (the journal) as why model NAME is not started; exit 1 when any."""
     for problem in found:
         print(f"hostd: model {name} is not started: {problem}", file=sys.stderr)
     return 1 if found else 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    return start_check("hostd.accounts", problems, argv)
+def start_check(module: str, problems_of: Callable[[str], list[str]], argv: Optional[list[str]] = None) -> int:
+    """`python -m MODULE NAME`, a check model@NAME.socket runs before the model
+    starts (hostd.secretfiles): PROBLEMS_OF(NAME), as refuse_start says them."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {module} NAME", file=sys.stderr)
+        return 2
+    return refuse_start(argv[0], problems_of(argv[0]))
 
 
 if __name__ == "__main__":

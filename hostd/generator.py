@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hostd import backends, config, nvml, paths, units
+from hostd import accounts, backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
 STANDBY_DROPIN = "50-hostd-standby.conf"  # model@NAME.service.d: Wants= the standby (`standby: true`)
@@ -209,7 +209,7 @@ def model_user_lines(name: str) -> str:
         # First, as root: the account and directories are the model's own
         # (hostd/accounts.py), before systemd-sysusers keeps an existing user.
         f"ExecStartPre=+{unit_value(sys.executable)} -m hostd.accounts %i\n"
-        f'ExecStartPre=+/usr/bin/systemd-sysusers --inline "u {user} - \\"hostd model {name}\\" /var/lib/hostd/{name}"\n'
+        f"ExecStartPre=+/usr/bin/systemd-sysusers --inline {_unit_quote(accounts.sysusers_entry(name))}\n"
         # Then: no secret of the model in a file others can read
         # (hostd/secretfiles.py); after sysusers, so that the group its
         # chown names exists.

@@ -140,8 +140,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     """journalctl's own output, so its options and pager conventions hold:
     every unit of the model and upstream's stderr carry HOSTD_MODEL=NAME
-    (the units' LogExtraFields=), the manager's lines about it too."""
-    argv = ["journalctl", f"HOSTD_MODEL={args.name}"]
+    (the units' LogExtraFields=), the manager's lines about it too. Only
+    lines of those units (_SYSTEMD_UNIT=, which journald sets) are shown:
+    any local user can write HOSTD_MODEL=NAME into the journal. journalctl
+    replaces hostctl (exec), so that stopping hostctl stops it (Cockpit's
+    journal pane runs `hostctl logs --follow`)."""
+    argv = journal_argv(args.name)
     if args.follow:
         argv.append("--follow")
     if args.lines:
@@ -149,11 +153,21 @@ def cmd_logs(args: argparse.Namespace) -> int:
     argv.append("--no-pager")  # hostctl never pages
     if args.json:
         argv += ["--output", "json" if args.json == "short" else "json-pretty"]
+    sys.stdout.flush()
     try:
-        return subprocess.call(argv)
+        os.execvp(argv[0], argv)
     except FileNotFoundError:
         print("hostctl logs: journalctl is not installed", file=sys.stderr)
         return EXIT_FAILED
+    except OSError as exc:
+        print(f"hostctl logs: cannot run journalctl: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def journal_argv(name: str) -> list[str]:
+    """journalctl matching model NAME's lines: HOSTD_MODEL=NAME and one of
+    its units (journalctl ANDs different fields and ORs one field's values)."""
+    return ["journalctl", f"HOSTD_MODEL={name}", *(f"_SYSTEMD_UNIT={unit}" for unit in units.journal_units(name))]
 
 
 def _client():
@@ -552,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NAME (F is NAME.yaml) or NAME.d/FILE.yaml (F is that drop-in)")
     p.set_defaults(func=cmd_config)
 
-    p = command("logs", help="the model's journal across its units (journalctl HOSTD_MODEL=NAME)")
+    p = command("logs", help="the model's journal across its units (journalctl HOSTD_MODEL=NAME _SYSTEMD_UNIT=...)")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
     p.add_argument("--lines", "-n", metavar="N", help="the last N lines only")

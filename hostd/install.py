@@ -12,6 +12,14 @@ Works for a virtual environment and for a system prefix alike: the units run
 the checkout (source tree, editable install) or from <prefix>/share/hostd,
 where a wheel installs them.
 
+The units run that code as root (the manager, the generator, ExecStartPre=+):
+whoever can write the interpreter, the hostd package or a directory above
+either can run code as root. So install refuses, writing nothing, when any of
+them is writable by a group or by every user (a directory above with the
+sticky bit, as /tmp, excepted), and warns loudly when one is owned by another
+user than root (an editable install from a user's checkout makes that user
+root's equal); check_code_location says which and how to fix it.
+
 Every file written is listed in /var/lib/hostd/installed-files so that
 uninstall removes exactly those. Configuration under /etc/hostd is created
 only when absent and is left in place by uninstall unless --purge.
@@ -23,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -199,13 +208,109 @@ def run_tool(*argv: str) -> None:
     subprocess.run(argv, check=True)
 
 
+def _ancestors(path: Path) -> list[Path]:
+    return list(path.parents)
+
+
+def _code_paths(python: str) -> list[tuple[Path, bool]]:
+    """(path, is_ancestor) of what root's units run: the interpreter (as named
+    and resolved) when it exists here, and, when it is this one, the hostd
+    package it imports (every file in it) and the directories other packages
+    come from, each with every directory above it."""
+    paths: list[tuple[Path, bool]] = []
+    named = Path(python).absolute()
+    if named.exists():
+        paths += [(named, False), (named.resolve(), False)]
+        paths += [(d, True) for d in _ancestors(named) + _ancestors(named.resolve())]
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        return paths  # another interpreter (--python): its packages are not known here
+    package = Path(__file__).resolve().parent
+    paths.append((package, False))
+    for directory, dirs, files in os.walk(package):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        paths += [(Path(directory, name), False) for name in dirs + files]
+    paths += [(d, True) for d in _ancestors(package)]
+    for key in ("purelib", "platlib"):
+        site = Path(sysconfig.get_path(key)).resolve()
+        if site.is_dir():
+            paths += [(site, False)] + [(d, True) for d in _ancestors(site)]
+    return paths
+
+
+def _account(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_code_location(python: str) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) about the code root's units would run: a path
+    writable by a group or every user is refused (a directory above with the
+    sticky bit excepted: others cannot rename its entries), one owned by a
+    user other than root is warned about, one line per owner."""
+    refusals: list[str] = []
+    owned_by: dict[int, list[Path]] = {}
+    seen: set[Path] = set()
+    for path, is_ancestor in _code_paths(python):
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            continue  # a link's own mode means nothing; its target is on the list
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if writable and not (is_ancestor and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+            who = "every user" if st.st_mode & stat.S_IWOTH else f"the members of group {_group(st.st_gid)}"
+            refusals.append(
+                f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}): root's units run the code "
+                f"there, so they could run anything as root; chmod go-w {path}, or install hostd where only root "
+                f"can write (a virtual environment made by root, e.g. /opt/hostd)")
+        if st.st_uid != 0:
+            owned_by.setdefault(st.st_uid, []).append(path)
+    warnings = []
+    for uid, paths in owned_by.items():
+        more = f" and {len(paths) - 1} more under it" if len(paths) > 1 else ""
+        warnings.append(
+            f"WARNING: {paths[0]}{more} owned by {_account(uid)}, not root: root's units run this code, so "
+            f"{_account(uid)} can run anything as root. An editable install from a user's checkout does this; "
+            f"install hostd as root into a root-owned virtual environment (docs/operations.md)")
+    return refusals, warnings
+
+
+def _group(gid: int) -> str:
+    import grp
+
+    try:
+        return f"{grp.getgrgid(gid).gr_name!r}"
+    except KeyError:
+        return f"gid {gid}"
+
+
 def file_change(path: Path, text: str, mode: int) -> str:
     """What writing TEXT with MODE to PATH changes: "installed" (new),
-    "updated" (other content or mode) or "unchanged"."""
+    "updated" (other content or mode) or "unchanged". Unchanged only for a
+    regular file (not a symlink: it is not followed) owned by the user
+    install runs as (root, for a real install) with MODE and TEXT: a link
+    someone planted, or a file of theirs with the right content, stays
+    theirs to change after install, under units root runs; it is replaced."""
     try:
-        same = path.read_text() == text and path.stat().st_mode & 0o7777 == mode
+        st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return "installed"
+    except OSError:
+        return "updated"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != mode:
+        return "updated"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            same = f.read() == text
     except (OSError, UnicodeDecodeError):
         return "updated"
     return "unchanged" if same else "updated"
@@ -216,6 +321,14 @@ def install(args: argparse.Namespace) -> int:
     unchanged: over an older install, what the upgrade changed), remove what
     the older one had and this one does not, and keep /etc/hostd."""
     root = Path(args.root)
+    refusals, warnings = check_code_location(args.python or sys.executable)
+    for warning in warnings:
+        print(f"hostd install: {warning}", file=sys.stderr)
+    if refusals:
+        for refusal in refusals:
+            print(f"hostd install: refused: {refusal}", file=sys.stderr)
+        print("hostd install: nothing was written", file=sys.stderr)
+        return 1
     files = planned_files(args)
     counts: dict[str, int] = {}
     for path, (text, mode) in files.items():

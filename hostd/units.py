@@ -97,3 +97,14 @@ def weights(name: str) -> str:
 
 def weights_socket(name: str) -> str:
     return instance(WEIGHTS_SOCKET, name)
+
+
+def journal_units(name: str) -> list[str]:
+    """The units whose journal lines speak for model NAME: its own (every
+    engine slot) and the manager's. journald sets _SYSTEMD_UNIT= itself from
+    the writer's cgroup, while HOSTD_MODEL= is a field anyone may write
+    (`logger --journald`, systemd-cat): a reader of one model's journal
+    (hostctl logs, the Cockpit page) matches both, so a line a local user
+    forged with HOSTD_MODEL=NAME is not shown as the model's."""
+    return [umbrella(name), socket(name), *(engine(name, slot) for slot in ENGINES), weights(name),
+            weights_socket(name), MANAGER]

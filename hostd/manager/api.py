@@ -24,6 +24,18 @@ ACTIONS = {
     "org.hostd1.manage": "start, stop or restart a model, or cancel its operation",
 }
 RELOAD_ACTION, MANAGE_ACTION = ACTIONS
+# The polkit detail `verb` of each mutating method, and the action it asks
+# for (authority.admin passes both): Access asks polkit once per verb, as the
+# method would, since a rule may grant one verb of an action and not another
+# (`stop` and not `start`); asking every verb as `start` told a page the
+# wrong answer for the others.
+VERB_ACTIONS = {
+    "reload": RELOAD_ACTION,  # Reload, ReloadJSON, Model.Reload
+    "start": MANAGE_ACTION,
+    "stop": MANAGE_ACTION,
+    "restart": MANAGE_ACTION,
+    "cancel": MANAGE_ACTION,  # Operation.Cancel
+}
 
 MODEL_PATH = f"{ROOT_PATH}/model"
 OPERATION_PATH = f"{ROOT_PATH}/operation"

@@ -199,20 +199,24 @@ class Manager(ServiceInterface):
         return json.dumps(verdict)
 
     async def access(self, name: str) -> dict[str, str]:
-        """Each polkit action of api.ACTIONS -> "" when the caller of the
-        method being handled may do it on model NAME, else the refusal the
-        mutating method would give it (polkit asked as they ask it, without
-        interaction; nothing else is done)."""
+        """Each verb of api.VERB_ACTIONS -> "" when the caller of the method
+        being handled may do it on model NAME, else the refusal the mutating
+        method would give it (polkit asked as that method asks it: its
+        action, the model and the verb, without interaction; nothing else is
+        done). Each action of api.ACTIONS -> its first verb's refusal, or ""
+        when every verb of it is allowed."""
         self.model(name)
         answer = {}
-        for action in api.ACTIONS:
-            verb = "reload" if action == api.RELOAD_ACTION else "start"
+        for verb, action in api.VERB_ACTIONS.items():
             try:
                 await self.authority.require(action, {"model": name, "verb": verb})
             except errors.AccessDenied as exc:
-                answer[action] = str(exc)
+                answer[verb] = str(exc)
             else:
-                answer[action] = ""
+                answer[verb] = ""
+        for action in api.ACTIONS:
+            answer[action] = next((answer[verb] for verb, of in api.VERB_ACTIONS.items()
+                                   if of == action and answer[verb]), "")
         return answer
 
     async def unit_verb(self, name: str, kind: str) -> str:

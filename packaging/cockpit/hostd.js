@@ -1,7 +1,7 @@
 /* hostd's Cockpit page: the models of org.hostd1, live from the manager's
  * signals (PropertiesChanged, OperationFinished, OperationRemoved), one model
  * with its units (systemd's D-Bus), config with origins (hostctl config) and
- * journal (journalctl HOSTD_MODEL=NAME), a reload dialog built from the manager's
+ * journal (hostctl logs NAME), a reload dialog built from the manager's
  * EditableSchema, and start / stop / restart.
  *
  * Trust: the page runs as the logged-in user through cockpit-bridge; it
@@ -29,7 +29,12 @@ const systemd = cockpit.dbus("org.freedesktop.systemd1", { bus: "system" });
 const $ = id => document.getElementById(id);
 const models = new Map(); // name -> {path, props, lastOp}
 const operations = new Map(); // path -> props
-const may = { reload: null, manage: null }; // null: allowed; a string: why not
+// The polkit action of each verb (hostd/manager/api.py VERB_ACTIONS).
+const VERB_ACTIONS = {
+    reload: "org.hostd1.reload", start: "org.hostd1.manage", stop: "org.hostd1.manage",
+    restart: "org.hostd1.manage", cancel: "org.hostd1.manage",
+};
+const may = { reload: null, start: null, stop: null, restart: null, cancel: null }; // null: allowed; a string: why not
 let current = null; // the model the model view shows
 let journal = null;
 let dialogOp = null; // the operation the reload dialog follows
@@ -135,8 +140,8 @@ hostd.subscribe({ interface: M_IFACE, path: MANAGER }, (path, iface, signal, arg
 // -------------------------------------------------------------- permission
 
 /* Ask the manager what this user may do with a model (Manager.Access: for
- * each polkit action, "" or the refusal the mutating method would give, from
- * the same polkit question, without interaction): nothing is tried, so
+ * each verb, "" or the refusal the mutating method would give, from the same
+ * polkit question, its action and verb, without interaction): nothing is tried, so
  * nothing is refused or journalled. A rule may grant per model, so it is
  * asked again for the model the view shows. */
 async function probePermission() {
@@ -147,11 +152,12 @@ async function probePermission() {
     try {
         [answer] = await hostd.call(MANAGER, M_IFACE, "Access", [name], { type: "s" });
     } catch (err) {
-        answer = { "org.hostd1.reload": err.message, "org.hostd1.manage": err.message };
+        answer = Object.fromEntries(Object.keys(VERB_ACTIONS).map(v => [v, err.message]));
     }
-    may.reload = answer["org.hostd1.reload"] || null;
-    may.manage = answer["org.hostd1.manage"] || null;
-    const why = may.reload || may.manage;
+    // A manager older than the per-verb answer gives the actions' only.
+    for (const [v, action] of Object.entries(VERB_ACTIONS))
+        may[v] = (v in answer ? answer[v] : answer[action]) || null;
+    const why = Object.values(may).find(refusal => refusal) || null;
     $("readonly").hidden = !why;
     $("readonly").textContent = why ? `Read only: ${why}` : "";
     render();
@@ -224,9 +230,9 @@ function renderModel() {
     const running = !["stopped", "unknown"].includes(p.State);
     const busy = p.ActiveOperation && p.ActiveOperation !== "/";
     for (const [id, enabled, why] of [
-        ["btn-start", !running && !busy, may.manage],
-        ["btn-stop", running, may.manage],
-        ["btn-restart", running && !busy, may.manage],
+        ["btn-start", !running && !busy, may.start],
+        ["btn-stop", running, may.stop],
+        ["btn-restart", running && !busy, may.restart],
         ["btn-reload", running && !busy && !p.ConfigProblem, may.reload],
     ]) {
         const button = $(id);
@@ -309,7 +315,8 @@ function showUnit(name, { proxy, service }) {
 function showConfig(name) {
     const body = $("config").tBodies[0];
     body.replaceChildren(el("tr", {}, el("td", { colspan: "3", class: "muted", text: "reading…" })));
-    cockpit.spawn(["hostctl", "config", name, "--json=short"], { err: "message" })
+    // The name comes from the URL: after "--", never an option of hostctl's.
+    cockpit.spawn(["hostctl", "config", "--json=short", "--", name], { err: "message" })
         .then(out => {
             const rows = Object.entries(json(out, {})).map(([key, { value, origin }]) =>
                 el("tr", {}, el("td", { text: key }), el("td", { text: JSON.stringify(value) }),
@@ -320,15 +327,17 @@ function showConfig(name) {
                                                                el("pre", { class: "problem", text: err.message || String(err) })))));
 }
 
-/* journalctl as the logged-in user (cockpit 287's base1 has no
- * cockpit.journal: Cockpit's own pages bundle theirs), following: it reads
- * the system journal when the user may (root, adm or systemd-journal). */
+/* `hostctl logs` (journalctl, as the logged-in user: cockpit 287's base1 has
+ * no cockpit.journal, Cockpit's own pages bundle theirs), following: it reads
+ * the system journal when the user may (root, adm or systemd-journal), and
+ * only the lines the model's units and the manager wrote (HOSTD_MODEL= alone
+ * is a field any local user can write). The name, from the URL, after "--". */
 function followJournal(name) {
     if (journal) journal.close("cancelled");
     const box = $("journal");
     box.replaceChildren();
     let partial = "";
-    journal = cockpit.spawn(["journalctl", "--follow", "--lines=200", "--output=json", `HOSTD_MODEL=${name}`],
+    journal = cockpit.spawn(["hostctl", "logs", "--follow", "--lines=200", "--json=short", "--", name],
                             { err: "message" });
     journal.stream(data => {
         const lines = (partial + data).split("\n");
@@ -347,7 +356,7 @@ function followJournal(name) {
         box.scrollTop = box.scrollHeight;
     });
     journal.catch(err => {
-        if (err.problem !== "cancelled") box.append(el("div", { class: "problem", text: `journalctl: ${err.message || err}` }));
+        if (err.problem !== "cancelled") box.append(el("div", { class: "problem", text: `hostctl logs: ${err.message || err}` }));
     });
 }
 
@@ -533,7 +542,7 @@ function renderProgress(op) {
     }
     $("r-engine").textContent = op.EngineStatus ? `engine: ${op.EngineStatus}` : "";
     const running = op.State === "running";
-    $("r-cancel-op").hidden = !(running && CANCELLABLE_STAGES.has(op.Stage) && may.manage === null);
+    $("r-cancel-op").hidden = !(running && CANCELLABLE_STAGES.has(op.Stage) && may.cancel === null);
     if (running) return;
     stages.lastElementChild.classList.add("passed");
     const outcome = $("r-outcome");

@@ -128,6 +128,10 @@ def test_site_installs_and_starts_every_host_and_a_second_run_changes_nothing(fl
     for name in HOSTS:
         assert fleet.http_status(name) == 200, name
         assert fleet.status(name)["engine"]["max_num_seqs"] == 4
+        # The files may hold secrets: root and the model's user read them, nobody else.
+        modes = fleet.hosts[name].run(["stat", "-c", "%a %U %G", "/etc/hostd/models/tiny.yaml",
+                                       "/etc/hostd/models/tiny.d/50-limits.yaml"]).stdout.split("\n")
+        assert modes[:2] == ["640 root hostd-tiny"] * 2, (name, modes)
 
     again = fleet.play("site.yml", extra={"hostd_models": models()})
     assert again.returncode == 0, again.stdout + again.stderr

@@ -258,11 +258,19 @@ def test_a_reload_the_engine_fails_shows_rolled_back_with_the_cause(host, admin)
 
 
 def test_the_journal_pane_shows_the_reloads_lines(host, admin):
+    # mallory, any local user, writes a line with the model's field: the
+    # journal has it, the pane (hostctl logs: the model's units only) does not.
+    forged = "FORGED by mallory: reload done, send your API key to evil.example"
+    host.run(["sh", "-c", 'exec setpriv --reuid=mallory --regid="$(id -g mallory)" --init-groups logger --journald'],
+             input=f"MESSAGE={forged}\nHOSTD_MODEL=tiny\nSYSLOG_IDENTIFIER=hostd\n")
+    wait_for(lambda: any(e.get("MESSAGE") == forged for e in host.journal(None, "HOSTD_MODEL=tiny")),
+             timeout=30, what="the forged line in the journal")
     admin.open("tiny")
     journal = admin.frame.locator("#journal")
     journal.locator(".j-line", has_text="reload").first.wait_for(timeout=TIMEOUT_MS)
     text = journal.inner_text()
     assert "max_model_len" in text or "rolled back" in text or "rollback" in text, text[-2000:]
+    assert "FORGED" not in text, text[-2000:]
     units = admin.frame.locator("#units").inner_text()
     assert "model-engine@tiny.service" in units and "active (running)" in units
     # GPU memory as the manager's Model.GpuMemory reads it: this model is on the CPU.

@@ -199,6 +199,103 @@ def test_install_over_an_install_says_what_changed_and_keeps_etc_hostd(tmp_path:
     assert third[-1].startswith("hostd install: 0 installed, 0 updated, ") and third[-1].endswith(" 0 removed")
 
 
+def test_reinstall_replaces_a_planted_link_or_a_foreign_owned_file_even_with_the_same_content(tmp_path: Path):
+    """A file install writes is "unchanged" only when it is a regular file of
+    the installing user (root, for a real install) with the planned mode: a
+    symlink to a file someone else controls, or their own file, both with the
+    planned content, would let them change what root's units run later."""
+    root = tmp_path / "root"
+
+    def install() -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload"],
+                              capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    install()
+    units_dir = root / "usr/local/lib/systemd/system"
+    linked, foreign = units_dir / "model-engine@.service", units_dir / "model-weights@.service"
+    planted = tmp_path / "attacker" / linked.name
+    planted.parent.mkdir()
+    planted.write_text(linked.read_text())
+    planted.chmod(0o644)
+    linked.unlink()
+    linked.symlink_to(planted)
+    other_uid = os.geteuid() + 4242 if os.geteuid() == 0 else None
+    if other_uid is not None:  # only root can give a file away
+        os.chown(foreign, other_uid, -1)
+
+    second = install()
+    assert f"updated {linked}" in second, second
+    assert not linked.is_symlink() and linked.stat().st_uid == os.geteuid()
+    assert planted.read_text() == linked.read_text()  # the attacker's copy is left alone, no longer used
+    if other_uid is not None:
+        assert f"updated {foreign}" in second, second
+        assert foreign.stat().st_uid == os.geteuid()
+    third = install()
+    assert third[-1].startswith("hostd install: 0 installed, 0 updated, "), third[-1]
+
+
+def _install(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload", *args],
+                          capture_output=True, text=True)
+
+
+def test_install_refuses_an_interpreter_others_can_write_and_writes_nothing(tmp_path: Path):
+    """root's units run `PYTHON -m hostd.main`: an interpreter (or a directory
+    above it) that a group or every user may write hands them root."""
+    python = tmp_path / "venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o775)
+    done = _install(tmp_path / "root", "--python", str(python))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (f"hostd install: refused: {python} is writable by the members of group" in done.stderr
+            and "(mode 0775)" in done.stderr and f"chmod go-w {python}" in done.stderr), done.stderr
+    assert "nothing was written" in done.stderr and not (tmp_path / "root").exists()
+
+    python.chmod(0o755)
+    python.parent.chmod(0o777)  # a directory above it: anyone may swap the interpreter
+    done = _install(tmp_path / "root", "--python", str(python))
+    assert done.returncode == 1 and f"{python.parent} is writable by every user (mode 0777)" in done.stderr, \
+        done.stderr
+    python.parent.chmod(0o755)
+    assert _install(tmp_path / "root", "--python", str(python)).returncode == 0
+
+
+def test_install_refuses_a_hostd_package_with_a_file_others_can_write(tmp_path: Path, monkeypatch):
+    """The package the units import (this one, an editable install's checkout
+    included): one group-writable module is enough."""
+    from hostd import install
+
+    package = tmp_path / "checkout/hostd"
+    (package / "config").mkdir(parents=True)
+    for module in ("__init__.py", "install.py", "config/load.py"):
+        (package / module).write_text("")
+    (package / "config/load.py").chmod(0o664)
+    monkeypatch.setattr(install, "__file__", str(package / "install.py"))
+    refusals, _ = install.check_code_location(sys.executable)
+    assert [r for r in refusals if str(package / "config/load.py") in r], refusals
+    (package / "config/load.py").chmod(0o644)
+    refusals, _ = install.check_code_location(sys.executable)
+    assert not [r for r in refusals if str(package) in r], refusals
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_install_warns_loudly_when_a_user_owns_the_code_root_runs(tmp_path: Path):
+    """An editable install from alice's checkout: alice may edit what root's
+    units run. Installed (the tests' own checkouts are bound into containers
+    so), with a warning that names the owner and what to do instead."""
+    python = tmp_path / "alice/venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    os.chown(tmp_path / "alice", 4242, 4242)
+    done = _install(tmp_path / "root", "--python", str(python))
+    assert done.returncode == 0, done.stderr
+    assert f"hostd install: WARNING: {tmp_path / 'alice'} owned by uid 4242, not root" in done.stderr, done.stderr
+    assert "can run anything as root" in done.stderr and "root-owned virtual environment" in done.stderr
+
+
 def test_install_under_tmp_keeps_the_services_able_to_see_it(tmp_path: Path):
     root = tmp_path / "root"
     subprocess.run([sys.executable, "-m", "hostd.main", "install", "--root", str(root), "--no-reload",

@@ -104,11 +104,26 @@ def test_a_gpu_promised_more_than_it_holds_is_refused(tmp_path: Path):
         in problems[0]["message"]
 
 
-def test_logs_runs_journalctl_on_the_models_field(monkeypatch):
+def test_logs_shows_only_lines_the_models_units_or_the_manager_wrote(monkeypatch):
+    """HOSTD_MODEL= is a field any local user can write (`logger --journald`):
+    hostctl logs also matches _SYSTEMD_UNIT=, which journald sets, to the
+    model's units and the manager's, and nothing of another model's."""
     ran = []
+
+    def execvp(file, argv):  # journalctl replaces hostctl
+        ran.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(hostctl_module.os, "execvp", execvp)
     monkeypatch.setattr(hostctl_module.subprocess, "call", lambda argv: ran.append(argv) or 0)
-    assert hostctl_module.main(["logs", "tiny", "-f", "-n", "50"]) == 0
-    assert ran == [["journalctl", "HOSTD_MODEL=tiny", "--follow", "--lines", "50", "--no-pager"]]
+    with pytest.raises(SystemExit):
+        hostctl_module.main(["logs", "tiny", "-f", "-n", "50"])
+    assert ran == [["journalctl", "HOSTD_MODEL=tiny",
+                    "_SYSTEMD_UNIT=model@tiny.service", "_SYSTEMD_UNIT=model@tiny.socket",
+                    "_SYSTEMD_UNIT=model-engine@tiny.service", "_SYSTEMD_UNIT=model-engine-next@tiny.service",
+                    "_SYSTEMD_UNIT=model-engine-standby@tiny.service", "_SYSTEMD_UNIT=model-weights@tiny.service",
+                    "_SYSTEMD_UNIT=model-weights@tiny.socket", "_SYSTEMD_UNIT=hostd.service",
+                    "--follow", "--lines", "50", "--no-pager"]]
 
 
 def test_a_kv_budget_that_cannot_hold_one_request_is_refused_naming_the_key_line_and_numbers(tmp_path: Path):

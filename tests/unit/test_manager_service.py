@@ -232,18 +232,25 @@ def test_access_says_what_the_caller_may_do_as_the_mutating_methods_would_decide
         manager = await manager_of(world)
         asked = []
 
-        async def require(action, details):
+        refused = "access denied: uid 1001 is not authorized to start, stop or restart a model (polkit action x)"
+
+        async def require(action, details):  # a rule that grants stop and nothing else of manage
             asked.append((action, details))
-            if action == api.MANAGE_ACTION:
-                raise errors.AccessDenied("access denied: uid 1001 is not authorized to start (polkit action x)")
+            if action == api.MANAGE_ACTION and details["verb"] != "stop":
+                raise errors.AccessDenied(refused)
 
         answer = await call(manager.Access, "tiny")  # no caller (not through the bus): refused, like Reload
-        assert set(answer) == set(api.ACTIONS) and all(answer.values()), answer
+        assert set(answer) == {*api.ACTIONS, *api.VERB_ACTIONS} and all(answer.values()), answer
         manager.authority.require = require
         assert await call(manager.Access, "tiny") == {
-            api.RELOAD_ACTION: "", api.MANAGE_ACTION: "access denied: uid 1001 is not authorized to start (polkit action x)"}
+            "reload": "", "start": refused, "stop": "", "restart": refused, "cancel": refused,
+            api.RELOAD_ACTION: "", api.MANAGE_ACTION: refused}
+        # polkit asked as each method asks it: its action and its verb
         assert asked == [(api.RELOAD_ACTION, {"model": "tiny", "verb": "reload"}),
-                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "start"})]
+                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "start"}),
+                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "stop"}),
+                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "restart"}),
+                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "cancel"})]
         with pytest.raises(DBusError) as missing:
             await call(manager.Access, "nope")
         assert missing.value.type == api.error_name("NoSuchModel")

@@ -41,3 +41,14 @@ def test_every_installed_service_is_rated_ok(tmp_path: Path):
                            "model-engine-next@tiny.service", "model-engine-standby@tiny.service",
                            "model-weights@tiny.service"}
     assert all(score <= 3.0 for score in scores.values()), scores
+
+
+def test_every_model_service_tags_its_journal_lines_with_the_model():
+    """`hostctl logs` and the Cockpit page select a model's lines by
+    HOSTD_MODEL= and the model's units: a unit without LogExtraFields= (the
+    standby once) has its upstream stderr and crash lines left out."""
+    services = {name: text for name, text in install.render_units("/usr/bin/python3", "/etc/hostd").items()
+                if name.startswith("model") and name.endswith(".service")}
+    assert "model-engine-standby@.service" in services
+    untagged = [name for name, text in services.items() if "\nLogExtraFields=HOSTD_MODEL=%i\n" not in text]
+    assert untagged == []
