@@ -1,5 +1,5 @@
 """hostd's configuration: schema (what is valid), load (files, merge, origins),
-check (every problem of the host's files, for `hostctl config --check`),
+host_check (every problem of the host's files, for `hostctl config --check`),
 atomic (how the manager writes drop-ins)."""
 
 from hostd.config.atomic import write_atomic
@@ -15,7 +15,7 @@ from hostd.config.load import (
     load_model,
     model_file,
 )
-from hostd.config.check import check, check_candidate, exposure_warnings
+from hostd.config.host_check import check, check_candidate, exposure_warnings
 from hostd.config.schema import editable_fields, model_name_problem
 
 __all__ = [

@@ -48,7 +48,7 @@ def test_model_files_are_written_for_root_and_the_models_user_only(monkeypatch):
     every local user read them."""
     import grp
 
-    from hostd.config import load
+    from hostd.config import host_check
 
     defaults = yaml.safe_load((ANSIBLE / "roles/hostd/defaults/main.yml").read_text())
     copies = [task["ansible.builtin.copy"] for task in role_tasks("model.yml") if "ansible.builtin.copy" in task]
@@ -62,7 +62,7 @@ def test_model_files_are_written_for_root_and_the_models_user_only(monkeypatch):
                         if group == "hostd-tiny" else (_ for _ in ()).throw(KeyError(group)))
     mode = int(defaults["hostd_config_mode"], 8)
     written = os.stat_result((stat.S_IFREG | mode, 0, 0, 1, 0, model_gid, 0, 0, 0, 0))
-    assert load._other_readers(written, "tiny") is None, oct(mode)
+    assert host_check._other_readers(written, "tiny") is None, oct(mode)
 
 
 def test_the_role_refuses_a_model_name_hostd_refuses_before_using_it_in_a_path(tmp_path: Path):
