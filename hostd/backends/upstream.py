@@ -28,7 +28,8 @@ from typing import ClassVar, Optional
 from packaging.version import InvalidVersion, Version
 
 from hostd import nvml
-from hostd.config.load import ConfigError, read_regular_file
+from hostd.config.problems import ConfigError
+from hostd.config.yaml_files import read_regular_file
 from hostd.backends.base import Backend, Command
 
 # Variables that make PyTorch's allocator hand out expandable segments. CUDA

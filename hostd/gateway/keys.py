@@ -66,7 +66,8 @@ def read(path: Path) -> list[str]:
     lines skipped); KeysError naming PATH when it cannot be read as a regular
     UTF-8 file of at most MAX_KEYS_BYTES or holds no key. Opened as the
     loader opens config files: a FIFO cannot hang the reader."""
-    from hostd.config.load import ConfigError, read_regular_file
+    from hostd.config.problems import ConfigError
+    from hostd.config.yaml_files import read_regular_file
 
     try:
         data = read_regular_file(path, str(path))

@@ -23,7 +23,7 @@ from typing import Optional
 import msgspec
 
 from hostd import config as hostd_config
-from hostd.config import schema
+from hostd.config import schema, yaml_files
 from hostd.config.atomic import remove_durably, write_atomic
 from hostd.manager import errors
 from hostd.manager.records import Committed
@@ -61,7 +61,7 @@ def merge_patch(dropin: Path, patch: dict) -> dict:
     """What DROPIN (90-reload.yaml) holds once PATCH is merged into its engine
     section: the one place a patch meets the file, parsed by the config loader."""
     try:
-        data = hostd_config.load.read_yaml(dropin).data if dropin.exists() else {}
+        data = yaml_files.read_yaml(dropin).data if dropin.exists() else {}
     except hostd_config.ConfigError as exc:
         raise errors.InvalidValue(f"{RELOAD_DROPIN} cannot be merged with the patch:\n{exc}") from None
     engine = data.get("engine")
@@ -76,7 +76,7 @@ def render(file_name: str, header: str, data: dict) -> str:
     """The text of a drop-in root writes: refused (InvalidValue naming the key)
     where the config loader would refuse the file, before anything is written."""
     try:
-        return hostd_config.load.render_yaml(data, file_name, header)
+        return yaml_files.render_yaml(data, file_name, header)
     except hostd_config.ConfigError as exc:
         raise errors.InvalidValue("; ".join(map(str, exc.problems))) from None
 
