@@ -21,57 +21,21 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from hostd import paths, units
+from hostd import paths
 
 Backend = Literal["builtin", "vllm", "sglang"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
-MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-MODEL_NAME_RULE = (
-    "letters, digits, '_', '.', '-', starting with a letter or digit, "
-    f"at most {paths.max_model_name_length()} characters "
-    "(so every socket path under /run/hostd/NAME/ fits the 108-byte limit)"
+# The rules for the strings a config holds live in values.py; re-exported
+# here, where every reader of the schema has found them.
+from hostd.config.values import (  # noqa: E402,F401
+    MODEL_NAME_RE,
+    MODEL_NAME_RULE,
+    control_character_problem,
+    listen_address_problem,
+    model_name_problem,
+    refuse_control_characters,
 )
-
-
-def model_name_problem(name: str) -> Optional[str]:
-    """Why NAME cannot be a model name, or None when it can."""
-    if not MODEL_NAME_RE.fullmatch(name):
-        return f"model name {name!r} is not allowed: use {MODEL_NAME_RULE}"
-    if len(name) > paths.max_model_name_length():
-        return (
-            f"model name {name!r} is {len(name)} characters long: "
-            f"use {MODEL_NAME_RULE}"
-        )
-    if name in paths.RESERVED_NAMES:
-        return f"model name {name!r} is reserved: {paths.RESERVED_NAMES[name]}; choose another name"
-    problem = units.user_problem(name)
-    if problem:
-        return f"model name {name!r} is reserved: {problem}; choose another name"
-    return None
-
-
-def control_character_problem(key: str, value: str) -> Optional[str]:
-    """Why VALUE cannot be used for KEY: a control character. Such strings reach
-    unit files (a newline there starts a new setting, e.g. an ExecStartPre= run
-    as root), environment blocks and command lines, so every string a model
-    config passes on is refused with one, not escaped. The problem names the
-    key, the character and its position, never the value: it may be a secret
-    (an env: token), and the problem reaches ConfigProblem (any local user),
-    the generator's 0644 drop-in and the journal."""
-    for i, c in enumerate(value):
-        if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F:
-            return (f"{key}: the value contains the control character U+{ord(c):04X} ({c!r}) at position {i} "
-                    f"of {len(value)}; remove it (a YAML '|' block ends with a newline, '|-' does not)")
-    return None
-
-
-def refuse_control_characters(strings: list[tuple[str, str]]) -> None:
-    """Raise ValueError for the first (key, value) whose value has a control character."""
-    for key, value in strings:
-        problem = control_character_problem(key, value)
-        if problem:
-            raise ValueError(problem)
 
 
 def _doc(description: str, **constraints) -> Meta:
@@ -616,22 +580,3 @@ def editable_schema(backend: str) -> dict:
     engine = ENGINE_TYPES[backend]
     generated = msgspec.json.schema(engine)
     return generated["$defs"][engine.__name__]
-
-
-def listen_address_problem(listen: str) -> Optional[str]:
-    """Why LISTEN is not a usable public address, or None."""
-    if listen.startswith("/"):
-        if len(listen.encode()) > paths.SUN_PATH_MAX:
-            return f"{listen!r} is longer than {paths.SUN_PATH_MAX} bytes"
-        return None
-    host, sep, port = listen.rpartition(":")
-    if not sep:
-        port = listen
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return (
-            f"{listen!r} has no port from 1 to 65535; use 'PORT', 'HOST:PORT', "
-            "'[IPv6]:PORT' or an absolute socket path"
-        )
-    if host.startswith("[") != host.endswith("]"):
-        return f"{listen!r}: an IPv6 host must be written in brackets, [::1]:PORT"
-    return None
