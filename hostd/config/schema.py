@@ -21,7 +21,6 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from hostd import paths
 
 Backend = Literal["builtin", "vllm", "sglang"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
