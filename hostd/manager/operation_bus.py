@@ -61,6 +61,27 @@ class OperationInterface(ServiceInterface):
         return self.op.strategy_name
 
     @dbus_property(access=PropertyAccess.READ)
+    def Stages(self) -> "as":
+        """The stages a reload passes through when it ends done, in order, as
+        its strategy says (strategies.py); ["validate", "preflight",
+        "finished"] before the preflight chose; [] for start, stop, restart
+        and recovery operations. A reload that fails, is cancelled or rolls
+        back leaves this path for restore or rollback (then finished)."""
+        return self.stages()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Cancellable(self) -> "b":
+        """Would Cancel() be honoured now (a running reload in a stage its
+        strategy lets Cancel end)."""
+        return self.cancellable()
+
+    def stages(self) -> list[str]:
+        return [stage.value for stage in self.op.stages()] if self.kind == "reload" else []
+
+    def cancellable(self) -> bool:
+        return self.kind == "reload" and self.op.cancellable()
+
+    @dbus_property(access=PropertyAccess.READ)
     def WeightsReused(self) -> "b":
         return self.op.weights_reused
 
@@ -110,7 +131,7 @@ class OperationInterface(ServiceInterface):
     def changed(self) -> None:
         self.emit_properties_changed({
             "State": self.op.state.value, "Stage": self.op.stage.value, "Error": self.op.error,
-            "Strategy": self.op.strategy_name,
+            "Strategy": self.op.strategy_name, "Stages": self.stages(), "Cancellable": self.cancellable(),
             "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
             "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
             "StageUSec": int(self.op.stage_entered * 1e6), "EngineStatus": self.engine_status(),
