@@ -42,21 +42,24 @@ class State(str, enum.Enum):
 
 
 class Stage(str, enum.Enum):
+    """Every stage's name (the D-Bus value of Operation.Stage); which
+    strategy passes which is the strategy's (strategies.py)."""
+
     VALIDATE = "validate"
     PREFLIGHT = "preflight"
     RECORD = "record"
-    DRAIN = "drain"
+    DRAIN = "drain"  # restart: the gateway holds new requests, the running ones end
     START_NEXT = "start-next"  # overlap: the second engine starts and is verified
     REBUILD = "rebuild"  # standby: the standby rebuilds on the target config and is verified
-    SWITCH = "switch"  # overlap: the gateway sends new requests to it
-    SETTLE = "settle"  # overlap: the requests running on the old engine finish there
+    SWITCH = "switch"  # overlap, standby: the gateway sends new requests to the second engine
+    SETTLE = "settle"  # overlap, standby: the requests running on the main engine finish there
     RESTART = "restart"
     VERIFY = "verify"
     RESUME = "resume"
     RETIRE = "retire"  # overlap: the second engine stops
     COMMIT = "commit"
     ROLLBACK = "rollback"
-    RESTORE = "restore"  # put the drop-in back after a drain that did not finish
+    RESTORE = "restore"  # a failure before the main engine's restart: the strategy puts things back
     FINISHED = "finished"
 
 
