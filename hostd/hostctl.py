@@ -198,13 +198,13 @@ def parse_assignments(pairs: list[str]) -> dict:
     return patch
 
 
-def stage_text(op: dict) -> str:
-    """An operation's Stage, with where it stands on its strategy's path
-    (Stages) and whether Cancel() would be honoured now (Cancellable): the
-    manager's words, never a table of hostctl's."""
-    stage, path = op.get("Stage", "..."), op.get("Stages") or []
-    text = f"{stage}, stage {path.index(stage) + 1} of {len(path)}" if stage in path else stage
-    return text + (", cancellable" if op.get("Cancellable") else "")
+def stage_facts(op: dict) -> list[str]:
+    """Where an operation's Stage stands on its strategy's path (Stages) and
+    whether Cancel() would be honoured now (Cancellable): the manager's
+    words, never a table of hostctl's."""
+    stage, path = op.get("Stage"), op.get("Stages") or []
+    return ([f"{path.index(stage) + 1} of {len(path)}"] if stage in path else []) + \
+        (["cancellable"] if op.get("Cancellable") else [])
 
 
 class Progress:
@@ -240,7 +240,8 @@ class Progress:
         props = self.props
         stage_s = max(0.0, time.time() - props.get("StageUSec", 0) / 1e6) if props.get("StageUSec") else 0.0
         strategy = f" (strategy {props['Strategy']})" if props.get("Strategy") else ""
-        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {stage_text(props)} ({stage_s:.1f} s)"
+        facts = ", ".join([f"{stage_s:.1f} s", *stage_facts(props)])
+        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({facts})"
         if props.get("Stage") == "restart" and props.get("EngineStatus"):
             text += f", engine: {props['EngineStatus']}"
         return text + f"  [{time.monotonic() - self.started:.1f} s]"
@@ -395,7 +396,7 @@ def describe_operation(op: Optional[dict]) -> str:
     if op.get("FinishedUSec"):
         text += f" in {(op['FinishedUSec'] - op['CreatedUSec']) / 1e6:.1f} s, {_ago(op['FinishedUSec'])}"
     else:
-        text += f" (stage {stage_text(op)})"
+        text += f" (stage {', '.join([op['Stage'], *stage_facts(op)])})"
     return text
 
 

@@ -97,14 +97,15 @@ def test_ctrl_c_says_whether_a_cancel_would_be_honoured_as_the_manager_said_last
 
 def test_the_progress_line_shows_the_stage_on_the_strategys_path_and_whether_it_is_cancellable():
     props = {"Id": 7, "State": "running", "Strategy": "standby", "Stages": STAGES}
-    assert hostctl.stage_text({**props, "Stage": "rebuild", "Cancellable": True}) == \
-        "rebuild, stage 4 of 11, cancellable"
-    assert hostctl.stage_text({**props, "Stage": "settle", "Cancellable": False}) == "settle, stage 6 of 11"
-    assert hostctl.stage_text({**props, "Stage": "rollback", "Cancellable": False}) == "rollback"  # off the path
-    assert hostctl.stage_text({"Stage": "drain"}) == "drain"  # an older manager, without either property
+    assert hostctl.stage_facts({**props, "Stage": "rebuild", "Cancellable": True}) == ["4 of 11", "cancellable"]
+    assert hostctl.stage_facts({**props, "Stage": "settle", "Cancellable": False}) == ["6 of 11"]
+    assert hostctl.stage_facts({**props, "Stage": "rollback", "Cancellable": False}) == []  # off the path
+    assert hostctl.stage_facts({"Stage": "drain"}) == []  # an older manager, without either property
     line = hostctl.Progress("tiny", stream=io.StringIO())
     line.props = {**props, "Stage": "rebuild", "Cancellable": True, "StageUSec": 0}
-    assert line.line().startswith("reload 7 of tiny (strategy standby): rebuild, stage 4 of 11, cancellable (0.0 s)")
+    assert line.line().startswith("reload 7 of tiny (strategy standby): rebuild (0.0 s, 4 of 11, cancellable)")
+    assert hostctl.describe_operation({"Kind": "reload", "Id": 7, **line.props}) == \
+        "reload 7 running (strategy standby) (stage rebuild, 4 of 11, cancellable)"
 
 
 def test_a_reload_waited_for_reports_its_end(monkeypatch, capsys):
