@@ -204,6 +204,15 @@ def parse_assignments(pairs: list[str]) -> dict:
     return patch
 
 
+def stage_facts(op: dict) -> list[str]:
+    """Where an operation's Stage stands on its strategy's path (Stages) and
+    whether Cancel() would be honoured now (Cancellable): the manager's
+    words, never a table of hostctl's."""
+    stage, path = op.get("Stage"), op.get("Stages") or []
+    return ([f"{path.index(stage) + 1} of {len(path)}"] if stage in path else []) + \
+        (["cancellable"] if op.get("Cancellable") else [])
+
+
 class Progress:
     """A reload's stages as they happen. On a terminal: one line redrawn four
     times a second with the stage's elapsed time and the engine's STATUS=;
@@ -237,7 +246,8 @@ class Progress:
         props = self.props
         stage_s = max(0.0, time.time() - props.get("StageUSec", 0) / 1e6) if props.get("StageUSec") else 0.0
         strategy = f" (strategy {props['Strategy']})" if props.get("Strategy") else ""
-        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({stage_s:.1f} s)"
+        facts = ", ".join([f"{stage_s:.1f} s", *stage_facts(props)])
+        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({facts})"
         if props.get("Stage") == "restart" and props.get("EngineStatus"):
             text += f", engine: {props['EngineStatus']}"
         return text + f"  [{time.monotonic() - self.started:.1f} s]"
@@ -311,20 +321,28 @@ def cmd_reload(args: argparse.Namespace) -> int:
         return cmd_reload_check(args, patch)
     progress = Progress(args.name) if not (args.quiet or args.json) else None
     path = result = None
+    last: dict = {}  # the operation as last seen
+
+    def seen(props: dict) -> None:
+        last.update(props)
+        if progress:
+            progress(props)
     with _client() as hostd, (progress or contextlib.nullcontext()):
         path = hostd.reload(args.name, patch, wait=False)["path"]
         if args.no_wait:
             print(path)
             return 0
         try:
-            result = {"path": path, **hostd.wait(path, on_change=progress)}
+            result = {"path": path, **hostd.wait(path, on_change=seen)}
         except KeyboardInterrupt:  # the manager runs the reload, not us: say so (importctl's way)
             pass
     if result is None:
         op_id = path.rsplit("/", 1)[-1]
+        cancel = (f"`hostctl cancel {op_id}` cancels it now" if last.get("Cancellable") else
+                  f"it is past what `hostctl cancel {op_id}` may end" if last else
+                  f"`hostctl cancel {op_id}` cancels it while its Cancellable property is true")
         print(f"hostctl: reload {op_id} of {args.name} continues in the background; "
-              f"`hostctl cancel {op_id}` cancels it while it drains, `hostctl status {args.name}` shows how it ends",
-              file=sys.stderr)
+              f"{cancel}, `hostctl status {args.name}` shows how it ends", file=sys.stderr)
         return 130
     state = result["State"]
     if args.json:
@@ -384,7 +402,7 @@ def describe_operation(op: Optional[dict]) -> str:
     if op.get("FinishedUSec"):
         text += f" in {(op['FinishedUSec'] - op['CreatedUSec']) / 1e6:.1f} s, {_ago(op['FinishedUSec'])}"
     else:
-        text += f" (stage {op['Stage']})"
+        text += f" (stage {', '.join([op['Stage'], *stage_facts(op)])})"
     return text
 
 
@@ -403,7 +421,8 @@ def model_summary(hostd, name: str) -> dict:
         "standby_pid": props.get("StandbyPID", 0), "start_problem": props.get("StartProblem", ""),
         "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
         "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
-                                                          "WeightsReused", "CreatedUSec", "FinishedUSec")},
+                                                          "WeightsReused", "CreatedUSec", "FinishedUSec",
+                                                          "Stages", "Cancellable")},
         "_last_operation_text": describe_operation(op),
     }
 
@@ -595,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_is_active)
     p = command("operations", help="operations since the manager started")
     p.set_defaults(func=cmd_operations)
-    p = command("cancel", help="cancel an operation (during its drain)")
+    p = command("cancel", help="cancel a reload (while its Cancellable property is true)")
     p.add_argument("id", type=int, metavar="ID")
     p.set_defaults(func=cmd_cancel)
     for verb in ("start", "stop", "restart"):

@@ -44,7 +44,7 @@ KINDS = {
     "NoSuchOperation": "GetOperation of an id that is not (or no longer) on the bus",
     "NotEditable": "a fixed field, a field the backend does not have, or fixed fields changed on disk",
     "InvalidValue": "a wrong type, out of range, refused by the backend, or overridden by a later drop-in",
-    "Busy": "another operation runs on the model; or Cancel past the drain",
+    "Busy": "another operation runs on the model; or Cancel where the Operation is not Cancellable",
     "NotRunning": "the model is not started, or the operation already ended",
     "InsufficientMemory": "the GPU preflight says the new engine would not fit",
 }

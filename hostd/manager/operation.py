@@ -1,7 +1,10 @@
-"""One reload as the manager and D-Bus see it: its states, its strategies, its
-stages and the one table of allowed transitions between them (TRANSITIONS),
+"""One reload as the manager and D-Bus see it: its states, the names of its
+stages, the skeleton's rule of which stage may follow which (transitions()),
 and the Operation that moves through them, writing one journal line per
-transition. The stages themselves are functions in reload.py.
+transition. Each strategy (strategies.py) says which stages its reload
+passes, where Cancel() is honoured, and runs them; the Operation is handed
+its strategy by the preflight and asks it. The skeleton's stages are
+functions in reload.py.
 
 Trust: nothing here reads or writes outside the manager's memory; the journal
 lines carry the model's name and the operation's id as fields.
@@ -14,7 +17,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -38,62 +41,72 @@ class State(str, enum.Enum):
     UNCHANGED = "unchanged"  # nothing to apply: the engine runs the target config already
 
 
-class Strategy(str, enum.Enum):
-    OVERLAP = "overlap"
-    RESTART = "restart"
-    STANDBY = "standby"  # standby: true and the standby answers: it rebuilds, then serves while main restarts
-
-
 class Stage(str, enum.Enum):
+    """Every stage's name (the D-Bus value of Operation.Stage); which
+    strategy passes which is the strategy's (strategies.py)."""
+
     VALIDATE = "validate"
     PREFLIGHT = "preflight"
     RECORD = "record"
-    DRAIN = "drain"
+    DRAIN = "drain"  # restart: the gateway holds new requests, the running ones end
     START_NEXT = "start-next"  # overlap: the second engine starts and is verified
     REBUILD = "rebuild"  # standby: the standby rebuilds on the target config and is verified
-    SWITCH = "switch"  # overlap: the gateway sends new requests to it
-    SETTLE = "settle"  # overlap: the requests running on the old engine finish there
+    SWITCH = "switch"  # overlap, standby: the gateway sends new requests to the second engine
+    SETTLE = "settle"  # overlap, standby: the requests running on the main engine finish there
     RESTART = "restart"
     VERIFY = "verify"
     RESUME = "resume"
     RETIRE = "retire"  # overlap: the second engine stops
     COMMIT = "commit"
     ROLLBACK = "rollback"
-    RESTORE = "restore"  # put the drop-in back after a drain that did not finish
+    RESTORE = "restore"  # a failure before the main engine's restart: the strategy puts things back
     FINISHED = "finished"
 
 
-# Which stage may follow which; anything else is a bug and raises.
-TRANSITIONS: dict[Stage, set[Stage]] = {
-    Stage.VALIDATE: {Stage.PREFLIGHT, Stage.FINISHED},
-    Stage.PREFLIGHT: {Stage.RECORD, Stage.RESTORE, Stage.FINISHED},
-    Stage.RECORD: {Stage.DRAIN, Stage.START_NEXT, Stage.REBUILD, Stage.RESTORE},
-    Stage.REBUILD: {Stage.SWITCH, Stage.RESTORE},
-    Stage.DRAIN: {Stage.RESTART, Stage.RESTORE},
-    Stage.START_NEXT: {Stage.SWITCH, Stage.RESTORE},
-    Stage.SWITCH: {Stage.SETTLE, Stage.RESTORE},
-    Stage.SETTLE: {Stage.RESTART, Stage.RESTORE},
-    Stage.RESTART: {Stage.VERIFY, Stage.ROLLBACK},
-    Stage.VERIFY: {Stage.RESUME, Stage.ROLLBACK},
-    Stage.RESUME: {Stage.RETIRE, Stage.COMMIT, Stage.FINISHED},
-    Stage.RETIRE: {Stage.COMMIT, Stage.FINISHED},
-    Stage.COMMIT: {Stage.FINISHED},
-    Stage.ROLLBACK: {Stage.RESUME, Stage.FINISHED},
-    Stage.RESTORE: {Stage.FINISHED},
-    Stage.FINISHED: set(),
+# Before the preflight has chosen a strategy: validate, preflight, and the
+# end of a reload refused there (or unchanged). Cancel() is honoured here.
+BEFORE_CHOICE: dict[Stage, frozenset[Stage]] = {
+    Stage.VALIDATE: frozenset({Stage.PREFLIGHT, Stage.FINISHED}),
+    Stage.PREFLIGHT: frozenset({Stage.FINISHED}),
 }
-# Where Cancel() is honoured, per strategy: until the drain ends (restart), or
-# until the gateway switches to the second engine (overlap) or to the rebuilt
-# standby (standby); before the preflight has chosen, both. Past it the
-# reload runs to its end.
-CANCELLABLE = {
-    "": (Stage.VALIDATE, Stage.PREFLIGHT),
-    "restart": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN),
-    "overlap": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.START_NEXT),
-    "standby": (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.REBUILD),
-}
-CANCEL_ENDS = {"": "its preflight", "restart": "its drain", "overlap": "its switch to the second engine",
-               "standby": "its switch to the standby"}
+
+
+def transitions(path: tuple[Stage, ...]) -> dict[Stage, frozenset[Stage]]:
+    """Which stage may follow which for a strategy whose reload, when it ends
+    done, passes through PATH (validate ... restart, verify, resume ...
+    commit, finished); anything else is a bug and raises. The skeleton adds
+    its ways out (reload.py): every stage from record up to the main
+    engine's restart may end in restore (the files put back, the main engine
+    never stopped); restart and verify in rollback, which hands the gateway
+    back (resume) or ends; from resume on a failure still commits (the
+    target runs) or ends; preflight may go to restore (a cancel before
+    record)."""
+    table = {stage: set() for stage in Stage}
+    for stage, after in zip(path, path[1:]):
+        table[stage].add(after)
+    for stage, after in BEFORE_CHOICE.items():
+        table[stage] |= after
+    restart, resume, commit = path.index(Stage.RESTART), path.index(Stage.RESUME), path.index(Stage.COMMIT)
+    for stage in (Stage.PREFLIGHT, *path[path.index(Stage.RECORD):restart]):
+        table[stage].add(Stage.RESTORE)
+    for stage in (Stage.RESTART, Stage.VERIFY):
+        table[stage].add(Stage.ROLLBACK)
+    table[Stage.ROLLBACK] |= {Stage.RESUME, Stage.FINISHED}
+    for stage in path[resume:commit]:
+        table[stage] |= {Stage.COMMIT, Stage.FINISHED}
+    table[Stage.RESTORE].add(Stage.FINISHED)
+    return {stage: frozenset(after) for stage, after in table.items()}
+
+
+class Plan(Protocol):
+    """What an Operation asks of its strategy (a strategies.Strategy, handed
+    in by the preflight; this module imports none)."""
+
+    name: str  # the D-Bus value of Operation.Strategy
+    stages: tuple[Stage, ...]  # the path of a reload that ends done
+    cancellable: frozenset[Stage]  # where Cancel() is honoured
+    cancel_ends: str  # "its drain": what Cancel() is refused past
+    transitions: dict[Stage, frozenset[Stage]]  # transitions(stages)
 
 
 class Cancelled(Exception):
@@ -111,7 +124,7 @@ class Operation:
     id: int
     model: str
     patch: dict
-    strategy: str = ""  # Strategy, once the preflight chose
+    strategy: Optional[Plan] = None  # a strategies.Strategy, once the preflight chose
     state: State = State.RUNNING
     stage: Stage = Stage.VALIDATE
     error: str = ""
@@ -127,7 +140,24 @@ class Operation:
     asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel() and interrupt()
 
     def cancellable(self) -> bool:
-        return self.stage in CANCELLABLE.get(self.strategy, ())
+        """Would Cancel() be honoured now: before the preflight has chosen,
+        or in a stage the strategy says Cancel may end."""
+        if self.state != State.RUNNING:
+            return False
+        return self.stage in (self.strategy.cancellable if self.strategy else BEFORE_CHOICE)
+
+    def cancel_ends(self) -> str:
+        """What Cancel() is refused past ("its drain")."""
+        return self.strategy.cancel_ends if self.strategy else "its preflight"
+
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages of a reload that ends done, as far as the strategy is known."""
+        return self.strategy.stages if self.strategy else (*BEFORE_CHOICE, Stage.FINISHED)
+
+    @property
+    def strategy_name(self) -> str:
+        """The D-Bus value of Operation.Strategy ("" before the preflight chose)."""
+        return self.strategy.name if self.strategy else ""
 
     def cancel(self) -> None:
         self.cancel_requested = True
@@ -139,7 +169,8 @@ class Operation:
         self.asked.set()
 
     def enter(self, stage: Stage) -> None:
-        if stage not in TRANSITIONS[self.stage]:
+        allowed = self.strategy.transitions if self.strategy else BEFORE_CHOICE
+        if stage not in allowed.get(self.stage, ()):
             raise RuntimeError(f"reload {self.id}: no transition {self.stage.value} -> {stage.value}")
         self.stage = stage
         self.stage_entered = time.time()

@@ -13,7 +13,7 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 from hostd import units
 from hostd.manager import api, errors
 from hostd.manager.authority import admin
-from hostd.manager.operation import CANCEL_ENDS, Operation, State
+from hostd.manager.operation import Operation, State
 
 RUNNING = State.RUNNING
 
@@ -56,9 +56,30 @@ class OperationInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def Strategy(self) -> "s":
-        """overlap or restart, once the preflight chose ("" before, and for
-        start/stop/restart operations)."""
-        return self.op.strategy
+        """restart, overlap or standby, once the preflight chose ("" before,
+        and for start/stop/restart operations)."""
+        return self.op.strategy_name
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Stages(self) -> "as":
+        """The stages a reload passes through when it ends done, in order, as
+        its strategy says (strategies.py); ["validate", "preflight",
+        "finished"] before the preflight chose; [] for start, stop, restart
+        and recovery operations. A reload that fails, is cancelled or rolls
+        back leaves this path for restore or rollback (then finished)."""
+        return self.stages()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Cancellable(self) -> "b":
+        """Would Cancel() be honoured now (a running reload in a stage its
+        strategy lets Cancel end)."""
+        return self.cancellable()
+
+    def stages(self) -> list[str]:
+        return [stage.value for stage in self.op.stages()] if self.kind == "reload" else []
+
+    def cancellable(self) -> bool:
+        return self.kind == "reload" and self.op.cancellable()
 
     @dbus_property(access=PropertyAccess.READ)
     def WeightsReused(self) -> "b":
@@ -100,15 +121,17 @@ class OperationInterface(ServiceInterface):
         op = self.op
         if op.state != RUNNING:
             raise errors.NotRunning(f"operation {op.id} already ended ({op.state.value})")
-        if self.kind != "reload" or not op.cancellable():
-            raise errors.Busy(f"operation {op.id} is past {CANCEL_ENDS.get(op.strategy, 'its drain')} "
+        if self.kind != "reload":
+            raise errors.Busy(f"operation {op.id} is a {self.kind}, not a reload; it cannot be cancelled")
+        if not op.cancellable():
+            raise errors.Busy(f"operation {op.id} is past {op.cancel_ends()} "
                               f"({op.stage.value}); it cannot be cancelled now")
         op.cancel()
 
     def changed(self) -> None:
         self.emit_properties_changed({
             "State": self.op.state.value, "Stage": self.op.stage.value, "Error": self.op.error,
-            "Strategy": self.op.strategy,
+            "Strategy": self.op.strategy_name, "Stages": self.stages(), "Cancellable": self.cancellable(),
             "WeightsReused": self.op.weights_reused, "Restored": self.op.restored,
             "Notes": list(self.op.notes), "FinishedUSec": int(self.op.finished * 1e6),
             "StageUSec": int(self.op.stage_entered * 1e6), "EngineStatus": self.engine_status(),

@@ -35,7 +35,7 @@ from dbus_fast.service import ServiceInterface, method, signal
 from hostd import config as hostd_config
 from hostd import logs
 from hostd.config import schema
-from hostd.manager import api, errors, recovery
+from hostd.manager import api, errors, recovery, strategies
 from hostd.manager import reload as reload_mod
 from hostd.manager.authority import Authority, CallerAwareBus, admin
 from hostd.manager.errors import replies
@@ -353,7 +353,7 @@ class Manager(ServiceInterface):
             if intent is None:
                 continue
             iface = self.new_operation(model, "recovery", dict(intent.patch))
-            iface.op.strategy = intent.strategy
+            iface.op.strategy = strategies.named(intent.strategy)
             iface.op.notes.append(f"finishes reload {intent.operation}, which a previous manager left half done")
             self.publish(iface)
             claimed.append((model, intent, iface))

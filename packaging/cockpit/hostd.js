@@ -21,7 +21,6 @@ const PROPS = "org.freedesktop.DBus.Properties";
 const OUTCOME_TEXT = {
     done: "done", unchanged: "unchanged", "rolled-back": "rolled back", failed: "failed", cancelled: "cancelled",
 };
-const CANCELLABLE_STAGES = new Set(["validate", "preflight", "record", "drain", "start-next"]);
 
 const hostd = cockpit.dbus(BUS, { bus: "system" });
 const systemd = cockpit.dbus("org.freedesktop.systemd1", { bus: "system" });
@@ -533,16 +532,25 @@ async function submitReload() {
     }
 }
 
+/* The stages the page saw pass, then those still ahead on the strategy's
+ * path; both the path (Stages) and whether Cancel would be honoured now
+ * (Cancellable) are the manager's, never a table of the page's own. */
 function renderProgress(op) {
     const stages = $("r-stages");
+    for (const ahead of stages.querySelectorAll("li.ahead")) ahead.remove();
     const last = stages.lastElementChild;
     if (!last || last.dataset.stage !== op.Stage) {
         if (last) last.classList.add("passed");
         stages.append(el("li", { "data-stage": op.Stage, text: op.Stage }));
     }
-    $("r-engine").textContent = op.EngineStatus ? `engine: ${op.EngineStatus}` : "";
     const running = op.State === "running";
-    $("r-cancel-op").hidden = !(running && CANCELLABLE_STAGES.has(op.Stage) && may.cancel === null);
+    const path = op.Stages || [];
+    if (running && path.includes(op.Stage)) {
+        for (const stage of path.slice(path.indexOf(op.Stage) + 1))
+            stages.append(el("li", { class: "ahead", "data-stage": stage, text: stage }));
+    }
+    $("r-engine").textContent = op.EngineStatus ? `engine: ${op.EngineStatus}` : "";
+    $("r-cancel-op").hidden = !(running && op.Cancellable === true && may.cancel === null);
     if (running) return;
     stages.lastElementChild.classList.add("passed");
     const outcome = $("r-outcome");

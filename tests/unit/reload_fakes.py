@@ -33,7 +33,7 @@ from hostd import backends, config, units
 from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
-from hostd.manager.probe import Memory, Probe, VerifyFailed, weights_problem
+from hostd.manager.probe import Memory, Probe, RebuildFailed, VerifyFailed, weights_problem
 from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
 
@@ -168,10 +168,10 @@ class FakeProbe:
         self.calls.append(f"rebuild {slot}")
         self.rebuilds.append(engine)
         if self.get_engine(slot) is None:
-            raise R.RebuildFailed(f"the {slot} engine did not answer the rebuild: connection refused")
+            raise RebuildFailed(f"the {slot} engine did not answer the rebuild: connection refused")
         if self.fail_rebuild:
             why, self.fail_rebuild = self.fail_rebuild, None
-            raise R.RebuildFailed(f"the {slot} engine refused the rebuild: {why}")
+            raise RebuildFailed(f"the {slot} engine refused the rebuild: {why}")
         self.set_engine(slot, engine)
         return {"engine_config": engine, "rebuild_s": {"build_skeleton": 0.1, "attach": 0.01, "warm_up": 0.2}}
 

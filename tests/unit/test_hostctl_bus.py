@@ -4,6 +4,7 @@ while waiting for a reload says the reload goes on and how to cancel it."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ from hostd import hostctl
 class FakeClient:
     """hostd.client.Client as hostctl uses it; INTERRUPT_WAIT: wait raises ^C."""
 
-    def __init__(self, interrupt_wait: bool = False):
+    def __init__(self, interrupt_wait: bool = False, changes: tuple = ()):
         self.interrupt_wait = interrupt_wait
+        self.changes = changes  # the Operation's properties, as wait shows them before it ends (or ^C)
         self.calls: list[str] = []
 
     def __enter__(self):
@@ -41,6 +43,8 @@ class FakeClient:
 
     def wait(self, path: str, on_change=None) -> dict:
         self.calls.append(f"wait {path}")
+        for change in self.changes:
+            on_change(dict(change))
         if self.interrupt_wait:
             raise KeyboardInterrupt
         return {"State": "done", "Id": 7}
@@ -67,8 +71,41 @@ def test_ctrl_c_while_waiting_says_the_reload_goes_on_and_how_to_cancel_it(monke
     assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert err == ("hostctl: reload 7 of tiny continues in the background; `hostctl cancel 7` cancels it "
-                   "while it drains, `hostctl status tiny` shows how it ends\n")
+                   "while its Cancellable property is true, `hostctl status tiny` shows how it ends\n")
     assert client.calls == ["reload tiny {'max_num_seqs': 4} wait=False", "wait /org/hostd1/operation/7"]  # no cancel
+
+
+STAGES = ["validate", "preflight", "record", "rebuild", "switch", "settle", "restart", "verify", "resume",
+          "commit", "finished"]
+
+
+@pytest.mark.parametrize("cancellable, said", [
+    (True, "`hostctl cancel 7` cancels it now"), (False, "it is past what `hostctl cancel 7` may end")])
+def test_ctrl_c_says_whether_a_cancel_would_be_honoured_as_the_manager_said_last(
+        cancellable, said, monkeypatch, capsys):
+    """The Operation's Cancellable, not a table of hostctl's: the standby's
+    rebuild is cancellable, which no "while it drains" covered."""
+    stage = "rebuild" if cancellable else "settle"
+    client = FakeClient(interrupt_wait=True, changes=[
+        {"Id": 7, "State": "running", "Stage": stage, "Strategy": "standby", "Stages": STAGES,
+         "Cancellable": cancellable}])
+    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 130
+    assert capsys.readouterr().err == (f"hostctl: reload 7 of tiny continues in the background; {said}, "
+                                       "`hostctl status tiny` shows how it ends\n")
+
+
+def test_the_progress_line_shows_the_stage_on_the_strategys_path_and_whether_it_is_cancellable():
+    props = {"Id": 7, "State": "running", "Strategy": "standby", "Stages": STAGES}
+    assert hostctl.stage_facts({**props, "Stage": "rebuild", "Cancellable": True}) == ["4 of 11", "cancellable"]
+    assert hostctl.stage_facts({**props, "Stage": "settle", "Cancellable": False}) == ["6 of 11"]
+    assert hostctl.stage_facts({**props, "Stage": "rollback", "Cancellable": False}) == []  # off the path
+    assert hostctl.stage_facts({"Stage": "drain"}) == []  # an older manager, without either property
+    line = hostctl.Progress("tiny", stream=io.StringIO())
+    line.props = {**props, "Stage": "rebuild", "Cancellable": True, "StageUSec": 0}
+    assert line.line().startswith("reload 7 of tiny (strategy standby): rebuild (0.0 s, 4 of 11, cancellable)")
+    assert hostctl.describe_operation({"Kind": "reload", "Id": 7, **line.props}) == \
+        "reload 7 running (strategy standby) (stage rebuild, 4 of 11, cancellable)"
 
 
 def test_a_reload_waited_for_reports_its_end(monkeypatch, capsys):

@@ -68,7 +68,7 @@ async def kill_manager(world: World, patch: dict, stage: R.Stage, inside: bool) 
     op = R.Operation(id=1, model=world.name, patch=patch)
     reload = R.Reload(world.model(), op)
     await reload.check()
-    assert op.strategy == "overlap"
+    assert op.strategy_name == "overlap"
     task = None
 
     def changed(o: R.Operation) -> None:

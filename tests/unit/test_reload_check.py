@@ -85,7 +85,7 @@ def test_a_valid_check_says_what_would_change_and_the_strategy_and_changes_nothi
         await asyncio.gather(*manager._tasks)
         [op] = manager.operations.values()
         assert op.op.id == 1  # the checks took no id
-        assert (op.op.state, op.op.strategy) == (R.State.DONE, "overlap")
+        assert (op.op.state, op.op.strategy_name) == (R.State.DONE, "overlap")
         assert world.probe.engine["max_num_seqs"] == 4
 
     asyncio.run(go())

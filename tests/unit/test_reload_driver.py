@@ -341,7 +341,7 @@ def test_a_manager_killed_in_the_rollback_of_a_refused_admin_dropin_leaves_the_p
         op = R.Operation(id=1, model="tiny", patch={})
         reload = R.Reload(world.model(), op)
         await reload.check()
-        assert op.strategy == strategy
+        assert op.strategy_name == strategy
         task = None
 
         def killed_in_rollback(o: R.Operation) -> None:

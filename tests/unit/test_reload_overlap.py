@@ -42,7 +42,7 @@ MAIN = units.engine("tiny")
 
 def test_overlap_never_drains_hands_traffic_to_the_next_engine_and_back(world):
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy, op.error) == (R.State.DONE, "overlap", "")
+    assert (op.state, op.strategy_name, op.error) == (R.State.DONE, "overlap", "")
     assert op.weights_reused
     calls = world.probe.calls
     assert "drain" not in calls and "resume" not in calls
@@ -70,7 +70,7 @@ def test_no_room_for_a_second_engine_falls_back_to_restart_and_says_why(world, c
     world.probe.no_room = "a second engine needs about 900 MiB, but MemAvailable is 300 MiB"
     with caplog.at_level("INFO", logger="hostd.manager.reload"):
         op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.DONE, "restart")
+    assert (op.state, op.strategy_name) == (R.State.DONE, "restart")
     assert "drain" in world.probe.calls and jobs(world) == [f"restart {MAIN}"]
     assert "strategy restart: overlap does not fit, falling back to restart: a second engine needs" in caplog.text
 
@@ -106,7 +106,7 @@ def test_an_upstream_model_reloads_through_a_bridge_engine_and_the_operation_say
     upstream_model(world, backend, TINY_LLAMA, extra=", bridge_kv_mib: 1024")
     with caplog.at_level("INFO", logger="hostd.manager.reload"):
         op = run(world.reload({EDITABLE[backend]: 4}))
-    assert (op.state, op.strategy) == (R.State.DONE, "overlap"), op.error
+    assert (op.state, op.strategy_name) == (R.State.DONE, "overlap"), op.error
     assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
     assert "drain" not in world.probe.calls
     assert BRIDGE_NOTE[backend] in op.notes
@@ -120,7 +120,7 @@ def test_an_sglang_model_whose_config_json_cannot_size_the_bridge_falls_back_to_
     assert "cannot size the bridge engine's --max-total-tokens" in refusal
     with caplog.at_level("INFO", logger="hostd.manager.reload"):
         op = run(world.reload({"max_running_requests": 4}))
-    assert (op.state, op.strategy) == (R.State.DONE, "restart"), op.error
+    assert (op.state, op.strategy_name) == (R.State.DONE, "restart"), op.error
     assert jobs(world) == [f"restart {MAIN}"] and "switch next" not in world.probe.calls
     assert refusal in caplog.text
     assert f"strategy restart: overlap does not fit, falling back to restart: {refusal}" in op.notes
@@ -132,7 +132,7 @@ EDITABLE = {"vllm": "max_num_seqs", "sglang": "max_running_requests"}
 def test_reload_strategy_restart_forces_the_restart(tmp_path: Path):
     world = World(tmp_path, strategy="restart")
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.DONE, "restart")
+    assert (op.state, op.strategy_name) == (R.State.DONE, "restart")
     assert jobs(world) == [f"restart {MAIN}"]
 
 
@@ -224,7 +224,7 @@ def test_a_preflight_asks_the_engine_and_the_memory_once(tmp_path, strategy):
 
     run(check())
     assert world.probe.calls == ["health", "memory"]  # validate's /health serves the overlap check too
-    assert op.strategy == strategy
+    assert op.strategy_name == strategy
 
 
 # ---------------------------------------------------------------- cancel, pin, settle (issue 26)
@@ -335,7 +335,7 @@ def test_a_stop_while_the_next_engine_starts_interrupts_instead_of_rolling_back(
 
     world.bus.run_job = stopped_meanwhile
     op = drive(world, {"max_num_seqs": 4})
-    assert (op.state, op.strategy) == (R.State.FAILED, "overlap")
+    assert (op.state, op.strategy_name) == (R.State.FAILED, "overlap")
     assert op.error.startswith("interrupted: the model is being stopped"), op.error
     assert op.restored and not world.dropin.exists() and world.records.intent("tiny") is None
     assert "switch next" not in world.probe.calls and "switch main" not in world.probe.calls
@@ -353,7 +353,7 @@ def test_a_failed_rollback_leaves_the_second_engine_serving_the_target_as_the_do
     before = dict(world.probe.engine)
     world.bus.job_results[MAIN] = ["failed", "failed"]
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.FAILED, "standby" if standby else "overlap")
+    assert (op.state, op.strategy_name) == (R.State.FAILED, "standby" if standby else "overlap")
     assert "rollback failed" in op.error and world.records.degraded("tiny") is not None
     second = "standby" if standby else "next"
     assert world.probe.slot == second and "resume" not in world.probe.calls

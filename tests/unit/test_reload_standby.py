@@ -41,7 +41,7 @@ def jobs(world: World) -> list[str]:
 
 def test_a_standby_reload_rebuilds_the_standby_serves_from_it_and_restarts_only_main(world):
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy, op.error) == (R.State.DONE, "standby", "")
+    assert (op.state, op.strategy_name, op.error) == (R.State.DONE, "standby", "")
     calls = world.probe.calls
     assert "drain" not in calls and "resume" not in calls  # never a 503
     # Rebuilt and verified before any traffic moves; main restarts only once
@@ -60,7 +60,7 @@ def test_a_refused_rebuild_rolls_back_with_the_standbys_words_and_never_touches_
     world.probe.fail_rebuild = "engine.max_model_len: 99999 exceeds the model's max_position_embeddings (64)"
     main_before, standby_before = dict(world.probe.engine), dict(world.probe.standby_engine)
     op = run(world.reload({"max_model_len": 99999}))
-    assert (op.state, op.strategy, op.restored) == (R.State.ROLLED_BACK, "standby", True)
+    assert (op.state, op.strategy_name, op.restored) == (R.State.ROLLED_BACK, "standby", True)
     assert "max_position_embeddings" in op.error
     assert jobs(world) == []  # main never restarted, nothing started
     assert "switch standby" not in world.probe.calls and world.probe.slot == "main"
@@ -72,7 +72,7 @@ def test_a_main_engine_that_fails_its_restart_rolls_back_and_the_standby_goes_ba
     before = dict(world.probe.engine)
     world.probe.fail_next_start = True  # main refuses the target after the standby took it
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.ROLLED_BACK, "standby")
+    assert (op.state, op.strategy_name) == (R.State.ROLLED_BACK, "standby")
     assert jobs(world) == [f"restart {MAIN}", f"restart {MAIN}"]  # the failed start, the rollback's
     assert world.probe.engine == before and world.probe.standby_engine == before
     assert world.probe.rebuilds == [{**before, "max_num_seqs": 4}, before]
@@ -146,7 +146,7 @@ def test_without_a_usable_standby_the_reload_is_an_overlap_and_says_why(world, w
     else:
         world.probe.slot = "standby"  # the gateway serves from the standby: main died
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.DONE, "overlap")
+    assert (op.state, op.strategy_name) == (R.State.DONE, "overlap")
     assert any(note.startswith("no standby reload: ") for note in op.notes)
     assert f"start {NEXT}" in jobs(world)
 
@@ -154,7 +154,7 @@ def test_without_a_usable_standby_the_reload_is_an_overlap_and_says_why(world, w
 def test_a_model_without_standby_reloads_as_before_and_never_asks_for_one(tmp_path: Path):
     world = World(tmp_path)  # no standby: key
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy, op.notes) == (R.State.DONE, "overlap", [])
+    assert (op.state, op.strategy_name, op.notes) == (R.State.DONE, "overlap", [])
     assert not any("standby" in call for call in world.probe.calls)
     assert jobs(world) == [f"start {NEXT}", f"restart {MAIN}", f"stop {NEXT}"]
 
@@ -162,7 +162,7 @@ def test_a_model_without_standby_reloads_as_before_and_never_asks_for_one(tmp_pa
 def test_reload_strategy_restart_is_a_restart_even_with_a_standby(tmp_path: Path):
     world = World(tmp_path, strategy="restart", standby=True)
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.DONE, "restart")
+    assert (op.state, op.strategy_name) == (R.State.DONE, "restart")
 
 
 # ---------------------------------------------------------------- a manager that died mid-way
@@ -213,7 +213,7 @@ def test_an_admins_dropin_the_standby_refuses_is_pinned_and_main_never_restarts(
     (world.root / "models/tiny.d/50-admin.yaml").write_text("engine:\n  max_num_seqs: 6\n")
     world.probe.fail_rebuild = "engine.max_num_seqs: 6 does not fit"
     op = run(world.reload({}))
-    assert (op.state, op.strategy, op.restored) == (R.State.ROLLED_BACK, "standby", True)
+    assert (op.state, op.strategy_name, op.restored) == (R.State.ROLLED_BACK, "standby", True)
     pin = yaml.safe_load((world.root / "models/tiny.d/99-rollback.yaml").read_text())
     assert pin["engine"]["max_num_seqs"] == before["max_num_seqs"]
     assert any("pinned" in note for note in op.notes)
@@ -235,7 +235,7 @@ def test_a_stop_during_the_standby_rebuild_interrupts_and_leaves_the_standby_alo
 
     world.probe.rebuild = stopped_while_rebuilding
     op = run(world.reload({"max_num_seqs": 4}))
-    assert (op.state, op.strategy) == (R.State.FAILED, "standby")
+    assert (op.state, op.strategy_name) == (R.State.FAILED, "standby")
     assert op.error.startswith("interrupted: the model is being stopped"), op.error
     assert op.restored and not world.dropin.exists() and world.records.intent("tiny") is None
     assert world.probe.rebuilds == [{**world.probe.engine, "max_num_seqs": 4}]  # never asked to go back

@@ -110,7 +110,7 @@ def test_a_reload_never_runs_the_models_upstream_program_as_root(tmp_path: Path)
     world.probe.engine_started()  # the engine runs the vllm config
     op = asyncio.run(world.reload({"max_num_seqs": 4}))
     assert op.state == R.State.DONE, op.error
-    assert op.strategy == "overlap"  # the bridge: sized from the config, no upstream program run
+    assert op.strategy_name == "overlap"  # the bridge: sized from the config, no upstream program run
     assert not marker.exists()
     # The model's own units still check the install, as the model's user.
     from hostd import backends

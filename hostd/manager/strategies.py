@@ -1,0 +1,579 @@
+"""The reload strategies: one object per strategy, each holding what that
+strategy is: its stages (the path of a reload that ends done, which the
+Operation publishes as Stages), the stages Cancel() may end (Cancellable),
+what a stage that is cancelled, interrupted or fails leaves (its restore),
+and what recovery (recovery.py) does with the intent a crashed manager left
+under it. reload.py keeps the skeleton every strategy shares (validate,
+preflight, record, the main engine's restart and verify, commit, rollback)
+and calls the chosen strategy in one place (Reload.run); choose() is the
+preflight's choice among them. One second-engine driver (SecondEngine)
+serves overlap and standby.
+
+A strategy is handed the reload it runs (a reload.Reload) or the model it
+recovers (a reload.ModelHandles); this module imports neither (no circle).
+Adding a strategy: a class here, its entry in STRATEGIES, and its place in
+choose().
+
+Trust: nothing here is read from outside the manager: the engines, the
+gateway and systemd are reached through the probe and the systemd client the
+handles carry, which apply their own caps.
+
+Three strategies, chosen by the preflight (Operation.strategy says which, and
+why in the journal): `standby` (a model with `standby: true` whose standby
+answers and the gateway serves from main), `overlap` (the default otherwise)
+and `restart` (forced by reload.strategy: restart, and the fallback when the
+backend cannot run two engines or there is no room for a second one).
+
+standby: no 503 at any point, and the new config serves within the standby's
+rebuild (about a second) instead of a whole engine start.
+
+    validate -> preflight -> record -> rebuild -> switch -> settle -> restart -> verify -> resume -> commit -> finished (done)
+                                          |          |         |           \\____(fails)___/
+                                     (fails, cancel, stop)  (timeout)  rollback (main back to the previous config)
+                                          |                              -> resume (standby back too) -> finished (rolled-back)
+                            restore: (switch back), put the drop-in back, the standby back on
+                            the previous config -> finished (rolled-back | cancelled | failed;
+                            the main engine never stopped)
+
+    rebuild: model-engine-standby@NAME rebuilds itself on the target config in
+      its own process (the engine's rebuild verb: new skeleton on the same
+      mapped weights, new limits, warm-up) and is verified on its own socket;
+      a refused or failed rebuild leaves it on its old model. Cancel() is
+      honoured until here;
+    switch, settle, restart, verify: as overlap's, with the standby serving;
+    resume: the gateway sends new requests to model-engine@NAME again; the
+      standby, already on the target config, is standby again: nothing
+      retires. After a rollback it is rebuilt back on the previous config
+      (restarted by systemd if that fails).
+    At rest model-engine@NAME serves and model-engine-standby@NAME waits on the
+    committed config: the roles never swap, so `systemctl restart
+    model-engine@NAME` and the journal mean what they always meant.
+
+overlap: no 503 at any point.
+
+    validate -> preflight -> record -> start-next -> switch -> settle -> restart -> verify -> resume -> retire -> commit -> finished (done)
+                               |          |  (fails,    |         |           \\____(fails)___/
+                               +----------+  cancel,    |      (timeout)   rollback (main back to the previous config)
+                               |             stop)      |         |         -> resume -> retire -> finished (rolled-back)
+                            restore: (switch back), stop next, put the drop-in back (pinned in
+                            99-rollback.yaml when an engine refused an admin's drop-in)
+                            -> finished (rolled-back | cancelled | failed; the old engine never stopped)
+
+    start-next: model-engine-next@NAME starts beside model-engine@NAME on the
+      same weights with the target config and is verified on its own socket;
+      Cancel() is honoured until here (Overlap.cancel_until);
+    switch: the gateway sends new requests to it (requests running on the
+      old engine finish there);
+    settle: the requests still running on the old engine end (the gateway's
+      settle verb), within reload.drain_timeout, else the reload is abandoned;
+    restart: model-engine@NAME, idle, restarts with the target config, verify;
+    resume: the gateway sends new requests to model-engine@NAME again;
+    retire: once its requests end (reload.drain_timeout, then its own
+      shutdown_timeout), model-engine-next@NAME stops.
+    At rest only model-engine@NAME runs, so `systemctl restart model-engine@NAME`
+    and the journal mean what they always meant.
+
+restart:
+
+    validate -> preflight -> record -> drain -> restart -> verify -> resume -> commit -> finished (done)
+        |           |                    |          \\________/         |
+     refused     refused                 |               | failure     +- resume fails: commit, failed
+    (nothing touched)          timeout/cancel/stop       |
+                                         |           rollback -> (verify old) -> resume -> finished (rolled-back)
+                                restore, resume              |                          \\ fails: failed (degraded)
+                                (no resume when stopping)    +- the model is being stopped (interrupted):
+                                         |                      restore, start nothing -> finished (failed)
+                                finished (cancelled | failed)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Optional
+
+import msgspec
+
+from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, State, transitions
+from hostd.manager.probe import RebuildFailed
+
+log = logging.getLogger("hostd.manager.reload")
+
+
+async def until_asked(op: Operation, work) -> None:
+    """Run the coroutine WORK unless, or until, a Cancel() or a stop asks
+    otherwise (OP.asked): then WORK is abandoned (what it started is undone
+    by the caller's restore) and Cancelled or Interrupted is raised; a stage
+    that finishes as it is asked still ends so. WORK's own result or error
+    otherwise."""
+    if op.asked.is_set():  # asked before WORK began: it never begins
+        work.close()
+    else:
+        task = asyncio.ensure_future(work)
+        asked = asyncio.ensure_future(op.asked.wait())
+        try:
+            await asyncio.wait({task, asked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            asked.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        elif not op.asked.is_set():
+            return task.result()
+    if op.interrupt_requested:
+        raise Interrupted("interrupted: the model is being stopped")
+    raise Cancelled(f"cancelled during {op.stage.value}")
+
+
+async def put_standby_on(model, engine: dict, timeout: float, restarting=None) -> str:
+    """The warm standby of MODEL (reload.ModelHandles) on ENGINE (an engine
+    section: what the main engine serves): left alone when it runs it
+    already ("runs"), else rebuilt there ("rebuilt"), else restarted by
+    systemd within TIMEOUT, on the config on disk ("restarted", after
+    RESTARTING(why) is told why). A failed restart raises."""
+    probe = model.probe
+    health = await probe.engine_health("standby")
+    if health is not None and probe.runs(health, engine):
+        return "runs"
+    try:
+        if health is None:
+            raise RuntimeError("the standby does not answer")
+        await probe.rebuild(engine)
+        return "rebuilt"
+    except Exception as exc:
+        if restarting is not None:
+            restarting(str(exc))
+        await model.systemd.restart(model.standby_unit, timeout=timeout)
+        return "restarted"
+
+
+class Strategy:
+    """One reload strategy. STAGES: the path of a reload that ends done;
+    CANCEL_UNTIL: the last stage Cancel() may end (CANCEL_ENDS says what
+    follows it, in the Busy answer past it); the transitions follow from
+    STAGES and the skeleton (operation.transitions)."""
+
+    name: str
+    stages: tuple[Stage, ...]
+    cancel_until: Stage
+    cancel_ends: str
+
+    def __init__(self) -> None:
+        self.cancellable = frozenset(self.stages[: self.stages.index(self.cancel_until) + 1])
+        self.transitions = transitions(self.stages)
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.name}>"
+
+    def memory_problem(self, run, memory) -> Optional[str]:
+        """Why the preflight refuses this strategy's reload for memory (MEMORY:
+        its reading), or None."""
+        return None
+
+    async def apply(self, run) -> None:
+        """Run RUN (a checked reload.Reload) from its record stage to its end."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ recovery
+
+    def second_unit(self, model) -> Optional[str]:
+        """The unit beside the main engine this strategy starts or changes."""
+        return None
+
+    async def recover_engine(self, model, where: dict) -> str:
+        """Recovery: bring the main engine back on the config on disk (the
+        files are restored already); "restarted", or "left" when it cannot
+        be done safely."""
+        raise NotImplementedError
+
+    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+        """Recovery's end, after OUTCOME (committed, left, restarted,
+        restored): the gateway serving again, nothing left beside the main
+        engine that the reload started."""
+        raise NotImplementedError
+
+
+class Restart(Strategy):
+    """Drain, restart the engine, resume: 503 while it restarts."""
+
+    name = "restart"
+    stages = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.DRAIN, Stage.RESTART, Stage.VERIFY,
+              Stage.RESUME, Stage.COMMIT, Stage.FINISHED)
+    cancel_until = Stage.DRAIN
+    cancel_ends = "its drain"
+
+    def memory_problem(self, run, memory) -> Optional[str]:
+        return run.model.probe.memory_problem(run.target, memory)
+
+    async def apply(self, run) -> None:
+        """Record and drain; a drain that is cancelled, interrupted or fails
+        leaves with the file restored (and the gateway resumed unless
+        stopping); else the main engine is replaced."""
+        op = run.op
+        try:
+            await run.record_stage()
+            op.enter(Stage.DRAIN)
+            await until_asked(op, self.drain(run))
+            if await run.stopping():
+                raise Interrupted("interrupted: the model is being stopped")
+        except Exception as exc:  # drain timed out, was cancelled, or the gateway failed
+            op.enter(Stage.RESTORE)
+            try:
+                run.restore()
+                if not isinstance(exc, Interrupted):
+                    await run.model.probe.resume("cancelled" if isinstance(exc, Cancelled) else "failed")
+            except Exception as again:  # logged for operators
+                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+            return run.end(State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED, str(exc))
+        await run.replace_main(self.hand_back, "the gateway did not resume")
+
+    @staticmethod
+    async def drain(run) -> None:
+        timeout = run.current.reload.drain_timeout
+        result = await run.model.probe.drain(timeout)
+        if not result.drained:
+            raise TimeoutError(
+                f"drain timed out after {timeout:g} s with "
+                f"{result.remaining} request(s) still running; the old engine keeps serving"
+            )
+
+    @staticmethod
+    async def hand_back(run, outcome: str) -> None:
+        """The drained gateway serves again."""
+        run.op.enter(Stage.RESUME)
+        await run.model.probe.resume(outcome)
+
+    async def recover_engine(self, model, where: dict) -> str:
+        """Restart the engine with the config on disk, after draining what it admitted."""
+        cfg = model.load().config
+        try:
+            drained = (await model.probe.drain(cfg.reload.drain_timeout)).drained
+        except Exception as exc:  # no gateway: nothing was admitted through it
+            log.warning("recovery: draining %s: %s", model.name, exc, extra=where)
+            drained = True
+        if not drained:
+            log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
+                      "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit, extra=where)
+            return "left"
+        return await restart_main(model, where)
+
+    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+        if outcome == "restored":
+            return
+        try:
+            await model.probe.resume("recovered")
+        except Exception as exc:  # the gateway may be down; it starts serving on its own then
+            log.warning("recovery: resuming %s: %s", model.name, exc, extra=where)
+
+
+async def restart_main(model, where: dict) -> str:
+    """Recovery: restart the main engine with the config on disk."""
+    try:
+        await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
+    except Exception as exc:
+        log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
+    return "restarted"
+
+
+class SecondEngine(Strategy):
+    """The driver overlap and standby share: a second engine (SLOT) is made
+    ready on the target config (PREPARE, verified on its own socket), the
+    gateway switches to it, what runs on the main engine settles, then the
+    main engine restarts on the target and takes over again: no 503 at any
+    point. Cancel() is honoured until the switch; a stop interrupts it there
+    too."""
+
+    slot: str  # the gateway's name of the second engine
+    prepare: Stage  # the stage that makes it ready
+    old: str  # what the settle's refusal calls the main engine
+
+    async def prepare_engine(self, run) -> None:
+        raise NotImplementedError
+
+    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
+        """RESTORE, after the gateway went back to main: the files (FAILED: why
+        the second engine failed, if it did) and the second engine as they
+        were; SERVED: the gateway had switched to it."""
+        raise NotImplementedError
+
+    async def after_hand_back(self, run, outcome: str) -> None:
+        """The gateway serves from main again after OUTCOME: what the second engine does now."""
+        raise NotImplementedError
+
+    async def apply(self, run) -> None:
+        op, probe = run.op, run.model.probe
+        switched = False
+        try:
+            await run.record_stage()
+            op.enter(self.prepare)
+            await until_asked(op, self.prepare_engine(run))
+            op.enter(Stage.SWITCH)
+            await probe.switch(self.slot)
+            switched = True
+            # What runs on the main engine finishes there before it restarts.
+            op.enter(Stage.SETTLE)
+            await self.settle_main(run)
+        except Exception as exc:  # the second engine failed, or main did not settle: main never stopped
+            interrupted = isinstance(exc, Interrupted) or await run.stopping()
+            if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
+                cause, failed = str(exc), None
+            elif isinstance(exc, RebuildFailed):  # the standby's own answer
+                cause = failed = str(exc)
+            else:
+                cause = failed = await probe.engine_error(str(exc), self.slot)
+            op.enter(Stage.RESTORE)
+            outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
+                State.ROLLED_BACK if failed is not None and run.recorded else State.FAILED
+            try:
+                if switched and not interrupted:
+                    await probe.switch("main", outcome.value)
+                await self.put_back(run, failed, switched, interrupted)
+            except Exception as again:  # logged for operators
+                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+            if interrupted:
+                return run.end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+            return run.end(outcome, cause)
+        # The second engine serves the target config and nothing runs on the
+        # main one: it restarts with the target config, then takes over.
+        await run.replace_main(self.hand_back, "handing the gateway back to the main engine failed")
+
+    async def hand_back(self, run, outcome: str) -> None:
+        run.op.enter(Stage.RESUME)
+        await run.model.probe.switch("main", outcome)
+        await self.after_hand_back(run, outcome)
+
+    @staticmethod
+    async def settle(run, slot: str) -> int:
+        """Wait until the requests running on SLOT's engine end, up to
+        reload.drain_timeout; how many still run then (0 also when the
+        gateway is older than settle: Probe.settle says so in the journal)."""
+        op, timeout = run.op, run.current.reload.drain_timeout
+        settled = await run.model.probe.settle(slot, timeout)
+        if settled is None or settled.settled:
+            return 0
+        log.warning("reload %d of %s: %d request(s) still running on the %s engine after "
+                    "reload.drain_timeout (%g s)", op.id, op.model, settled.remaining, slot, timeout,
+                    extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+        return settled.remaining
+
+    async def settle_main(self, run) -> None:
+        """SETTLE: the requests running on the main engine end before it
+        restarts; raises when some still run after reload.drain_timeout (the
+        main engine then keeps serving, and the reload rolls back)."""
+        remaining = await self.settle(run, "main")
+        if remaining:
+            raise TimeoutError(
+                f"{remaining} request(s) still running on the {self.old} engine after reload.drain_timeout "
+                f"({run.current.reload.drain_timeout:g} s); the {self.old} engine keeps serving"
+            )
+
+    # ------------------------------------------------------------ recovery
+
+    async def recover_engine(self, model, where: dict) -> str:
+        return await restart_main(model, where)  # nothing was drained: the gateway serves meanwhile
+
+    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+        main_answers = await model.probe.engine_health() is not None
+        if outcome != "restored" and main_answers:
+            try:
+                await model.probe.switch("main", "recovered")
+            except Exception as exc:  # a gateway that is down starts on main by itself
+                log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc,
+                            extra=where)
+        await self.recover_second(model, outcome, main_answers, where)
+
+    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
+        raise NotImplementedError
+
+
+class Overlap(SecondEngine):
+    """A second engine, model-engine-next@NAME, starts beside the serving one
+    on the same weights; it serves while the main engine restarts, then
+    retires."""
+
+    name = "overlap"
+    stages = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.START_NEXT, Stage.SWITCH, Stage.SETTLE,
+              Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.RETIRE, Stage.COMMIT, Stage.FINISHED)
+    cancel_until = Stage.START_NEXT
+    cancel_ends = "its switch to the second engine"
+    slot, prepare, old = "next", Stage.START_NEXT, "old"
+
+    async def prepare_engine(self, run) -> None:
+        """Start the second engine with the target config and verify it."""
+        op, model = run.op, run.model
+        await model.systemd.start(model.next_unit, timeout=run.target.timeouts.start + 30)
+        await run.verify(run.target, "next")
+        bridge = ((await model.probe.engine_health("next")) or {}).get("bridge")
+        if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
+            op.notes.append(f"bridge engine ran with {bridge}")
+            log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,
+                     extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+
+    async def put_back(self, run, failed, served, interrupted) -> None:
+        # The next engine stops before the intent goes (restore drops it): a
+        # manager killed meanwhile leaves a record whose recovery stops it.
+        await self.retire(run, served)
+        run.restore(failed)
+
+    async def after_hand_back(self, run, outcome: str) -> None:
+        run.op.enter(Stage.RETIRE)
+        await self.retire(run)
+
+    async def retire(self, run, served: bool = True) -> None:
+        """Stop the second engine; when it SERVED (the gateway switched to
+        it), once what it admitted has finished (up to reload.drain_timeout;
+        then its engine.shutdown_timeout applies)."""
+        op, remaining = run.op, 0
+        if served:
+            try:
+                remaining = await self.settle(run, "next")
+            except Exception as exc:  # the gateway does not answer: nothing to wait for through it
+                log.warning("reload %d of %s: cannot ask the gateway what runs on the next engine: %s",
+                            op.id, op.model, exc)
+        if remaining:
+            op.notes.append(f"{remaining} request(s) still ran on the second engine after "
+                            f"reload.drain_timeout; it was stopped with engine.shutdown_timeout")
+        await run.model.systemd.stop(run.model.next_unit, timeout=run.target.timeouts.stop + 30)
+
+    def second_unit(self, model) -> Optional[str]:
+        return model.next_unit
+
+    async def recover_second(self, model, outcome, main_answers, where) -> None:
+        """Exactly one engine is left: the next one stops, unless the main
+        engine does not answer (then it keeps serving)."""
+        if outcome == "restored" or main_answers:
+            await model.systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
+        else:
+            log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
+                      model.name, model.next_unit, extra=where)
+
+
+class Standby(SecondEngine):
+    """The warm standby, model-engine-standby@NAME, rebuilds on the target
+    config in its own process and serves while the main engine restarts;
+    then it is standby again (never stopped), on the config main serves."""
+
+    name = "standby"
+    stages = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.REBUILD, Stage.SWITCH, Stage.SETTLE,
+              Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.COMMIT, Stage.FINISHED)
+    cancel_until = Stage.REBUILD
+    cancel_ends = "its switch to the standby"
+    slot, prepare, old = "standby", Stage.REBUILD, "main"
+
+    async def prepare_engine(self, run) -> None:
+        """The standby rebuilds on the target config in its own process and
+        is verified on its own socket (as start-next verifies the next engine)."""
+        op = run.op
+        answer = await run.model.probe.rebuild(msgspec.to_builtins(run.target.engine))
+        phases = answer.get("rebuild_s") if isinstance(answer.get("rebuild_s"), dict) else {}
+        seconds = sum(v for v in phases.values() if isinstance(v, (int, float)))
+        op.notes.append(f"standby rebuilt in {seconds:.2f} s")
+        log.info("reload %d of %s: the standby rebuilt on the target config in %.2f s (%s)", op.id,
+                 op.model, seconds, json.dumps(phases), extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+        await run.verify(run.target, "standby")
+
+    async def put_back(self, run, failed, served, interrupted) -> None:
+        # The files first: a standby that cannot rebuild is restarted by
+        # systemd, which reads them.
+        run.restore(failed)
+        if not interrupted and run.recorded:
+            await self.standby_back(run)
+
+    async def after_hand_back(self, run, outcome: str) -> None:
+        if outcome != State.DONE.value:  # done: it runs the target, which main serves now
+            await self.standby_back(run)
+
+    @staticmethod
+    async def standby_back(run) -> None:
+        """The standby back on what the main engine serves (the previous
+        config). Its trouble never changes how the reload ended: it is in
+        the journal and the Operation's notes."""
+        op, model = run.op, run.model
+        if run.running_engine is None:
+            return
+
+        def restarting(why: str) -> None:
+            log.warning("reload %d of %s: the standby did not go back to the serving config (%s); restarting %s",
+                        op.id, op.model, why, model.standby_unit,
+                        extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+            op.notes.append(f"the standby was restarted: {why}")
+
+        await put_standby_on(model, run.running_engine, run.current.timeouts.start + 30, restarting)
+
+    def second_unit(self, model) -> Optional[str]:
+        return model.standby_unit
+
+    async def recover_second(self, model, outcome, main_answers, where) -> None:
+        """The standby on the config on disk (what main serves), never stopped."""
+        if outcome == "restored":
+            return
+        cfg = model.load().config
+
+        def restarting(why: str) -> None:
+            log.warning("recovery: %s's standby (%s): %s; restarting it", model.name, model.standby_unit, why,
+                        extra=where)
+
+        try:
+            if await put_standby_on(model, msgspec.to_builtins(cfg.engine), cfg.timeouts.start + 30,
+                                    restarting) == "rebuilt":
+                log.info("recovery: %s's standby rebuilt on the config on disk", model.name, extra=where)
+        except Exception as exc:
+            log.error("recovery: restarting %s failed: %s", model.standby_unit, exc, extra=where)
+
+
+RESTART, OVERLAP, STANDBY = Restart(), Overlap(), Standby()
+STRATEGIES = {strategy.name: strategy for strategy in (RESTART, OVERLAP, STANDBY)}
+
+
+def named(name: str) -> Strategy:
+    """The strategy NAME (an Intent's record on disk); records of an older
+    manager had none and were all restarts, and so is a name this manager
+    does not know (recovery then drains before it restarts anything)."""
+    return STRATEGIES.get(name, RESTART)
+
+
+async def choose(run, memory) -> tuple[Strategy, str]:
+    """The preflight's choice for RUN (a reload.Reload after validate;
+    MEMORY: the preflight's one reading) and why: standby when the model's
+    warm standby can take it (standby_problem), else overlap when configured,
+    possible for the backend and there is room for a second engine beside the
+    first, else restart. Its notes go to the Operation; a refusal for
+    memory raises (errors.InsufficientMemory, by the caller)."""
+    op, current = run.op, run.current
+    standby = await standby_problem(run)
+    if standby is None:
+        return STANDBY, "the warm standby rebuilds on the new config"
+    if standby:
+        op.notes.append(f"no standby reload: {standby}")
+        if not run.dry_run:
+            log.info("reload %d of %s: no standby reload (%s); as without a standby", op.id, op.model,
+                     standby, extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+    if current.reload.strategy == RESTART.name:
+        return RESTART, "reload.strategy is restart"
+    problem = run.model.probe.overlap_problem(run.target, run.health, memory)
+    if problem:
+        why = f"overlap does not fit, falling back to restart: {problem}"
+        op.notes.append(f"strategy restart: {why}")  # a fallback: the Operation says why, as the journal does
+        return RESTART, why
+    return OVERLAP, "room for a second engine beside the serving one"
+
+
+async def standby_problem(run) -> Optional[str]:
+    """Why the standby cannot take RUN's reload ("" when the model has
+    none), or None when it can: standby: true, reload.strategy is not
+    restart, the standby answers, and the gateway sends new requests to the
+    main engine (not during a failover)."""
+    current, probe = run.current, run.model.probe
+    if not getattr(current, "standby", False) or current.reload.strategy == RESTART.name:
+        return ""
+    if await probe.engine_health("standby") is None:
+        return f"the standby ({run.model.standby_unit}) does not answer"
+    status = await probe.gateway_status()
+    if status is None:
+        return "the gateway does not answer"
+    if status.slot != "main":
+        return f"the gateway sends new requests to the {status.slot} engine (a failover), not the main one"
+    return None
