@@ -190,6 +190,16 @@ def _drop(data: dict, path: KeyPath) -> bool:
     return False
 
 
+def validation_problem(error: msgspec.ValidationError, type_: type) -> tuple[KeyPath, str, bool]:
+    """(key path, message as the loader words it, can the key be dropped) of
+    ERROR, raised converting data to TYPE_: the words every refusal of a
+    value uses (the loader's, the manager's check of a reload patch)."""
+    path, message, droppable = _error_path(error)
+    if message.startswith("Invalid enum value"):
+        message = f"{message[len('Invalid enum '):]}; expected {_choices(type_, path)}"
+    return path, message, droppable
+
+
 def validate(merged: Merged, type_: type) -> Any:
     """Convert MERGED to TYPE_, or raise ConfigError with every problem found.
 
@@ -202,13 +212,11 @@ def validate(merged: Merged, type_: type) -> Any:
         try:
             value = msgspec.convert(data, type_)
         except msgspec.ValidationError as exc:
-            path, message, droppable = _error_path(exc)
+            path, message, droppable = validation_problem(exc, type_)
             if path in dropped:
                 break  # a required key we dropped ourselves: already reported
             dropped.add(path)
             file, line = merged.where(path)
-            if message.startswith("Invalid enum value"):
-                message = f"{message[len('Invalid enum '):]}; expected {_choices(type_, path)}"
             problems.append(Problem(file, dotted(path), message, line))
             if not (droppable and _drop(data, path)):
                 break

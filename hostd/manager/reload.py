@@ -506,7 +506,7 @@ def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:
     try:
         msgspec.convert({**msgspec.to_builtins(engine), **patch}, type(engine))
     except msgspec.ValidationError as exc:
-        message, _, where = str(exc).rpartition(" - at `$.")
-        if not message:
-            raise errors.InvalidValue(f"the patch makes an invalid engine section: {exc}") from None
-        raise errors.InvalidValue(f"engine.{where.rstrip('`')}: {message}") from None
+        path, message, _ = hostd_config.load.validation_problem(exc, type(engine))
+        if not path:
+            raise errors.InvalidValue(f"the patch makes an invalid engine section: {message}") from None
+        raise errors.InvalidValue(f"engine.{'.'.join(path)}: {message}") from None

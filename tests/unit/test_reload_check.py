@@ -289,3 +289,21 @@ def test_a_json_patch_over_8_kib_is_refused_before_it_is_parsed(monkeypatch):
     monkeypatch.setattr(service.json, "loads", lambda *a, **k: pytest.fail("the patch was parsed"))
     with pytest.raises(service.errors.InvalidValue, match="patch is 8193 bytes of JSON; at most 8192"):
         service.patch_from_json(" " * 8193)
+
+
+@pytest.mark.parametrize("patch, said", [
+    ({"max_num_seqs": 0}, "engine.max_num_seqs: expected `int` >= 1"),
+    ({"batching": "x"}, "engine.batching: value 'x'; expected one of continuous, none"),
+])
+def test_a_patch_the_engine_struct_refuses_is_worded_as_the_loader_words_it(tmp_path, monkeypatch, patch, said):
+    """The patch is typed before it is rendered (issue 33, N1); its refusal keeps
+    the loader's words (tests/system/test_verbs.py reads them through hostctl)."""
+    world = World(tmp_path)
+
+    async def go():
+        manager = await manager_of(world, monkeypatch)
+        with pytest.raises(DBusError) as checked:
+            await call(manager.CheckReloadJSON, "tiny", json.dumps(patch))
+        assert checked.value.text == said
+
+    asyncio.run(go())
