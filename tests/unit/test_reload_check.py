@@ -263,7 +263,7 @@ def test_checks_of_one_model_run_one_at_a_time(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("patch, names", [
     ({"max_num_seqs": "x" * (4 << 20)}, "engine.max_num_seqs: the value takes more than 8192 bytes"),  # as JSON
-    ({"max_num_seqs": "8", "batching": "none"}, "engine.max_num_seqs: Expected `int`, got `str`"),
+    ({"max_num_seqs": "8", "batching": "none"}, "engine.max_num_seqs: expected `int`, got `str`"),
 ])
 def test_a_patch_is_weighed_and_typed_before_it_is_rendered_naming_the_key(tmp_path, monkeypatch, patch, names):
     # Issue 33, N1: any local user's patch was rendered to YAML on root's only
