@@ -23,6 +23,7 @@ import msgspec
 
 from hostd.manager import strategies
 from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
+from hostd.manager.operation import journal_fields
 from hostd.manager.records import Intent
 from hostd.manager.reload import ModelHandles
 
@@ -41,7 +42,7 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     and what is left beside it at the end (exactly one engine after an
     overlap; the standby on the config main serves)."""
     name, probe, systemd = model.name, model.probe, model.systemd
-    where = {"hostd_model": name, "hostd_operation": str(intent.operation)}
+    where = journal_fields(name, intent.operation)
     strategy = strategies.named(intent.strategy)
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
