@@ -17,63 +17,31 @@ and its exit codes:
 
 Errors are one line on stderr (no bus, no manager, a refusal, a closed pipe,
 ^C), never a traceback.
+
+This module is the parser, main() and the commands that read files only
+(config, edit, logs); the commands over the bus are hostctl_bus.py, the
+output conventions (exit codes, --json, tables) hostctl_output.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
-import yaml
 from dbus_fast.errors import DBusError
 
 import hostd
 from hostd import backends, config, units
 from hostd.config import show
-from hostd.manager import api
-
-EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NO_SUCH_MODEL = 1, 2, 3, 4
-# D-Bus error name -> exit code (systemctl's: 4 "no such unit", 3 "not active").
-EXIT_CODES = {
-    "org.hostd1.Error.NoSuchModel": EXIT_NO_SUCH_MODEL,
-    "org.hostd1.Error.NotRunning": EXIT_NOT_RUNNING,
-}
-# Model states drawn as not running (the hollow dot of `hostctl status NAME`).
-NOT_RUNNING = ("stopped", "unknown")
-# The states in which a model answers requests: `status NAME` and `is-active`
-# exit 0 in these, 3 (systemctl: "not active") in every other. A reload
-# serves throughout (overlap) or answers 503 with Retry-After (restart): it
-# is active, as systemctl calls a unit that reloads.
-SERVING = ("serving", "reloading")
-
-
-def emit_json(args: argparse.Namespace, data) -> None:
-    """--json=short: one line; --json=pretty: indented (systemd's two modes)."""
-    if getattr(args, "json", None) == "short":
-        print(json.dumps(data, sort_keys=True, separators=(",", ":")))
-    else:
-        print(json.dumps(data, indent=2, sort_keys=True))
-
-
-def table(args: argparse.Namespace, header: list[str], rows: list[list]) -> None:
-    """Columns as systemctl prints them; the header and the count are the
-    legend (--no-legend drops both)."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    lines = [] if args.no_legend else [header]
-    for row in (lines + cells):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    if not args.no_legend:
-        print(f"\n{len(rows)} model(s) listed." if header[0] == "MODEL" else f"\n{len(rows)} listed.")
+from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_list, cmd_operations, cmd_reload,
+                               cmd_status, cmd_unit_verb)
+from hostd.hostctl_output import EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_USAGE, emit_json
 
 
 def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
@@ -168,349 +136,6 @@ def journal_argv(name: str) -> list[str]:
     """journalctl matching model NAME's lines: HOSTD_MODEL=NAME and one of
     its units (journalctl ANDs different fields and ORs one field's values)."""
     return ["journalctl", f"HOSTD_MODEL={name}", *(f"_SYSTEMD_UNIT={unit}" for unit in units.journal_units(name))]
-
-
-def _client():
-    from hostd.client import Client
-
-    return Client()
-
-
-def _dbus_error(exc: Exception) -> int:
-    """One line for a D-Bus error; its exit code."""
-    name = getattr(exc, "type", type(exc).__name__)
-    text = getattr(exc, "text", str(exc))
-    if name in ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner"):
-        text = (f"the manager ({units.MANAGER}, org.hostd1) is not running and could not be started: "
-                f"is hostd installed (hostd install)? See journalctl -u {units.MANAGER}")
-    elif name == "org.freedesktop.DBus.Error.AccessDenied":
-        text = f"permission denied: {text} (changing models takes root or the hostd-admin group)"
-    elif name.startswith("org.hostd1.Error."):
-        text = f"{name.rsplit('.', 1)[1]}: {text}"
-    else:
-        text = f"{name}: {text}"
-    print(f"hostctl: {text}", file=sys.stderr)
-    return EXIT_CODES.get(name, EXIT_FAILED)
-
-
-def parse_assignments(pairs: list[str]) -> dict:
-    """key=value words -> patch; values are YAML scalars (16, 0.5, true, null)."""
-    patch = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"hostctl: {pair!r} is not KEY=VALUE")
-        patch[key] = yaml.safe_load(value) if value else ""
-    return patch
-
-
-def stage_facts(op: dict) -> list[str]:
-    """Where an operation's Stage stands on its strategy's path (Stages) and
-    whether Cancel() would be honoured now (Cancellable): the manager's
-    words, never a table of hostctl's."""
-    stage, path = op.get("Stage"), op.get("Stages") or []
-    return ([f"{path.index(stage) + 1} of {len(path)}"] if stage in path else []) + \
-        (["cancellable"] if op.get("Cancellable") else [])
-
-
-class Progress:
-    """A reload's stages as they happen. On a terminal: one line redrawn four
-    times a second with the stage's elapsed time and the engine's STATUS=;
-    otherwise a plain line per change."""
-
-    def __init__(self, name: str, stream=sys.stderr):
-        import threading
-
-        self.name, self.stream = name, stream
-        self.tty = stream.isatty()
-        self.props: dict = {}
-        self.started = time.monotonic()
-        self._last_line = ""
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, daemon=True) if self.tty else None
-
-    def __enter__(self) -> "Progress":
-        if self._ticker:
-            self._ticker.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._ticker:
-            self._ticker.join()
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-
-    def line(self) -> str:
-        props = self.props
-        stage_s = max(0.0, time.time() - props.get("StageUSec", 0) / 1e6) if props.get("StageUSec") else 0.0
-        strategy = f" (strategy {props['Strategy']})" if props.get("Strategy") else ""
-        facts = ", ".join([f"{stage_s:.1f} s", *stage_facts(props)])
-        text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({facts})"
-        if props.get("Stage") == "restart" and props.get("EngineStatus"):
-            text += f", engine: {props['EngineStatus']}"
-        return text + f"  [{time.monotonic() - self.started:.1f} s]"
-
-    def __call__(self, props: dict) -> None:
-        with self._lock:
-            self.props = dict(props)
-            if self.tty:
-                self._draw()
-                return
-            key = (props.get("Stage"), props.get("EngineStatus") if props.get("Stage") == "restart" else "")
-            if key != self._last_line:
-                self._last_line = key
-                self.stream.write(self.line() + "\n")
-                self.stream.flush()
-
-    def _draw(self) -> None:
-        self.stream.write("\r\033[K" + self.line())
-        self.stream.flush()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.25):
-            with self._lock:
-                if self.props:
-                    self._draw()
-
-
-def _value(value) -> str:
-    return json.dumps(value)
-
-
-def cmd_reload_check(args: argparse.Namespace, patch: dict) -> int:
-    """`reload --check`: what the reload would do (the manager's
-    CheckReload), nothing changed. Exit 0 when it would reload or nothing
-    changes; a refusal exits as the reload's would (1, 3 not running, 4 no
-    such model), its one line on stderr and, with --json, on stdout too."""
-    try:
-        with _client() as hostd:
-            verdict = hostd.check_reload(args.name, patch)
-    except DBusError as exc:
-        if args.json:
-            emit_json(args, {"model": args.name, "ok": False, "outcome": "refused", "patch": patch,
-                             "error": exc.type, "message": exc.text})
-        return _dbus_error(exc)
-    if args.json:
-        emit_json(args, {"ok": True, **verdict})
-        return 0
-    changes = verdict["changes"]
-    if verdict["outcome"] == "unchanged":
-        print(f"reload of {args.name} would be unchanged: {verdict['reason']}")
-        return 0
-    count = f"{len(changes)} change{'s' if len(changes) != 1 else ''}" if changes else \
-        "no change to what the engine reports"
-    print(f"reload of {args.name} would apply {count} (strategy {verdict['strategy']}: {verdict['reason']})")
-    for key, change in changes.items():
-        print(f"  {key}: {_value(change['old'])} -> {_value(change['new'])}")
-    if verdict.get("weights_not_retained"):
-        print(f"  weights: not retained ({verdict['weights_not_retained']}): the engine would load them from disk")
-    for note in verdict.get("notes", []):
-        print(f"  note: {note}")
-    return 0
-
-
-def cmd_reload(args: argparse.Namespace) -> int:
-    patch = parse_assignments(args.assignments)
-    if args.check:
-        if args.no_wait:
-            print("hostctl reload: --check changes nothing and starts no operation to wait for; "
-                  "drop --no-wait", file=sys.stderr)
-            return EXIT_USAGE
-        return cmd_reload_check(args, patch)
-    progress = Progress(args.name) if not (args.quiet or args.json) else None
-    path = result = None
-    last: dict = {}  # the operation as last seen
-
-    def seen(props: dict) -> None:
-        last.update(props)
-        if progress:
-            progress(props)
-    with _client() as hostd, (progress or contextlib.nullcontext()):
-        path = hostd.reload(args.name, patch, wait=False)["path"]
-        if args.no_wait:
-            print(path)
-            return 0
-        try:
-            result = {"path": path, **hostd.wait(path, on_change=seen)}
-        except KeyboardInterrupt:  # the manager runs the reload, not us: say so (importctl's way)
-            pass
-    if result is None:
-        op_id = path.rsplit("/", 1)[-1]
-        cancel = (f"`hostctl cancel {op_id}` cancels it now" if last.get("Cancellable") else
-                  f"it is past what `hostctl cancel {op_id}` may end" if last else
-                  f"`hostctl cancel {op_id}` cancels it while its Cancellable property is true")
-        print(f"hostctl: reload {op_id} of {args.name} continues in the background; "
-              f"{cancel}, `hostctl status {args.name}` shows how it ends", file=sys.stderr)
-        return 130
-    state = result["State"]
-    if args.json:
-        emit_json(args, result)
-        return 0 if state in api.SUCCESS_STATES else 1
-    took = (result.get("FinishedUSec", 0) - result.get("CreatedUSec", 0)) / 1e6
-    line = f"reload of {args.name}: {state}"
-    facts = [f"strategy {result['Strategy']}"] if result.get("Strategy") else []
-    if result.get("WeightsReused"):
-        facts.append("weights reused")
-    if facts:
-        line += f" ({', '.join(facts)})"
-    if took > 0:
-        line += f" in {took:.1f} s"
-    if result.get("Error"):
-        line += f": {result['Error']}"
-    for note in result.get("Notes", []):
-        line += f"; {note}"
-    ok = state in api.SUCCESS_STATES
-    print(line, file=sys.stdout if ok else sys.stderr)
-    return 0 if ok else 1
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    """The manager's models and states, and why a config does not load (the
-    manager's word, Model.ConfigProblem: it reads files a user cannot)."""
-    with _client() as hostd:
-        models = hostd.list_models()
-        # The first problem, on one line (all of them: hostctl config NAME).
-        problems = {m["name"]: " ".join(hostd.config_problem(m["path"]).split("\n")[0].split()) for m in models}
-    if args.json:
-        emit_json(args, [{"name": m["name"], "state": m["state"], "config_problem": problems[m["name"]]}
-                         for m in models])
-        return 0
-    table(args, ["MODEL", "STATE", "CONFIG"],
-          [[m["name"], m["state"], f"invalid: {problems[m['name']]}" if problems[m["name"]] else "ok"]
-           for m in models])
-    return 0
-
-
-def _ago(usec: int) -> str:
-    seconds = max(0.0, time.time() - usec / 1e6)
-    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
-
-
-def last_operation(hostd, props: dict) -> Optional[dict]:
-    path = props.get("LastOperation", "/")
-    return hostd.operation(path) if path and path != "/" else None
-
-
-def describe_operation(op: Optional[dict]) -> str:
-    if not op:
-        return "-"
-    text = f"{op['Kind']} {op['Id']} {op['State']}"
-    if op.get("Strategy"):
-        text += f" (strategy {op['Strategy']})"
-    if op.get("FinishedUSec"):
-        text += f" in {(op['FinishedUSec'] - op['CreatedUSec']) / 1e6:.1f} s, {_ago(op['FinishedUSec'])}"
-    else:
-        text += f" (stage {', '.join([op['Stage'], *stage_facts(op)])})"
-    return text
-
-
-def model_summary(hostd, name: str) -> dict:
-    """A model's facts as hostctl status shows them (and --json prints them)."""
-    props = hostd.model(name)
-    op = last_operation(hostd, props)
-    return {
-        "name": props["Name"], "state": props["State"], "backend": props["Backend"],
-        "listen": props.get("Listen", ""), "units": props.get("Units", []),
-        "gateway_pid": props.get("GatewayPID", 0), "engine_pid": props.get("EnginePID", 0),
-        "weights_pid": props.get("WeightsPID", 0), "weights_retained": props.get("WeightsRetained", False),
-        "weights_not_retained_reason": props.get("WeightsNotRetainedReason", ""),
-        "engine_status": props.get("EngineStatus", ""), "in_flight": props["InFlight"],
-        "standby": props.get("Standby", False), "standby_state": props.get("StandbyState", ""),
-        "standby_pid": props.get("StandbyPID", 0), "start_problem": props.get("StartProblem", ""),
-        "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
-        "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
-                                                          "WeightsReused", "CreatedUSec", "FinishedUSec",
-                                                          "Stages", "Cancellable")},
-        "_last_operation_text": describe_operation(op),
-    }
-
-
-def _pid(pid: int) -> str:
-    return str(pid) if pid else "-"
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    with _client() as hostd:
-        names = [args.name] if args.name else [m["name"] for m in hostd.list_models()]
-        models = [model_summary(hostd, name) for name in names]
-    if args.json:
-        data = [{k: v for k, v in m.items() if not k.startswith("_")} for m in models]
-        emit_json(args, data[0] if args.name else data)
-    elif args.name:
-        print_detail(models[0])
-    else:
-        table(args, ["MODEL", "STATE", "BACKEND", "LISTEN", "ENGINE", "WEIGHTS", "RETAINED", "LAST OPERATION"],
-              [[m["name"], m["state"], m["backend"], m["listen"], _pid(m["engine_pid"]), _pid(m["weights_pid"]),
-                "yes" if m["weights_retained"] else "no", m["_last_operation_text"]] for m in models])
-    if args.name and models[0]["state"] not in SERVING:
-        return EXIT_NOT_RUNNING
-    return 0
-
-
-def cmd_is_active(args: argparse.Namespace) -> int:
-    """systemctl is-active's contract: the state on stdout, exit 0 only when
-    the model serves (3 otherwise, 4 for no such model)."""
-    with _client() as hostd:
-        state = hostd.model(args.name)["State"]
-    if not args.quiet:
-        print(state)
-    return 0 if state in SERVING else EXIT_NOT_RUNNING
-
-
-def print_detail(m: dict) -> None:
-    """`hostctl status NAME`, laid out as systemctl status is."""
-    dot = "●" if m["state"] not in NOT_RUNNING else "○"
-    print(f"{dot} {m['name']} - {m['backend']} model, {m['state']}, {m['in_flight']} in flight")
-    units_ = m["units"] or []
-    pids = {0: m["gateway_pid"], 2: m["engine_pid"], 3: m["weights_pid"], 5: m.get("standby_pid", 0)}
-    rows = [
-        ("Listen", m["listen"] or "-"),
-        ("Units", "\n".join(f"{u}" + (f" (PID {pids[i]})" if pids.get(i) else "") for i, u in enumerate(units_))),
-        ("Weights", f"retained by PID {m['weights_pid']}" if m["weights_retained"] else
-         f"not retained ({m['weights_not_retained_reason']})" if m["weights_not_retained_reason"] else "not retained"),
-        ("Engine", m["engine_status"] or "-"),
-        ("Standby", (f"{m['standby_state'] or 'unknown'}" + (f" (PID {m['standby_pid']})" if m.get("standby_pid") else ""))
-         if m.get("standby") else "none (standby: false)"),
-        ("Limits", json.dumps(m["engine"], sort_keys=True)),
-        ("Editable", ", ".join(m["editable"]) or "-"),
-        ("Last op", m["_last_operation_text"]),
-    ]
-    if m.get("start_problem"):  # the socket refuses to start the model (hostd/secretfiles.py)
-        rows.insert(0, ("Refused", m["start_problem"]))
-    for label, value in rows:
-        first, *more = value.split("\n")
-        print(f"{label:>10}: {first}")
-        for extra in more:
-            print(f"{'':>12}{extra}")
-
-
-def cmd_operations(args: argparse.Namespace) -> int:
-    with _client() as hostd:
-        ops = hostd.operations()
-    if args.json:
-        emit_json(args, [{k: v for k, v in op.items()} for op in ops])
-        return 0
-    cells = [[op["id"], op["model"], op["kind"], op["state"], op["stage"]] for op in ops]
-    table(args, ["ID", "MODEL", "KIND", "STATE", "STAGE"], cells)
-    return 0
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    with _client() as hostd:
-        hostd.cancel(args.id)
-    return 0
-
-
-def cmd_unit_verb(args: argparse.Namespace) -> int:
-    with _client() as hostd:
-        result = getattr(hostd, args.command)(args.name)
-    if args.json:
-        emit_json(args, result)
-        return 0 if result["State"] == "done" else 1
-    print(f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}")
-    return 0 if result["State"] == "done" else 1
 
 
 # Above the manager's 90-reload.yaml (an administrator's edit wins over values
@@ -635,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return args.func(args)
     except DBusError as exc:  # the manager's refusals and the bus's own errors
-        return _dbus_error(exc)
+        return dbus_error(exc)
     except BrokenPipeError:  # `hostctl ... | head`: the reader has gone; so do we, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

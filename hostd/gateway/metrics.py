@@ -82,6 +82,15 @@ class Metrics:
             "from its start until serving again after its end (0 for an overlap reload that never stopped "
             "serving)", buckets=(0,) + RELOAD_BUCKETS, registry=r)
 
+    def connection_event(self, event: str) -> None:
+        """limits.Connections' on_event: a connection refused, evicted or timed out (its phase)."""
+        if event == "refused":
+            self.connections_refused.inc()
+        elif event == "evicted":
+            self.connections_evicted.inc()
+        else:
+            self.connections_timed_out.labels(event).inc()
+
     def set_state(self, current: str, states: Iterable[str]) -> None:
         for s in states:
             self.state.labels(s).set(1 if s == current else 0)

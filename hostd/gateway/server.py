@@ -3,7 +3,8 @@
 One job: proxy the engine's public API from the public socket to the
 engine's Unix socket without ever losing an admitted request, and without
 letting a remote client reach anything else or hold more than its share.
-Admission lives in state.py, the control socket in control.py, routing in
+Admission lives in state.py, the control socket in control.py (what its
+requests do in controller.py), routing in
 routes.py, resource bounds in limits.py, keys in keys.py, metrics in
 metrics.py.
 
@@ -63,9 +64,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.gateway import control, keys, limits, routes
-from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, ReloadClock, engine_families, numeric_fields
-from hostd.gateway.slots import Slots, SwitchRefused
-from hostd.gateway.state import HELD, Admission, State
+from hostd.gateway.controller import Controller
+from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, engine_families, numeric_fields
+from hostd.gateway.slots import Slots
+from hostd.gateway.state import HELD, Admission, State, refusal_message
 
 log = logging.getLogger("hostd.gateway")
 
@@ -96,7 +98,6 @@ class Gateway:
         # only hostd's, one per request.
         self.drop_headers |= {"x-request-id"}
         self.admission = Admission(cfg.gateway.admission, cfg.gateway.queue_timeout, cfg.gateway.queue_max)
-        self.admission.on_change = self._state_changed
         g = cfg.gateway
         # One client may always send one body of the largest size.
         self.budget = limits.BodyBudget(g.body_bytes_in_flight, max(g.body_bytes_per_client, g.max_body_bytes))
@@ -111,7 +112,9 @@ class Gateway:
         }, ModelFacts(name, cfg.backend, self.backend.upstream_package,
                       numeric_fields(msgspec.to_builtins(cfg.gateway))))
         self._last_status = ""
-        self.reload_clock = ReloadClock(self.metrics)
+        # The control socket's requests (drain, resume, switch, keys, ...) and the reload clock.
+        self.controller = Controller(self)
+        self.admission.on_change = self.controller.state_changed
         self.stream_error = {"message": f"model {name}'s engine stopped mid-stream",
                              "type": "engine_error", "code": "engine_down"}
 
@@ -175,14 +178,6 @@ class Gateway:
                                f"no route {path} on model {self.name} (docs/gateway.md lists the public routes)")
         return await self.proxy(request, path)
 
-    def connection_event(self, event: str) -> None:
-        if event == "refused":
-            self.metrics.connections_refused.inc()
-        elif event == "evicted":
-            self.metrics.connections_evicted.inc()
-        else:
-            self.metrics.connections_timed_out.labels(event).inc()
-
     def refuse(self, status: int, kind: str, code: str, message: str,
                headers: Optional[dict] = None) -> web.Response:
         self.metrics.refused.labels(str(status)).inc()
@@ -230,15 +225,7 @@ class Gateway:
     def unavailable(self, reason: str) -> web.Response:
         self.metrics.rejected.labels(reason).inc()
         retry = self.cfg.gateway.retry_after
-        messages = {
-            "draining": f"model {self.name} is reloading; retry after {retry} s",
-            "paused": f"model {self.name} is reloading; retry after {retry} s",
-            "starting": f"model {self.name} is starting; retry after {retry} s",
-            "engine-down": f"model {self.name}'s engine is not running; retry after {retry} s",
-            "queue-full": f"model {self.name} has too many waiting requests; retry after {retry} s",
-            "queue-timeout": f"model {self.name} did not become available in time; retry after {retry} s",
-        }
-        body = limits.error_body(messages.get(reason, f"model {self.name} is unavailable ({reason})"),
+        body = limits.error_body(refusal_message(reason, self.name, retry),
                                  "service_unavailable", f"model_{reason.replace('-', '_')}")
         return web.json_response(body, status=503, headers={"Retry-After": str(retry)})
 
@@ -347,7 +334,7 @@ class Gateway:
     async def _fail_over(self, slot: str) -> bool:
         moved = await self.slots.fail_over(slot, held=self.admission.state in HELD)
         if moved:
-            self._report()
+            self.report()
         return moved
 
     def _count_bytes(self, n: int) -> None:
@@ -373,85 +360,17 @@ class Gateway:
                 await self.admission.engine_healthy(healthy)
                 if self.slots.failed_over and healthy and await self.slots.fail_back(
                         self.admission.on_slot.get("standby", 0)):
-                    self._report()
-            self._report()
+                    self.report()
+            self.report()
             await asyncio.sleep(HEALTH_INTERVAL)
 
-    def _report(self) -> None:
+    def report(self) -> None:
         a = self.admission
         text = f"{a.state.value}: {a.in_flight} in flight, {a.counters.admitted} admitted, {sum(a.counters.rejected.values())} rejected"
         text += self.slots.status_line()
         if text != self._last_status:
             self._last_status = text
             systemd.status(text)
-
-    # ------------------------------------------------------------ reloads, as the control socket sees them
-
-    def _now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    def _state_changed(self, old: State, new: State) -> None:
-        self.reload_clock.serving(self._now(), new == State.SERVING)
-
-    # ------------------------------------------------------------ control
-
-    async def control(self, request: control.Request) -> control.Answer:
-        if isinstance(request, control.Drain):
-            self.metrics.drains.inc()
-            # A drain answers 503 from now on; one while already drained is the same reload's.
-            self.reload_clock.begin(self._now(), serving=False, retry=self.admission.state in HELD)
-            log.info("drain requested (timeout %.1f s), %d in flight", request.timeout, self.admission.in_flight)
-            result = await self.admission.drain(request.timeout)
-            log.info("drain %s", "complete" if result.drained else f"timed out, {result.remaining} still running")
-        elif isinstance(request, control.Resume):
-            result = await self.admission.resume(await self.engine_ok())
-            self.reload_clock.end(self._now(), request.outcome or result.state)
-            log.info("resumed: %s", result.state)
-        elif isinstance(request, control.Switch):
-            if request.outcome is not None and request.slot != "main":
-                raise control.ControlError("outcome ends a reload: it goes with the switch back to main")
-            moved = request.slot != self.slots.current
-            result = await self.switch(request.slot)
-            # An overlap reload runs from the switch to the second engine to the switch back.
-            if moved and request.slot != "main":
-                self.reload_clock.begin(self._now(), serving=self.admission.state == State.SERVING)
-            elif moved or request.outcome:
-                self.reload_clock.end(self._now(), request.outcome or result.state)
-        elif isinstance(request, control.Keys):
-            result = self.replace_keys(request)
-        elif isinstance(request, control.Settle):
-            log.info("settle: waiting for %d request(s) on the %s engine", self.admission.on_slot.get(request.slot, 0),
-                     request.slot)
-            result = await self.admission.settle(request.slot, request.timeout)
-        else:
-            result = self.admission.snapshot(self.slots.current, self.slots.failed_over)
-        self._report()
-        return result
-
-    def replace_keys(self, request: control.Keys) -> control.KeysReplaced:
-        """Check the next requests against REQUEST's keys (root sent them:
-        control.py); admitted ones are not touched. Keys on or off, or
-        another file, change the unit (LoadCredential=): a restart."""
-        configured = self.cfg.gateway.api_keys
-        restart = f"systemctl restart model@{self.name}"
-        if self.api_keys is None or configured is None:
-            raise control.ControlError(f"this gateway was started without gateway.api_keys; keys on take `{restart}`")
-        if request.source != configured:
-            raise control.ControlError(f"this gateway was started with the keys file {configured}, not "
-                                       f"{request.source}; another keys file takes `{restart}`")
-        before = len(self.api_keys)
-        self.api_keys = keys.encoded(request.keys)
-        log.info("API keys replaced from %s: %d key(s), %d before; admitted requests run on", configured,
-                 len(self.api_keys), before)
-        return control.KeysReplaced(keys=len(self.api_keys))
-
-    async def switch(self, slot: str) -> control.GatewayStatus:
-        """New requests go to SLOT's engine from now on (slots.py)."""
-        try:
-            await self.slots.switch(slot, self.admission.in_flight)
-        except SwitchRefused as exc:
-            raise control.ControlError(str(exc)) from None
-        return self.admission.snapshot(self.slots.current)
 
 
 def listener_from_config(listen: str) -> socket.socket:
@@ -489,11 +408,11 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
     gateway.connections = limits.Connections(
         runner.server, max_connections=cap, per_client=g.max_connections_per_client,
         header_timeout=g.header_timeout, idle_timeout=g.idle_timeout, write_timeout=g.write_timeout,
-        refusal=refusal, too_large=too_large, on_event=gateway.connection_event)
+        refusal=refusal, too_large=too_large, on_event=gateway.metrics.connection_event)
     listener.setblocking(False)
     public = await asyncio.get_running_loop().create_server(gateway.connections, sock=listener, backlog=1024)
     ctl_listener = sockets.bind_private(gateway.control_socket)
-    ctl = await control.serve(ctl_listener, gateway.control)
+    ctl = await control.serve(ctl_listener, gateway.controller)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

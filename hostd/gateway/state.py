@@ -36,6 +36,24 @@ class State(str, enum.Enum):
 
 HELD = (State.DRAINING, State.PAUSED)  # set by the control socket, not the monitor
 
+# Why a request was not admitted (admit()'s refusal: a state, or the queue's
+# two) -> what its 503 says, {model} and {retry} filled in (the Retry-After
+# seconds). Drained and paused read alike: to a client both are a reload.
+REFUSALS = {
+    "draining": "model {model} is reloading; retry after {retry} s",
+    "paused": "model {model} is reloading; retry after {retry} s",
+    "starting": "model {model} is starting; retry after {retry} s",
+    "engine-down": "model {model}'s engine is not running; retry after {retry} s",
+    "queue-full": "model {model} has too many waiting requests; retry after {retry} s",
+    "queue-timeout": "model {model} did not become available in time; retry after {retry} s",
+}
+
+
+def refusal_message(reason: str, model: str, retry: int) -> str:
+    """The 503's message for a request refused for REASON (REFUSALS)."""
+    return REFUSALS.get(reason, "model {model} is unavailable ({reason})").format(model=model, retry=retry,
+                                                                                 reason=reason)
+
 
 @dataclass
 class Counters:

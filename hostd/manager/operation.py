@@ -109,6 +109,14 @@ class Plan(Protocol):
     transitions: dict[Stage, frozenset[Stage]]  # transitions(stages)
 
 
+def journal_fields(model: str, operation: int, **more) -> dict:
+    """The journal fields of a line about operation OPERATION of MODEL, for
+    logging's extra= (logs.py sends hostd_* attributes as HOSTD_* fields):
+    `journalctl HOSTD_OPERATION=ID` finds every line of one reload, its
+    recovery's after a manager restart included. MORE: further hostd_* fields."""
+    return {"hostd_model": model, "hostd_operation": str(operation), **more}
+
+
 class Cancelled(Exception):
     pass
 
@@ -159,6 +167,10 @@ class Operation:
         """The D-Bus value of Operation.Strategy ("" before the preflight chose)."""
         return self.strategy.name if self.strategy else ""
 
+    def fields(self, **more) -> dict:
+        """This operation's journal fields (journal_fields)."""
+        return journal_fields(self.model, self.id, **more)
+
     def cancel(self) -> None:
         self.cancel_requested = True
         self.asked.set()
@@ -176,7 +188,7 @@ class Operation:
         self.stage_entered = time.time()
         log.info(
             "reload %d of %s: stage %s", self.id, self.model, stage.value,
-            extra={"hostd_model": self.model, "hostd_operation": str(self.id), "hostd_stage": stage.value},
+            extra=self.fields(hostd_stage=stage.value),
         )
         self._changed()
 
@@ -187,8 +199,7 @@ class Operation:
         log.log(
             logging.INFO if state == State.DONE else logging.WARNING,
             "reload %d of %s %s%s", self.id, self.model, state.value, f": {error}" if error else "",
-            extra={"hostd_model": self.model, "hostd_operation": str(self.id),
-                   "hostd_stage": "finished", "message_id": MESSAGE_IDS[state.value]},
+            extra=self.fields(hostd_stage="finished", message_id=MESSAGE_IDS[state.value]),
         )
         self._changed()
 

@@ -12,6 +12,10 @@ admitted requests without draining it first, and after an overlap reload
 leaves exactly one engine serving. After a standby reload it leaves the main
 engine serving and the standby on the config main serves (committed or
 rolled back): rebuilt there, or restarted by systemd when that fails.
+
+On the bus (claim, recover_claimed): each recovery is an Operation of kind
+"recovery", claimed before the manager owns its bus name, so the model is
+busy to any caller until its recovery ends.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import msgspec
 
 from hostd.manager import strategies
 from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
+from hostd.manager.operation import State, journal_fields
 from hostd.manager.records import Intent
 from hostd.manager.reload import ModelHandles
 
@@ -41,7 +46,7 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     and what is left beside it at the end (exactly one engine after an
     overlap; the standby on the config main serves)."""
     name, probe, systemd = model.name, model.probe, model.systemd
-    where = {"hostd_model": name, "hostd_operation": str(intent.operation)}
+    where = journal_fields(name, intent.operation)
     strategy = strategies.named(intent.strategy)
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
@@ -104,3 +109,51 @@ async def _verified_target(model: ModelHandles, intent: Intent, health: Optional
         return None
     return target
 
+
+
+# ---------------------------------------------------------------- on the bus
+# MANAGER is the service.Manager (its models, records, new_operation and
+# publish), handed in: this module imports nothing of the bus.
+
+
+def claim(manager) -> list:
+    """A visible recovery Operation for every model a previous manager left
+    mid-reload (its intent record): the model is busy from here on, so that
+    a Reload (the call that may have D-Bus-activated this manager) answers
+    Busy instead of racing the recovery. Call before owning the bus name.
+    Returns (model, intent, operation) for each."""
+    claimed = []
+    for name, model in list(manager.models.items()):
+        try:
+            intent = manager.records.intent(name)
+        except msgspec.DecodeError as exc:
+            log.error("the intent record of %s is broken (%s); it stays in %s for an operator",
+                      name, exc, manager.records.intent_path(name), extra={"hostd_model": name})
+            continue
+        if intent is None:
+            continue
+        iface = manager.new_operation(model, "recovery", dict(intent.patch))
+        iface.op.strategy = strategies.named(intent.strategy)
+        iface.op.notes.append(f"finishes reload {intent.operation}, which a previous manager left half done")
+        manager.publish(iface)
+        claimed.append((model, intent, iface))
+    return claimed
+
+
+async def recover_claimed(manager, claimed: list) -> None:
+    """End the reloads a previous manager left half done (recover), each
+    under the recovery Operation claim made for it."""
+    for model, intent, iface in claimed:
+        name = model.model_name
+        try:
+            outcome = await recover(model.handles, intent)
+        except Exception as exc:
+            log.exception("recovery of %s failed; its intent record stays in %s", name,
+                          manager.records.intent_path(name), extra={"hostd_model": name})
+            iface.op.finish(State.FAILED, f"recovery of reload {intent.operation} failed: {exc}")
+        else:
+            log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
+            state = State.DONE if outcome == "committed" else State.ROLLED_BACK
+            iface.op.finish(state, "" if outcome == "committed" else f"reload {intent.operation}: {outcome}")
+        model.forget()
+        model.refresh()

@@ -61,6 +61,7 @@ from hostd.manager import strategies
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Operation, Stage, State
 from hostd.manager.probe import Probe
 from hostd.manager.records import Committed, Degraded, Intent, Records
+from hostd.manager.systemd1 import job_timeout
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -223,7 +224,7 @@ class Reload:
             write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
     async def restart(self) -> None:
-        await self.model.systemd.restart(self.model.engine_unit, timeout=self.target.timeouts.start + 30)
+        await self.model.systemd.restart(self.model.engine_unit, timeout=job_timeout(self.target.timeouts.start))
 
     async def verify(self, cfg, slot: str = "main") -> None:
         await self.model.probe.verify_engine(cfg, self.weights_before, slot)
@@ -236,7 +237,7 @@ class Reload:
         """Put the previous config back and bring the previous engine up."""
         self.previous_on_disk(cause)
         restored = hostd_config.load_model(self.model.name, self.model.root).config
-        await self.model.systemd.restart(self.model.engine_unit, timeout=restored.timeouts.start + 30)
+        await self.model.systemd.restart(self.model.engine_unit, timeout=job_timeout(restored.timeouts.start))
         await self.verify(restored)
         self.op.restored = True
         self.model.records.drop_intent(self.model.name)
@@ -317,13 +318,12 @@ class Reload:
         op = self.op
         if self.unchanged:
             log.info("reload %d of %s: the engine runs this config already; nothing to do", op.id, op.model,
-                     extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+                     extra=op.fields())
             return self.end(State.UNCHANGED)
         log.info(
             "reload %d of %s started (strategy %s: %s): %s", op.id, op.model, op.strategy_name, self.strategy_reason,
             json.dumps(op.patch) if op.patch else "config on disk",
-            extra={"hostd_model": op.model, "hostd_operation": str(op.id), "message_id": MESSAGE_IDS["started"],
-                   "hostd_strategy": op.strategy_name},
+            extra=op.fields(message_id=MESSAGE_IDS["started"], hostd_strategy=op.strategy_name),
         )
         await op.strategy.apply(self)
 

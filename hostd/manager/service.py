@@ -3,7 +3,8 @@
 One job: describe models and operations on the bus the way systemd describes
 units and jobs, and dispatch verbs: a reload to reload.py, start/stop/restart
 to systemd. What a reload does, how it ends and how it is recovered after a
-crash live in reload.py; the records on disk in records.py; refusals and their
+crash live in reload.py and recovery.py (which also puts each recovery on the
+bus as an Operation); the records on disk in records.py; refusals and their
 D-Bus errors in errors.py; names shared with clients in api.py.
 
     /org/hostd1                     org.hostd1.Manager    verbs, CheckReload, OperationFinished, OperationRemoved
@@ -27,7 +28,6 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-import msgspec
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, method, signal
@@ -35,7 +35,7 @@ from dbus_fast.service import ServiceInterface, method, signal
 from hostd import config as hostd_config
 from hostd import logs
 from hostd.config import schema
-from hostd.manager import api, errors, recovery, strategies
+from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
 from hostd.manager.authority import Authority, CallerAwareBus, admin
 from hostd.manager.errors import replies
@@ -338,44 +338,12 @@ class Manager(ServiceInterface):
             await asyncio.sleep(IN_FLIGHT_INTERVAL)
 
     def claim_recoveries(self) -> list[tuple[ModelInterface, Intent, OperationInterface]]:
-        """A visible recovery Operation for every model a previous manager left
-        mid-reload (its intent record): the model is busy from here on, so that
-        a Reload (the call that may have D-Bus-activated this manager) answers
-        Busy instead of racing the recovery. Call before owning the bus name."""
-        claimed = []
-        for name, model in list(self.models.items()):
-            try:
-                intent = self.records.intent(name)
-            except msgspec.DecodeError as exc:
-                log.error("the intent record of %s is broken (%s); it stays in %s for an operator",
-                          name, exc, self.records.intent_path(name), extra={"hostd_model": name})
-                continue
-            if intent is None:
-                continue
-            iface = self.new_operation(model, "recovery", dict(intent.patch))
-            iface.op.strategy = strategies.named(intent.strategy)
-            iface.op.notes.append(f"finishes reload {intent.operation}, which a previous manager left half done")
-            self.publish(iface)
-            claimed.append((model, intent, iface))
-        return claimed
+        """A visible recovery Operation for every model left mid-reload (recovery.claim)."""
+        return recovery.claim(self)
 
     async def recover(self, claimed: Optional[list] = None) -> None:
-        """End reloads a previous manager left half done (recovery.recover),
-        each under its recovery Operation (claim_recoveries)."""
-        for model, intent, iface in (self.claim_recoveries() if claimed is None else claimed):
-            name = model.model_name
-            try:
-                outcome = await recovery.recover(model.handles, intent)
-            except Exception as exc:
-                log.exception("recovery of %s failed; its intent record stays in %s", name,
-                              self.records.intent_path(name), extra={"hostd_model": name})
-                iface.op.finish(reload_mod.State.FAILED, f"recovery of reload {intent.operation} failed: {exc}")
-            else:
-                log.info("recovery: %s %s", name, outcome, extra={"hostd_model": name})
-                state = reload_mod.State.DONE if outcome == "committed" else reload_mod.State.ROLLED_BACK
-                iface.op.finish(state, "" if outcome == "committed" else f"reload {intent.operation}: {outcome}")
-            model.forget()
-            model.refresh()
+        """End the reloads a previous manager left half done (recovery.recover_claimed)."""
+        await recovery.recover_claimed(self, self.claim_recoveries() if claimed is None else claimed)
 
 
 def patch_from_json(patch: str) -> dict:

@@ -98,6 +98,7 @@ import msgspec
 
 from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, State, transitions
 from hostd.manager.probe import RebuildFailed
+from hostd.manager.systemd1 import job_timeout
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -272,7 +273,7 @@ class Restart(Strategy):
 async def restart_main(model, where: dict) -> str:
     """Recovery: restart the main engine with the config on disk."""
     try:
-        await model.systemd.restart(model.engine_unit, timeout=model.load().config.timeouts.start + 30)
+        await model.systemd.restart(model.engine_unit, timeout=job_timeout(model.load().config.timeouts.start))
     except Exception as exc:
         log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
     return "restarted"
@@ -356,7 +357,7 @@ class SecondEngine(Strategy):
             return 0
         log.warning("reload %d of %s: %d request(s) still running on the %s engine after "
                     "reload.drain_timeout (%g s)", op.id, op.model, settled.remaining, slot, timeout,
-                    extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+                    extra=op.fields())
         return settled.remaining
 
     async def settle_main(self, run) -> None:
@@ -404,13 +405,13 @@ class Overlap(SecondEngine):
     async def prepare_engine(self, run) -> None:
         """Start the second engine with the target config and verify it."""
         op, model = run.op, run.model
-        await model.systemd.start(model.next_unit, timeout=run.target.timeouts.start + 30)
+        await model.systemd.start(model.next_unit, timeout=job_timeout(run.target.timeouts.start))
         await run.verify(run.target, "next")
         bridge = ((await model.probe.engine_health("next")) or {}).get("bridge")
         if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
             op.notes.append(f"bridge engine ran with {bridge}")
             log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,
-                     extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+                     extra=op.fields())
 
     async def put_back(self, run, failed, served, interrupted) -> None:
         # The next engine stops before the intent goes (restore drops it): a
@@ -436,7 +437,7 @@ class Overlap(SecondEngine):
         if remaining:
             op.notes.append(f"{remaining} request(s) still ran on the second engine after "
                             f"reload.drain_timeout; it was stopped with engine.shutdown_timeout")
-        await run.model.systemd.stop(run.model.next_unit, timeout=run.target.timeouts.stop + 30)
+        await run.model.systemd.stop(run.model.next_unit, timeout=job_timeout(run.target.timeouts.stop))
 
     def second_unit(self, model) -> Optional[str]:
         return model.next_unit
@@ -445,7 +446,7 @@ class Overlap(SecondEngine):
         """Exactly one engine is left: the next one stops, unless the main
         engine does not answer (then it keeps serving)."""
         if outcome == "restored" or main_answers:
-            await model.systemd.stop(model.next_unit, timeout=model.load().config.timeouts.stop + 30)
+            await model.systemd.stop(model.next_unit, timeout=job_timeout(model.load().config.timeouts.stop))
         else:
             log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
                       model.name, model.next_unit, extra=where)
@@ -472,7 +473,7 @@ class Standby(SecondEngine):
         seconds = sum(v for v in phases.values() if isinstance(v, (int, float)))
         op.notes.append(f"standby rebuilt in {seconds:.2f} s")
         log.info("reload %d of %s: the standby rebuilt on the target config in %.2f s (%s)", op.id,
-                 op.model, seconds, json.dumps(phases), extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+                 op.model, seconds, json.dumps(phases), extra=op.fields())
         await run.verify(run.target, "standby")
 
     async def put_back(self, run, failed, served, interrupted) -> None:
@@ -498,10 +499,10 @@ class Standby(SecondEngine):
         def restarting(why: str) -> None:
             log.warning("reload %d of %s: the standby did not go back to the serving config (%s); restarting %s",
                         op.id, op.model, why, model.standby_unit,
-                        extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+                        extra=op.fields())
             op.notes.append(f"the standby was restarted: {why}")
 
-        await put_standby_on(model, run.running_engine, run.current.timeouts.start + 30, restarting)
+        await put_standby_on(model, run.running_engine, job_timeout(run.current.timeouts.start), restarting)
 
     def second_unit(self, model) -> Optional[str]:
         return model.standby_unit
@@ -517,7 +518,7 @@ class Standby(SecondEngine):
                         extra=where)
 
         try:
-            if await put_standby_on(model, msgspec.to_builtins(cfg.engine), cfg.timeouts.start + 30,
+            if await put_standby_on(model, msgspec.to_builtins(cfg.engine), job_timeout(cfg.timeouts.start),
                                     restarting) == "rebuilt":
                 log.info("recovery: %s's standby rebuilt on the config on disk", model.name, extra=where)
         except Exception as exc:
@@ -550,7 +551,7 @@ async def choose(run, memory) -> tuple[Strategy, str]:
         op.notes.append(f"no standby reload: {standby}")
         if not run.dry_run:
             log.info("reload %d of %s: no standby reload (%s); as without a standby", op.id, op.model,
-                     standby, extra={"hostd_model": op.model, "hostd_operation": str(op.id)})
+                     standby, extra=op.fields())
     if current.reload.strategy == RESTART.name:
         return RESTART, "reload.strategy is restart"
     problem = run.model.probe.overlap_problem(run.target, run.health, memory)

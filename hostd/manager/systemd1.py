@@ -37,6 +37,20 @@ MANAGER = f"{SYSTEMD}.Manager"
 UNIT_PATHS = f"{PATH}/unit"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 SETTLING = ("activating", "deactivating", "reloading")
+# How much longer than a unit's own TimeoutStartSec=/TimeoutStopSec= (the
+# model's timeouts.start and timeouts.stop: generator.py) the manager waits for
+# a job on it. systemd ends a job that overruns those itself: it kills the
+# unit and fails the job (JobRemoved result "timeout"). Waiting a margin past
+# them lets that verdict arrive, so the operation reports systemd's word and
+# leaves no job of ours still running; a wait of exactly the unit's timeout
+# would race it and end in a bare TimeoutError.
+JOB_MARGIN = 30.0
+
+
+def job_timeout(unit_timeout: float) -> float:
+    """How long to wait for a job on a unit whose systemd timeout is
+    UNIT_TIMEOUT seconds (JOB_MARGIN more)."""
+    return unit_timeout + JOB_MARGIN
 
 # The signals the manager needs, and no others (a busy host has many units).
 MATCHES = (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hostd import hostctl
+from hostd import hostctl, hostctl_bus
 
 
 class FakeClient:
@@ -55,7 +55,7 @@ class FakeClient:
 
 def test_list_shows_the_managers_config_problem_and_reads_no_file(tmp_path: Path, monkeypatch, capsys):
     client = FakeClient()
-    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
     unreadable = tmp_path / "etc"  # nothing there: hostctl must not look
     assert hostctl.main(["--config-dir", str(unreadable), "list", "--no-legend"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -67,7 +67,7 @@ def test_list_shows_the_managers_config_problem_and_reads_no_file(tmp_path: Path
 
 def test_ctrl_c_while_waiting_says_the_reload_goes_on_and_how_to_cancel_it(monkeypatch, capsys):
     client = FakeClient(interrupt_wait=True)
-    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
     assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert err == ("hostctl: reload 7 of tiny continues in the background; `hostctl cancel 7` cancels it "
@@ -89,7 +89,7 @@ def test_ctrl_c_says_whether_a_cancel_would_be_honoured_as_the_manager_said_last
     client = FakeClient(interrupt_wait=True, changes=[
         {"Id": 7, "State": "running", "Stage": stage, "Strategy": "standby", "Stages": STAGES,
          "Cancellable": cancellable}])
-    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
     assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 130
     assert capsys.readouterr().err == (f"hostctl: reload 7 of tiny continues in the background; {said}, "
                                        "`hostctl status tiny` shows how it ends\n")
@@ -97,20 +97,20 @@ def test_ctrl_c_says_whether_a_cancel_would_be_honoured_as_the_manager_said_last
 
 def test_the_progress_line_shows_the_stage_on_the_strategys_path_and_whether_it_is_cancellable():
     props = {"Id": 7, "State": "running", "Strategy": "standby", "Stages": STAGES}
-    assert hostctl.stage_facts({**props, "Stage": "rebuild", "Cancellable": True}) == ["4 of 11", "cancellable"]
-    assert hostctl.stage_facts({**props, "Stage": "settle", "Cancellable": False}) == ["6 of 11"]
-    assert hostctl.stage_facts({**props, "Stage": "rollback", "Cancellable": False}) == []  # off the path
-    assert hostctl.stage_facts({"Stage": "drain"}) == []  # an older manager, without either property
-    line = hostctl.Progress("tiny", stream=io.StringIO())
+    assert hostctl_bus.stage_facts({**props, "Stage": "rebuild", "Cancellable": True}) == ["4 of 11", "cancellable"]
+    assert hostctl_bus.stage_facts({**props, "Stage": "settle", "Cancellable": False}) == ["6 of 11"]
+    assert hostctl_bus.stage_facts({**props, "Stage": "rollback", "Cancellable": False}) == []  # off the path
+    assert hostctl_bus.stage_facts({"Stage": "drain"}) == []  # an older manager, without either property
+    line = hostctl_bus.Progress("tiny", stream=io.StringIO())
     line.props = {**props, "Stage": "rebuild", "Cancellable": True, "StageUSec": 0}
     assert line.line().startswith("reload 7 of tiny (strategy standby): rebuild (0.0 s, 4 of 11, cancellable)")
-    assert hostctl.describe_operation({"Kind": "reload", "Id": 7, **line.props}) == \
+    assert hostctl_bus.describe_operation({"Kind": "reload", "Id": 7, **line.props}) == \
         "reload 7 running (strategy standby) (stage rebuild, 4 of 11, cancellable)"
 
 
 def test_a_reload_waited_for_reports_its_end(monkeypatch, capsys):
     client = FakeClient()
-    monkeypatch.setattr(hostctl, "_client", lambda: client)
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
     assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) == 0
     assert capsys.readouterr().out == "reload of tiny: done\n"
 
@@ -135,7 +135,7 @@ class StateClient(FakeClient):
 def test_is_active_and_status_exit_3_unless_the_model_serves(state, code, monkeypatch, capsys):
     """systemctl's convention, which scripts test (`hostctl is-active -q m ||
     alert`): before, `status NAME` exited 0 with the engine down or degraded."""
-    monkeypatch.setattr(hostctl, "_client", lambda: StateClient(state))
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: StateClient(state))
     assert hostctl.main(["is-active", "m"]) == code
     assert capsys.readouterr().out == f"{state}\n"
     assert hostctl.main(["is-active", "--quiet", "m"]) == code
@@ -154,10 +154,10 @@ def test_status_shows_why_the_socket_refuses_to_start_the_model(monkeypatch, cap
         def model(self, name: str) -> dict:
             return {**super().model(name), "StartProblem": problem}
 
-    monkeypatch.setattr(hostctl, "_client", lambda: Refused("stopped"))
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: Refused("stopped"))
     assert hostctl.main(["status", "m"]) == 3
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == f"   Refused: {problem}"
-    monkeypatch.setattr(hostctl, "_client", lambda: StateClient("stopped"))
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: StateClient("stopped"))
     hostctl.main(["status", "m"])
     assert "Refused" not in capsys.readouterr().out

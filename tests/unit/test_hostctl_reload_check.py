@@ -12,7 +12,7 @@ import json
 import pytest
 from dbus_fast.errors import DBusError
 
-from hostd import hostctl
+from hostd import hostctl, hostctl_bus
 
 WOULD = {"model": "tiny", "outcome": "reload", "patch": {"max_num_seqs": 8, "max_model_len": None},
          "changes": {"max_model_len": {"old": 256, "new": None}, "max_num_seqs": {"old": 4, "new": 8}},
@@ -50,7 +50,7 @@ class CheckClient:
 def client(monkeypatch):
     def install(**kwargs) -> CheckClient:
         fake = CheckClient(**kwargs)
-        monkeypatch.setattr(hostctl, "_client", lambda: fake)
+        monkeypatch.setattr(hostctl_bus, "_client", lambda: fake)
         return fake
     return install
 

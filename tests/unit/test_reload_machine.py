@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hostd import config
-from hostd.hostctl import parse_assignments
+from hostd.hostctl_bus import parse_assignments
 from hostd.manager import errors
 from hostd.manager import reload as R
 from hostd.manager import strategies
