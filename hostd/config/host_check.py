@@ -41,8 +41,9 @@ from hostd.config.load import (
 
 
 def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = None) -> list[str]:
-    """One line for each model file (NAME.yaml or a drop-in) that holds env:
-    values or a secret flag's value and that others than root and the
+    """One line for each model file (NAME.yaml or a drop-in) that holds a
+    secret (an env: value whose name says so, or a secret flag's value:
+    redact.holds_named_secrets) and that others than root and the
     model's own user may read (as ssh refuses an unprotected key): every
     user (the mode), another group (0640 of the group users is not
     private) or another owner; the file, who else reads it, and the owner,
@@ -63,10 +64,10 @@ def exposure_warnings(root: Optional[Path] = None, names: Optional[list[str]] = 
             except (OSError, ConfigError):
                 continue  # check() reports unreadable files
             others = _other_readers(st, name)
-            if others and redact.holds_secrets(data):
+            if others and redact.holds_named_secrets(data):
                 group = units.user(name)
                 warnings.append(
-                    f"{path} holds env: values or secret flags and is readable by {others} "
+                    f"{path} holds env: values or secret flags' values that are secrets and is readable by {others} "
                     f"(mode {stat.S_IMODE(st.st_mode):04o}); keep it to root and the model's user: "
                     f"chown root:{group} {path} && chmod 0640 {path}")
     return warnings

@@ -54,12 +54,24 @@ def argv(args: Iterable[str]) -> list[str]:
     return out
 
 
-def holds_secrets(data: Any) -> bool:
-    """Does DATA (one file's mapping, or an effective config) set env: values
-    or a secret flag?"""
+def secret_env(name: str) -> bool:
+    """Is env: NAME ("HF_TOKEN", "OPENAI_API_KEY") one whose value is a secret,
+    by the words of SECRET_WORDS and SECRET_PAIRS ('_' splits them)? A path or
+    a switch (HOSTD_VLLM, VLLM_NO_USAGE_STATS) names none."""
+    words = name.lower().replace("-", "_").split("_")
+    return bool(SECRET_WORDS.intersection(words)) or any(pair in zip(words, words[1:]) for pair in SECRET_PAIRS)
+
+
+def holds_named_secrets(data: Any) -> bool:
+    """Does DATA (one file's mapping) set an env: value whose name says it is a
+    secret (secret_env), or a secret flag's value? What a file that others may
+    read must not hold (config.exposure_warnings, hostd/secretfiles.py): every
+    env: value is still redacted wherever hostd shows it (config() below), but
+    only these make a readable file a leak."""
     if not isinstance(data, dict):
         return False
-    if isinstance(data.get("env"), dict) and data["env"]:
+    env = data.get("env")
+    if isinstance(env, dict) and any(secret_env(str(key)) for key in env):
         return True
     return any(isinstance(data.get(key), list) and argv(map(str, data[key])) != list(map(str, data[key]))
                for key in ARG_LISTS)

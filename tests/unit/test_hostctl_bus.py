@@ -146,7 +146,7 @@ def test_is_active_and_status_exit_3_unless_the_model_serves(state, code, monkey
 def test_status_shows_why_the_socket_refuses_to_start_the_model(monkeypatch, capsys):
     """Model.StartProblem (a secrets file others can read) is the first line
     of `hostctl status NAME`, with the fix it names."""
-    problem = ("/etc/hostd/models/m.yaml holds env: values or secret flags and is readable by every user "
+    problem = ("/etc/hostd/models/m.yaml holds env: values or secret flags' values that are secrets and is readable by every user "
                "(mode 0644); keep it to root and the model's user: chown root:hostd-m /etc/hostd/models/m.yaml "
                "&& chmod 0640 /etc/hostd/models/m.yaml")
 

@@ -73,3 +73,16 @@ def test_the_manager_shows_it_as_the_models_start_problem(root, monkeypatch):
     assert "m.yaml holds env: values" in problem and "chmod 0640" in problem
     os.chmod(root / "models/m.yaml", 0o600)
     assert model_bus.ModelInterface.StartProblem.prop_getter(obj) == ""
+
+
+def test_a_readable_yaml_whose_env_names_no_secret_starts(root):
+    """docs/vllm.md's quickstart, typed with `cat >` (0644): env: HOSTD_VLLM (a
+    path) and VLLM_NO_USAGE_STATS (a switch) are no secrets, so the model
+    starts; an HF_TOKEN or an OPENAI_API_KEY beside them is refused."""
+    plain = "backend: vllm\nmodel: /srv/m\nenv:\n  HOSTD_VLLM: /opt/vllm/bin/vllm\n  VLLM_NO_USAGE_STATS: '1'\n"
+    write(root / "models/m.yaml", plain, 0o644)
+    assert secretfiles.problems("m", root) == []
+    for secret in ("HF_TOKEN", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY"):
+        write(root / "models/m.yaml", plain + f"  {secret}: s3cr3t\n", 0o644)
+        [problem] = secretfiles.problems("m", root)
+        assert "s3cr3t" not in problem and "chmod 0640" in problem
