@@ -63,7 +63,7 @@ def served(request, host: SystemdContainer):
 def served_restart(host: SystemdContainer):
     """Serving under the restart strategy, for its drain: the tests that use
     it say what of theirs only a drain has (the overlap's counterparts are in
-    test_overlap_units.py and test_overlap_promises.py)."""
+    test_overlap_units.py and test_overlap_units_edges.py)."""
     yield serve_with(host, "restart")
     host.run(["rm", "-f", STRATEGY_DROPIN])
 

@@ -14,7 +14,7 @@ reload back with the main engine untouched; the main engine killed after the
 switch (its requests fail, nothing new goes to it) or while it restarts
 (rolled back) ends with one engine serving. What the gateway tells the
 clients of a killed engine is tests/integration's (test_overlap.py,
-test_front_door.py).
+test_gateway_front_door.py).
 """
 
 from __future__ import annotations

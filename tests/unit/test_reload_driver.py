@@ -30,7 +30,7 @@ def world(tmp_path: Path) -> World:
     # Pinned: this module walks the restart strategy's exits (drain, resume,
     # rollback of a restarted engine); the overlap strategy's are in
     # test_reload_overlap.py, and what both must do is parametrized below and
-    # in test_reload_promises.py.
+    # in test_reload_dbus_api.py.
     return World(tmp_path, strategy="restart")
 
 

@@ -24,7 +24,7 @@ from dbus_fast import Variant
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reload_fakes import World  # noqa: E402
-from test_reload_promises import as_root, dbus, finished, manager_of, operation, refused  # noqa: E402
+from test_reload_dbus_api import as_root, dbus, finished, manager_of, operation, refused  # noqa: E402
 
 from hostd.manager import operation_bus, strategies  # noqa: E402
 from hostd.manager.operation import Stage  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from test_front_door import COMPLETION, FrontDoor, door, free_port, front_door, still_open  # noqa: F401 (door: a fixture)
+from test_gateway_front_door import COMPLETION, FrontDoor, door, free_port, front_door, still_open  # noqa: F401 (door: a fixture)
 from tests.local import ModelTree, wait_for
 
 MiB = 1 << 20

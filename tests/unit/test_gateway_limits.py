@@ -1,7 +1,7 @@
 """Rules of the front door against hostile clients (issue 22) that need no
 process: who counts as one client, and how a client's protocol error is
 logged by the builtin engine. The gateway's side runs for real in
-tests/integration/test_hostile_clients.py."""
+tests/integration/test_gateway_hostile_clients.py."""
 
 from __future__ import annotations
 
