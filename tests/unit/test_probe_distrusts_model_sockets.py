@@ -68,7 +68,7 @@ def test_an_impossible_in_flight_count_is_no_status(tmp_path, monkeypatch):
     assert asyncio.run(go()) is None
 
 
-def test_an_engine_health_answer_past_the_cap_is_not_read(tmp_path, monkeypatch):
+def test_an_engine_health_answer_past_the_cap_is_not_read(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
     (tmp_path / "tiny").mkdir(mode=0o700)
     huge = {"engine_config": {}, "padding": "x" * (3 << 20)}  # 3 MiB (seen: 300 MiB took the manager to 940 MiB)
@@ -88,6 +88,8 @@ def test_an_engine_health_answer_past_the_cap_is_not_read(tmp_path, monkeypatch)
             await runner.cleanup()
 
     assert asyncio.run(go()) is None
+    # Refused for its size, and said so (not merely a JSON the cut made invalid).
+    assert "answered /health with more than" in caplog.text
 
 
 def test_a_smoke_error_is_read_to_300_bytes_never_whole(tmp_path, monkeypatch):
