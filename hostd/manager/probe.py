@@ -169,7 +169,7 @@ class Probe:
                 async with http.get("http://engine/health") as response:
                     if response.status != 200:
                         return None
-                    body = await response.content.read(HEALTH_MAX + 1)
+                    body = await _read_at_most(response, HEALTH_MAX + 1)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return None
         if len(body) > HEALTH_MAX:
@@ -203,7 +203,7 @@ class Probe:
             async with aiohttp.ClientSession(connector=connector,
                                              timeout=aiohttp.ClientTimeout(total=REBUILD_TIMEOUT)) as http:
                 async with http.post("http://engine/hostd/rebuild", json={"engine": engine}) as response:
-                    body = await response.content.read(HEALTH_MAX + 1)
+                    body = await _read_at_most(response, HEALTH_MAX + 1)
                     status = response.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise RebuildFailed(f"the {slot} engine did not answer the rebuild: {exc or type(exc).__name__}") from None
