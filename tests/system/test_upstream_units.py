@@ -170,3 +170,42 @@ def test_unsupported_settings_are_refused_before_upstream_starts(host, backend, 
         host.systemctl("stop", f"model@{name}.service", f"model-weights@{name}.service", check=False, timeout=60)
         host.run(["rm", "-f", f"/etc/hostd/models/{name}.yaml"])
         host.systemctl("reset-failed", check=False)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_cpu_models_reload_runs_the_bridge_engine_under_systemd(host, backend):
+    """The bridge (issue 33: in this container NVML cannot be read, so a cuda
+    model's overlap always fell back to restart and no bridge ever ran here;
+    SGLang's never under systemd). On CPU the preflight weighs the host's
+    MemAvailable, which the engine reports: the reload is an overlap whose
+    second engine ran with the bridge's KV budget, in model-engine-next@,
+    and the main engine restarted (weights are not retained on CPU: upstream
+    shares them through CUDA IPC only)."""
+    name, field, _ = BACKENDS[backend]
+    name = f"{name}-cpu"
+    checkpoint = f"{CHECKPOINT}-cpu"
+    host.run(["mkdir", "-p", checkpoint])
+    host.write_file(f"{checkpoint}/config.json", json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "hidden_size": 128, "torch_dtype": "bfloat16"}))
+    host.write_file(f"{checkpoint}/model.safetensors", "not really weights")
+    port = reserved_port()
+    host.ports[f"{backend}-cpu"] = port
+    text = yaml_for(host, backend, port, extra="device: cpu\nreload: {bridge_kv_mib: 16}\n")
+    host.write_model_yaml(name, text.replace(f"model: {CHECKPOINT}\n", f"model: {checkpoint}\n"))
+    host.systemctl("daemon-reload")
+    try:
+        host.systemctl("start", f"model@{name}.service", timeout=180)
+        engine = main_pid(host, f"model-engine@{name}.service")
+        result = host.run([host.python, "-m", "hostd.hostctl", "reload", name, f"{field}=5"], check=False,
+                          timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        op = last_operation(host)
+        assert (op["State"], op["Strategy"]) == ("done", "overlap"), op
+        assert any(note.startswith("bridge engine ran with") for note in op["Notes"]), op
+        assert main_pid(host, f"model-engine@{name}.service") != engine
+        assert engine_health(host, name)["engine_config"][field] == 5
+        assert host.systemctl("is-active", f"model-engine-next@{name}.service", check=False).stdout.strip() \
+            == "inactive"  # the bridge was retired
+    finally:
+        host.systemctl("stop", f"model@{name}.service", timeout=120, check=False)
