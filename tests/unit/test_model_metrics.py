@@ -9,7 +9,7 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from hostd.engine.app import Latency, RequestClock, token_buckets
+from hostd.engine.latency import Latency, RequestClock, token_buckets
 from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts
 
 
