@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -36,6 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hostd import logs
 from hostd.engine.generate import GenerationCancelled, Runner
+from hostd.engine.health import EngineHealth
+from hostd.engine.health import encode as health_encode
 from hostd.engine.latency import Latency, RequestClock, RunnerCollector
 from hostd.engine.openai_api import (
     CHAT_COMPLETIONS,
@@ -148,33 +151,29 @@ class Engine:
 
     # --- request preparation: checks on the loop, tokenizing on a preparation lane
 
-    def health(self) -> dict:
+    def health(self) -> EngineHealth:
+        """GET /health: the engine's own facts, then the start's (HEALTH_INFO,
+        engine/main.py) over them; the status is always the engine's."""
         s = self.runner.stats
         running, waiting = self.running_waiting()
-        info = {
-            "status": "shutting_down" if self.draining else "ok",
-            "model": self.served_name,
-            "pid": os.getpid(),
-            "max_num_seqs": self.limits.max_num_seqs,
-            "max_model_len": self.limits.max_model_len,
-            "batching": self.limits.batching,
-            "running": running,
-            "waiting": waiting,
-            "running_max": s.running_max,
-            "tokens_per_s": round(s.tokens_per_second(), 2),
-        }
+        status = "shutting_down" if self.draining else "ok"
+        health = EngineHealth(
+            status=status, model=self.served_name, pid=os.getpid(), max_num_seqs=self.limits.max_num_seqs,
+            max_model_len=self.limits.max_model_len, batching=self.limits.batching, running=running,
+            waiting=waiting, running_max=s.running_max, tokens_per_s=round(s.tokens_per_second(), 2),
+        )
         blocks = self.kv_blocks()
         if blocks is not None:
-            info |= {"kv_blocks_used": blocks[0], "kv_blocks_total": blocks[1],
-                     "kv_block_tokens": self.runner.page_size, "kv_cache_bytes": self.runner.kv_cache_bytes}
-        extra = self.health_info
-        if callable(extra):
-            try:
-                extra = extra()
-            except Exception:
-                self.log.exception("the health_info callback failed; /health answers without its fields")
-                extra = None
-        return {**info, **(extra or {}), "status": info["status"]}
+            health = msgspec.structs.replace(
+                health, kv_blocks_used=blocks[0], kv_blocks_total=blocks[1], kv_block_tokens=self.runner.page_size,
+                kv_cache_bytes=self.runner.kv_cache_bytes)
+        try:
+            extra = self.health_info() if callable(self.health_info) else self.health_info
+            if extra:
+                health = msgspec.structs.replace(health, **extra, status=status)
+        except Exception:  # a callback that failed, or a field EngineHealth does not have
+            self.log.exception("the health_info facts failed; /health answers without them")
+        return health
 
 
 ENGINE = web.AppKey("hostd_engine", Engine)
@@ -323,7 +322,7 @@ async def _model(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     return web.Response(
-        status=503 if engine.draining else 200, body=encode(engine.health()), content_type="application/json"
+        status=503 if engine.draining else 200, body=health_encode(engine.health()), content_type="application/json"
     )
 
 
