@@ -43,6 +43,7 @@ import torch
 
 from hostd import memory, paths, systemd
 from hostd.engine import budget
+from hostd.engine import health as engine_health
 from hostd.weights import checkpoint, client, fingerprint, shared
 
 log = logging.getLogger("hostd.engine")
@@ -221,18 +222,18 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
     info["kv_cache_bytes"] = limits.kv_cache_bytes
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
-    health = {
+    health = engine_health.facts(**{
         "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
         "slot": getattr(args, "slot", "main"),
         "phases_s": phases.seconds,
         # hostd_build_info's upstream_version (the gateway's /metrics)
         "upstream_version": backend.upstream_version(cfg) if backend is not None else "",
-    }
+    })
 
     def health_info(engine_cfg=None, rebuild_s=None):
-        facts = health if engine_cfg is None else {
-            **health, "engine_config": msgspec.to_builtins(engine_cfg.engine), "rebuild_s": rebuild_s}
+        facts = health if engine_cfg is None else engine_health.facts(
+            **{**health, "engine_config": msgspec.to_builtins(engine_cfg.engine), "rebuild_s": rebuild_s})
         # On CPU the overlap preflight compares the engine's memory with the
         # host's (memory.py); on a GPU it asks NVML, and /health reads nothing.
         return (lambda: {**facts, "memory": memory.snapshot()}) if cfg.device == "cpu" else (lambda: facts)

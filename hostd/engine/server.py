@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from hostd import logs, sockets
@@ -343,7 +344,7 @@ class _Rebuilder:
                  time.monotonic() - started, json.dumps(rebuilt.phases_s), rebuilt.limits.max_num_seqs,
                  rebuilt.limits.max_model_len)
         self.status.set(new.engine.summary(), now=True)
-        answer = self.answer(200, {**new.engine.health(), "rebuild_s": rebuilt.phases_s})
+        answer = self.answer(200, msgspec.to_builtins(msgspec.structs.replace(new.engine.health(), rebuild_s=rebuilt.phases_s)))
         # This connection belongs to the old application, which closes it once
         # idle (_retire): a client reusing it could send its next request just
         # as it closes, and lose it. Connection: close makes it open a new one.

@@ -4,7 +4,7 @@ One job: run `vllm serve` (on a private Unix socket) or SGLang's
 `launch_server` (on a private loopback port) as this process's child, and
 serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
 unchanged (streaming included) except GET /health, which answers upstream's
-health plus hostd's contract for the manager: {"engine_config", "weights",
+health plus hostd's contract (engine/health.py's EngineHealth) for the manager: {"engine_config", "weights",
 "weights_not_retained", "weights_pid", "weights_socket_inode"} and for the
 gateway's /metrics ("upstream_version").
 Without the weight cache (the backend's weights_not_retained) upstream's
@@ -45,6 +45,8 @@ from aiohttp import web
 
 from hostd import forward, logs, memory, paths, sockets, systemd
 from hostd.config import redact
+from hostd.engine.health import EngineHealth
+from hostd.engine.health import encode as health_encode
 from hostd.weights import client as weights_client
 from hostd.weights import protocol
 
@@ -190,22 +192,23 @@ class EngineSupervisor:
 
     async def health(self, _request: web.Request) -> web.Response:
         code = await self.upstream_health()
-        body = {
-            "status": "ok" if code == 200 else "unhealthy",
-            "backend": self.cfg.backend,
-            "upstream_health": code,
-            "upstream_pid": self.proc.pid if self.proc else None,
-            "engine_config": msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
-            "weights": "disk" if self.not_retained else "daemon",
-            "weights_not_retained": self.not_retained or "",
-            "weights_pid": self.weights_pid,
-            "weights_socket_inode": self.weights_inode,
-            "slot": self.slot,
-            "bridge": self.bridge,  # what the bridge runs with; "" in the main slot
-            "upstream_version": self.upstream_version,  # hostd_build_info (the gateway's /metrics)
-            "memory": memory.snapshot(),  # host_available: the overlap preflight's on CPU
-        }
-        return web.json_response(body, status=200 if code == 200 else 503)
+        body = EngineHealth(
+            status="ok" if code == 200 else "unhealthy",
+            backend=self.cfg.backend,
+            upstream_health=code,
+            upstream_pid=self.proc.pid if self.proc else None,
+            engine_config=msgspec.to_builtins(self.cfg.engine),  # what a rollback restores
+            weights="disk" if self.not_retained else "daemon",
+            weights_not_retained=self.not_retained or "",
+            weights_pid=self.weights_pid,
+            weights_socket_inode=self.weights_inode,
+            slot=self.slot,
+            bridge=self.bridge,  # what the bridge runs with; "" in the main slot
+            upstream_version=self.upstream_version,  # hostd_build_info (the gateway's /metrics)
+            memory=memory.snapshot(),  # host_available: the overlap preflight's on CPU
+        )
+        return web.Response(body=health_encode(body), status=200 if code == 200 else 503,
+                            content_type="application/json")
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         assert self.session

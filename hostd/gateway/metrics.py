@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 import hostd
+from hostd.engine.health import EngineHealth
 
 # Request durations of an LLM API: milliseconds (model info, tokenize) to
 # minutes (long generations).
@@ -115,16 +116,15 @@ class ModelFacts:
         self.engine_limits: dict[str, float] = {}
         self.weights: Optional[str] = None  # "daemon" | "disk" from the engine's /health
 
-    def update(self, health: Optional[dict]) -> None:
-        """The serving engine's /health body, None when it did not answer."""
-        if not isinstance(health, dict):
+    def update(self, health: Optional[EngineHealth]) -> None:
+        """The serving engine's /health, None when it did not answer."""
+        if health is None:
             self.engine_limits, self.weights = {}, None
             return
         self.engine_limits = numeric_fields(health.get("engine_config"))
-        self.weights = health.get("weights") if health.get("weights") in ("daemon", "disk") else None
-        version = health.get("upstream_version")
-        if isinstance(version, str) and version:
-            self.upstream_version = version
+        self.weights = health.get("weights")  # "daemon" | "disk": the type admits no other
+        if health.upstream_version:
+            self.upstream_version = health.upstream_version
 
     def collect(self):
         info = GaugeMetricFamily(

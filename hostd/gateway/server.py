@@ -63,6 +63,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
+from hostd.engine import health as engine_health
+from hostd.engine.health import EngineHealth
 from hostd.gateway import control, keys, limits, routes
 from hostd.gateway.controller import Controller
 from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, engine_families, numeric_fields
@@ -197,16 +199,18 @@ class Gateway:
         body = self.metrics.exposition() + engine_text.encode()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def engine_health(self) -> Optional[dict]:
-        """The serving engine's /health body (its engine_config, weights and
+    async def engine_health(self) -> Optional[EngineHealth]:
+        """The serving engine's /health (its engine_config, weights and
         upstream_version: hostd_limit, hostd_weights_retained and
-        hostd_build_info), None when it does not answer."""
+        hostd_build_info), decoded under engine/health.py's cap; None when it
+        does not answer with one."""
         try:
             async with self.sessions[self.slots.current].get(
                     "http://engine/health", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
-                return await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                body = await r.content.read(engine_health.MAX_BYTES + 1)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None
+        return engine_health.parse(body)
 
     async def engine_metrics(self) -> str:
         """The engine's own families (backend.metrics_prefixes), '' when it does not answer."""

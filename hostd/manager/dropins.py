@@ -25,6 +25,7 @@ import msgspec
 from hostd import config as hostd_config
 from hostd.config import schema, yaml_files
 from hostd.config.atomic import remove_durably, write_atomic
+from hostd.engine.health import EngineHealth
 from hostd.manager import errors
 from hostd.manager.records import Committed
 
@@ -93,14 +94,14 @@ def comment_text(message: str, limit: int = COMMENT_LIMIT) -> str:
     return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
 
 
-def previous_engine(backend: str, committed: Optional[Committed], health: Optional[dict]) -> Optional[dict]:
+def previous_engine(backend: str, committed: Optional[Committed], health: Optional[EngineHealth]) -> Optional[dict]:
     """The engine section a rollback brings back, as values root computed: the
     last COMMITTED section (records.py, written by root after a verify), else
     (nothing committed yet) the section the engine reports, only if it is a
     valid engine section of BACKEND, re-rendered from the schema's type. Text
     the engine sent is never written as such; None when neither is usable."""
     engine_type = schema.ENGINE_TYPES[backend]
-    for source in (committed.engine if committed else None, (health or {}).get("engine_config")):
+    for source in (committed.engine if committed else None, health.get("engine_config") if health is not None else None):
         if source is None:
             continue
         try:

@@ -25,6 +25,7 @@ from typing import Optional
 
 import msgspec
 
+from hostd.engine.health import EngineHealth
 from hostd.manager import strategies
 from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
 from hostd.manager.operation import State, journal_fields
@@ -86,7 +87,7 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     return outcome
 
 
-async def _verified_target(model: ModelHandles, intent: Intent, health: Optional[dict], where: dict):
+async def _verified_target(model: ModelHandles, intent: Intent, health: Optional[EngineHealth], where: dict):
     """The reload's target config (the intent's engine section over the fixed
     fields on disk) when the engine runs it, the files on disk still say it
     (not so after a crash inside a rollback, which restores them first) and it

@@ -52,6 +52,7 @@ from hostd import backends, units
 from hostd import config as hostd_config
 from hostd.config import schema
 from hostd.config.atomic import write_atomic
+from hostd.engine.health import EngineHealth
 from hostd.manager import errors
 from hostd.manager.dropins import (
     RELOAD_DROPIN, RELOAD_HEADER, ROLLBACK_DROPIN, merge_patch, previous_engine, read_text, render,
@@ -107,7 +108,7 @@ class Reload:
         self.current = None  # effective config before the reload
         self.target = None  # effective config after it
         self.running_engine: Optional[dict] = None
-        self.health: Optional[dict] = None  # the engine's /health as validate read it (preflight reuses it)
+        self.health: Optional[EngineHealth] = None  # the engine's /health as validate read it (preflight reuses it)
         self.weights_before: Optional[tuple[int, int]] = None
         self.recorded = False  # the previous files are known: restore() may write
         self.intent: Optional[Intent] = None  # what record() wrote

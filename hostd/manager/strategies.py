@@ -407,7 +407,8 @@ class Overlap(SecondEngine):
         op, model = run.op, run.model
         await model.systemd.start(model.next_unit, timeout=job_timeout(run.target.timeouts.start))
         await run.verify(run.target, "next")
-        bridge = ((await model.probe.engine_health("next")) or {}).get("bridge")
+        health = await model.probe.engine_health("next")
+        bridge = health.bridge if health is not None else None
         if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
             op.notes.append(f"bridge engine ran with {bridge}")
             log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,

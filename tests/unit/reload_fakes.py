@@ -33,6 +33,7 @@ from hostd import backends, config, units
 from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
+from hostd.engine.health import EngineHealth
 from hostd.manager.probe import Memory, Probe, RebuildFailed, VerifyFailed, weights_problem
 from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
@@ -187,12 +188,13 @@ class FakeProbe:
         self.set_engine(slot, msgspec.to_builtins(config.load_model(self.world.name, self.world.root).config.engine))
         self.attached[slot] = self.weights
 
-    async def engine_health(self, slot: str = "main") -> Optional[dict]:
+    async def engine_health(self, slot: str = "main") -> Optional[EngineHealth]:
         self.calls.append("health" if slot == "main" else f"health {slot}")
         engine = self.get_engine(slot)
         if engine is None:
             return None
-        return {"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot)}
+        return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot)},
+                               EngineHealth)
 
     def attachment(self, slot: str) -> dict:
         """What the engine in SLOT reports of its weight daemon on /health."""
@@ -216,7 +218,7 @@ class FakeProbe:
     def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
         return None
 
-    def overlap_problem(self, cfg, health: Optional[dict], memory: Memory) -> Optional[str]:
+    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
         """The backend's own refusal first, as Probe.overlap_problem asks it
         (SGLang's when config.json cannot size its bridge); then NO_ROOM,
         which stands for the memory preflight."""
@@ -258,10 +260,10 @@ class FakeProbe:
         engine = self.get_engine(slot)
         if engine is None:
             raise VerifyFailed("the engine does not answer /health")
-        if not self.runs({"engine_config": engine}, msgspec.to_builtins(cfg.engine)):
+        if not self.runs(EngineHealth(engine_config=engine), msgspec.to_builtins(cfg.engine)):
             raise VerifyFailed(f"the engine runs {engine}, not the target config")
         if weights_before is not None:
-            problem = weights_problem(weights_before, self.weights, self.attachment(slot))
+            problem = weights_problem(weights_before, self.weights, EngineHealth(**self.attachment(slot)))
             if problem:
                 raise VerifyFailed(problem)
 

@@ -16,6 +16,7 @@ import pytest
 from hostd import backends, paths
 from hostd.backends import upstream
 from hostd.config import schema
+from hostd.engine.health import EngineHealth
 from hostd.manager.probe import GpuMemory, Memory, Probe
 
 GiB = 1 << 30
@@ -23,6 +24,11 @@ MiB = 1 << 20
 # Qwen2.5-7B's shape: 28 layers, 28 query heads, 4 KV heads of 128.
 QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "hidden_size": 3584, "torch_dtype": "bfloat16"}
+
+
+def as_health(reported: dict) -> EngineHealth:
+    """A /health as the probe decodes it (engine/health.py)."""
+    return msgspec.convert(reported, EngineHealth)
 
 
 @pytest.fixture(autouse=True)
@@ -138,11 +144,11 @@ def test_the_cpu_preflight_weighs_the_bridge_and_its_own_weights_against_memavai
     need = GiB + 512 * MiB + upstream.BRIDGE_NON_KV_BYTES
     probe = Probe("m")
     tight = {"memory": {"host_available": need + 100 * MiB}}
-    problem = probe.overlap_problem(cfg, tight, Memory(None, ""))
+    problem = probe.overlap_problem(cfg, as_health(tight), Memory(None, ""))
     assert f"about {need >> 20} MiB" in problem and "bridge_kv_mib=512" in problem
     assert "its own copy of the weights" in problem and "overlap_reserve_mib=256" in problem
-    assert probe.overlap_problem(cfg, {"memory": {"host_available": need + 300 * MiB}}, Memory(None, "")) is None
-    assert "does not report the host's memory" in probe.overlap_problem(cfg, {}, Memory(None, ""))
+    assert probe.overlap_problem(cfg, as_health({"memory": {"host_available": need + 300 * MiB}}), Memory(None, "")) is None
+    assert "does not report the host's memory" in probe.overlap_problem(cfg, as_health({}), Memory(None, ""))
 
 
 def test_the_gpu_preflight_weighs_the_bridge_kv_budget_against_nvml_free_memory(tmp_path):
@@ -154,11 +160,11 @@ def test_the_gpu_preflight_weighs_the_bridge_kv_budget_against_nvml_free_memory(
     roomy = GpuMemory(0, 80 * GiB, need + MiB, serving, 7 * GiB)
     tight = GpuMemory(1, 80 * GiB, need - MiB, serving, 7 * GiB)
     probe = Probe("m")
-    assert probe.overlap_problem(cfg, {}, Memory([roomy, roomy._replace(index=1)], "")) is None
-    problem = probe.overlap_problem(cfg, {}, Memory([roomy, tight], ""))
+    assert probe.overlap_problem(cfg, as_health({}), Memory([roomy, roomy._replace(index=1)], "")) is None
+    problem = probe.overlap_problem(cfg, as_health({}), Memory([roomy, tight], ""))
     assert problem.startswith("GPU 1: the bridge engine needs about 5120 MiB")
     assert "its own copy" not in problem
-    assert "cannot read GPU memory" in probe.overlap_problem(cfg, {}, Memory(None, "no NVML"))
+    assert "cannot read GPU memory" in probe.overlap_problem(cfg, as_health({}), Memory(None, "no NVML"))
 
 
 def test_the_upstream_supervisor_reports_its_slot_and_bridge_on_health(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ import pytest
 
 from hostd import config, generator, sockets
 from hostd.gateway import control
+from hostd.engine.health import EngineHealth
 from hostd.manager.probe import Probe
 from hostd.weights import client as weights_client
 from hostd.config import schema
@@ -321,7 +322,7 @@ def test_root_talks_to_the_model_users_own_sockets(model_run):
     serve("engine.sock")
     assert control.call(directory / "control.sock", control.Status()).state == "serving"
     assert asyncio.run(control.call_async(directory / "control.sock", control.Status())).ok
-    assert asyncio.run(Probe("tiny").engine_health()) == {"engine_config": {}}
+    assert asyncio.run(Probe("tiny").engine_health()) == EngineHealth(engine_config={})
 
 
 @pytest.mark.parametrize("name", ["control.sock", "engine.sock", "weights.sock"])

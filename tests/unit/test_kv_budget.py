@@ -5,14 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
+
 from hostd import config
 from hostd.engine import budget
+from hostd.engine.health import EngineHealth
 from hostd.manager.probe import Memory, Probe
 
 MiB = 1 << 20
 
 QWEN_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
            "max_position_embeddings": 32768, "dtype": "bfloat16"}
+
+
+def as_health(reported: dict) -> EngineHealth:
+    """A /health as the probe decodes it (engine/health.py)."""
+    return msgspec.convert(reported, EngineHealth)
 
 
 def test_bytes_per_token_is_keys_and_values_of_every_layer():
@@ -48,13 +56,13 @@ def test_the_overlap_preflight_swaps_the_serving_kv_cache_for_the_new_configs(tm
     serving = {"kv_cache_bytes": 500 * MiB,
                "memory": {"anonymous": 800 * MiB, "host_available": 1500 * MiB, "host_total": 64 << 30}}
     # 800 - 500 + 1000 = 1300 MiB, and the 256 MiB reserve: 1556 > 1500
-    problem = Probe("m").overlap_problem(cfg, serving, Memory(None, ""))
+    problem = Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, ""))
     assert "about 1300 MiB" in problem and "KV cache of 1000 MiB" in problem
     serving["memory"]["host_available"] = 1600 * MiB
-    assert Probe("m").overlap_problem(cfg, serving, Memory(None, "")) is None
+    assert Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, "")) is None
 
 
 def test_the_thread_per_request_engine_has_no_kv_budget_to_charge(tmp_path):
     cfg = write_model(tmp_path, "{batching: none, max_num_seqs: 4}")
     serving = {"memory": {"anonymous": 800 * MiB, "host_available": 1100 * MiB}}
-    assert Probe("m").overlap_problem(cfg, serving, Memory(None, "")) is None  # 800 + 256 reserve fits
+    assert Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, "")) is None  # 800 + 256 reserve fits

@@ -9,7 +9,8 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from hostd.engine.app import Latency, RequestClock, token_buckets
+from hostd.engine.latency import Latency, RequestClock, token_buckets
+from hostd.engine.health import EngineHealth
 from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts
 
 
@@ -57,9 +58,9 @@ def samples(metrics: Metrics) -> dict[str, float]:
 def test_model_facts_show_the_serving_engines_limits_and_weights_and_keep_its_upstream_version():
     facts = ModelFacts("m", "builtin", "transformers", {"max_connections": 1024.0})
     metrics = Metrics({}, facts)
-    facts.update({"engine_config": {"max_num_seqs": 8, "enforce_eager": True, "kv_cache_mib": None,
-                                    "shutdown_timeout": 30.0, "batching": "continuous"},
-                  "weights": "daemon", "upstream_version": "5.0.0"})
+    facts.update(EngineHealth(engine_config={"max_num_seqs": 8, "enforce_eager": True, "kv_cache_mib": None,
+                                             "shutdown_timeout": 30.0, "batching": "continuous"},
+                              weights="daemon", upstream_version="5.0.0"))
     shown = samples(metrics)
     assert shown['hostd_limit{"key": "engine.max_num_seqs"}'] == 8
     assert shown['hostd_limit{"key": "engine.shutdown_timeout"}'] == 30
@@ -73,7 +74,7 @@ def test_model_facts_show_the_serving_engines_limits_and_weights_and_keep_its_up
     assert 'hostd_limit{"key": "engine.max_num_seqs"}' not in shown and "hostd_weights_retained{}" not in shown
     assert shown['hostd_limit{"key": "gateway.max_connections"}'] == 1024
     assert any('"upstream_version": "5.0.0"' in k for k in shown)
-    facts.update({"engine_config": {}, "weights": "disk"})
+    facts.update(EngineHealth(engine_config={}, weights="disk"))
     assert samples(metrics)["hostd_weights_retained{}"] == 0
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from hostd.gateway import control
+from hostd.engine.health import EngineHealth
 from hostd.manager.probe import Probe
 
 
@@ -127,7 +128,7 @@ def test_verify_refuses_an_engine_on_another_weight_daemon(tmp_path):
 
     async def engine_health(slot="main"):
         pid, inode = daemon["engine"]
-        return {"engine_config": engine, "weights_pid": pid, "weights_socket_inode": inode}
+        return EngineHealth(engine_config=engine, weights_pid=pid, weights_socket_inode=inode)
 
     async def smoke(served, slot="main"):
         return None

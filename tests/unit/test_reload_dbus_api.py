@@ -24,6 +24,7 @@ from reload_fakes import FakeProbe, World  # noqa: E402
 
 from hostd import units  # noqa: E402
 from hostd.manager import authority, model_bus, service  # noqa: E402
+from hostd.manager.preflight import Preflight  # noqa: E402
 from hostd.manager.probe import Probe  # noqa: E402
 
 STRATEGIES = ("overlap", "restart")
@@ -141,17 +142,17 @@ def test_fixed_fields_changed_on_disk_refuse_every_reload_with_not_editable(worl
 
 
 class NvmlProbe(FakeProbe):
-    """The fake probe, but the GPU preflight is hostd's own (Probe's), reading NVML."""
+    """The fake probe, but the GPU preflight is hostd's own (Probe's, handed to preflight.py), reading NVML."""
 
     read_memory = Probe.read_memory
     memory_problem = Probe.memory_problem
     overlap_problem = Probe.overlap_problem
     gpu_memory = Probe.gpu_memory
-    _overlap_gpu = vars(Probe)["_overlap_gpu"]  # a staticmethod, kept one
 
     def __init__(self, world: World):
         super().__init__(world)
         self.name = world.name
+        self.preflight = Preflight(world.name)
 
 
 def fake_nvml(monkeypatch, *, total: int, free: int, engine_pid: int, engine_bytes: int) -> None:

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
@@ -197,7 +198,11 @@ def test_recovery_after_main_restarted_commits_and_stops_the_next_engine(world):
 
 def test_the_preflight_compares_what_the_engine_reports_with_the_reserve(world, monkeypatch):
     from hostd import config
+    from hostd.engine.health import EngineHealth
     from hostd.manager.probe import Memory, Probe
+
+    def as_health(d):
+        return msgspec.convert(d, EngineHealth)
 
     cfg = config.load_model("tiny", world.root).config  # builtin on CPU, reserve 256 MiB
     probe = Probe("tiny")
@@ -205,12 +210,12 @@ def test_the_preflight_compares_what_the_engine_reports_with_the_reserve(world, 
     health = {"memory": reported}
     memory = run(probe.read_memory(cfg, 1))
     assert memory == Memory(None, "")  # on CPU: NVML is never asked
-    assert "does not report its memory" in probe.overlap_problem(cfg, health, memory)
+    assert "does not report its memory" in probe.overlap_problem(cfg, as_health(health), memory)
     reported.update(anonymous=900 << 20, host_available=1000 << 20)
-    problem = probe.overlap_problem(cfg, health, memory)
+    problem = probe.overlap_problem(cfg, as_health(health), memory)
     assert "about 900 MiB" in problem and "overlap_reserve_mib=256" in problem and "1000 MiB" in problem
     reported.update(host_available=2000 << 20)
-    assert probe.overlap_problem(cfg, health, memory) is None
+    assert probe.overlap_problem(cfg, as_health(health), memory) is None
 
 
 @pytest.mark.parametrize("strategy", ["overlap", "restart"])

@@ -1,0 +1,226 @@
+"""The manager's GPU and host memory preflight: will a reload's engine fit?
+
+One job: read the memory a reload weighs once (NVML's view of the model's
+GPUs, read_memory) and say why the new engine, or a second one beside the
+serving one (an overlap reload), would not fit: memory_problem and
+overlap_problem, each a sentence naming the config key to change, or None.
+The Probe hands these over here (Probe.preflight).
+
+Trusts NVML and the weight daemon's status (through weights/client.py's
+typed, capped frames); the serving engine's /health (an EngineHealth, decoded
+under its cap by the Probe) only for the memory it reports of itself and the
+host on CPU, which only decides whether a reload overlaps or restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import NamedTuple, Optional
+
+from hostd import backends, nvml, paths
+from hostd.engine.health import EngineHealth
+from hostd.weights import client as weights_client
+
+log = logging.getLogger("hostd.manager.probe")
+
+
+class Preflight:
+    """The preflight of model NAME (Probe.preflight)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    async def read_memory(self, cfg, engine_pid: int) -> "Memory":
+        """The one memory reading a preflight weighs (memory_problem and
+        overlap_problem): NVML's view of CFG's GPUs when its engine uses any."""
+        if not backends.for_config(cfg).uses_gpu(cfg):
+            return Memory(None, "")
+        try:
+            return Memory(await self.gpu_memory(cfg, engine_pid), "")
+        except RuntimeError as exc:  # no driver library here
+            return Memory(None, str(exc))
+
+    def memory_problem(self, cfg, memory: "Memory") -> Optional[str]:
+        """Why the new engine would not fit on its GPUs (MEMORY, read_memory),
+        or None.
+
+        Memory the new engine may use = free now + what the old engine holds
+        (it is stopped first). The old engine's share comes from NVML's
+        per-process accounting when NVML sees our PIDs; inside a container its
+        PIDs are another namespace's, so then it falls back to the device:
+        used - the weight daemon's share. vLLM and SGLang size their pools as a
+        fraction of the whole GPU that includes the daemon-held weights."""
+        if memory.unreadable:  # verify and rollback still guard
+            log.warning("GPU preflight skipped for %s: %s", self.name, memory.unreadable)
+            return None
+        backend = backends.for_config(cfg)
+        fraction = backend.memory_fraction(cfg)
+        for gpu in memory.gpus or ():
+            available = gpu.free + gpu.engine
+            kv = None if fraction else backend.engine_kv_bytes(cfg, gpu.total)
+            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20) + (kv or 0)
+            if need > available:
+                if fraction:
+                    why = (f"fraction {fraction} of {gpu.total / 2**30:.1f} GiB, less the daemon-held weights; "
+                           "lower the memory fraction")
+                elif kv:
+                    why = (f"its context and a KV cache of {kv >> 20} MiB; lower engine.kv_cache_mib, "
+                           "max_num_seqs or max_model_len")
+                else:
+                    why = "for its context"
+                return (
+                    f"GPU {gpu.index}: the new engine needs about {need / 2**30:.1f} GiB ({why}), "
+                    f"but only {available / 2**30:.1f} GiB would be free"
+                )
+        return None
+
+    async def gpu_memory(self, cfg, engine_pid: int) -> list["GpuMemory"]:
+        """NVML's view of each of the model's GPUs: free, total, the serving
+        engine's share and the weight daemon's. The engine's share is NVML's
+        per-process figure where NVML sees our PIDs; inside a container they
+        are another namespace's, so then it is the device's used memory less
+        the daemon's share. RuntimeError when NVML cannot be read."""
+        status = None
+        try:
+            status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
+        except (OSError, weights_client.WeightsRefused):
+            pass
+        held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+        # In a thread: NVML takes milliseconds per GPU, and this is root's only loop.
+        return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held)
+
+    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory") -> Optional[str]:
+        """Why a second engine would not fit beside the serving one, or None.
+        HEALTH is the serving engine's /health answer (the one validate read),
+        MEMORY the preflight's reading (read_memory): nothing is asked again.
+
+        vllm and sglang run a bridge there, whose need their backend knows
+        (Backend.bridge_need: _bridge_problem). Otherwise (builtin) the second
+        engine needs what the serving one uses beyond the shared weights (its
+        footprint), its KV cache swapped for the one the new config sizes
+        (Backend.engine_kv_bytes, the builtin engine's paged cache:
+        _second_engine), and reload.overlap_reserve_mib must stay free besides. CPU: the footprint is the engine's anonymous memory against
+        the host's MemAvailable, both as the engine reports them on /health
+        (hostd/memory.py: this sandbox cannot read them). GPU: NVML's per-process figure for
+        the engine (device used - the daemon's share where NVML cannot see our
+        PIDs), against each GPU's free memory."""
+        backend = backends.for_config(cfg)
+        refusal = backend.overlap_refusal(cfg)
+        if refusal:
+            return refusal
+        reserve = cfg.reload.overlap_reserve_mib << 20
+        bridge = backend.bridge_need(cfg)
+        if bridge is not None:
+            return self._bridge_problem(cfg, backend.uses_gpu(cfg), bridge, health, memory, reserve)
+        if backend.uses_gpu(cfg):
+            return self._overlap_gpu(cfg, memory, reserve, backend, health)
+        reported = (health.memory if health is not None else None) or {}
+        if "anonymous" not in reported or "host_available" not in reported:
+            return "the engine does not report its memory on /health (hostd/memory.py)"
+        available = reported["host_available"]
+        footprint = _second_engine(cfg, backend, health, reported["anonymous"], reported.get("host_total"))
+        if footprint + reserve > available:
+            return (
+                f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
+                f"the shared weights{_kv_words(cfg, backend, reported.get('host_total'))}) and "
+                f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
+                f"must stay free, but MemAvailable is {available >> 20} MiB"
+            )
+        return None
+
+    @staticmethod
+    def _bridge_problem(cfg, gpu: bool, need: int, health: Optional[EngineHealth], memory: "Memory",
+                        reserve: int) -> Optional[str]:
+        """vllm and sglang: the bridge engine's own budget (Backend.bridge_need:
+        reload.bridge_kv_mib plus its non-KV footprint, plus the weights where
+        it loads them from disk) and the reserve, against each GPU's NVML free
+        memory, or on CPU the host's MemAvailable as the engine's /health
+        reports it."""
+        what = (f"the bridge engine needs about {need >> 20} MiB (reload.bridge_kv_mib="
+                f"{cfg.reload.bridge_kv_mib} of KV and its non-KV footprint"
+                + (", and its own copy of the weights" if not backends.for_config(cfg).retains_weights(cfg) else "")
+                + f") and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free")
+        if gpu:
+            if memory.unreadable:
+                return f"cannot read GPU memory: {memory.unreadable}"
+            for one in memory.gpus or ():
+                if need + reserve > one.free:
+                    return f"GPU {one.index}: {what}, but {one.free >> 20} MiB are free"
+            return None
+        available = ((health.memory if health is not None else None) or {}).get("host_available")
+        if available is None:
+            return "the engine does not report the host's memory on /health (hostd/memory.py)"
+        if need + reserve > available:
+            return f"{what}, but MemAvailable is {available >> 20} MiB"
+        return None
+
+    @staticmethod
+    def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[EngineHealth]) -> Optional[str]:
+        if memory.unreadable:
+            return f"cannot read GPU memory: {memory.unreadable}"
+        for gpu in memory.gpus or ():
+            need = _second_engine(cfg, backend, health, gpu.engine, gpu.total)
+            if need + reserve > gpu.free:
+                kv = _kv_words(cfg, backend, gpu.total)
+                return (
+                    f"GPU {gpu.index}: a second engine needs about {need >> 20} MiB"
+                    f"{' (' + kv.removeprefix(', ') + ')' if kv else ''} and "
+                    f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
+                    f"but {gpu.free >> 20} MiB are free"
+                )
+        return None
+
+
+def _second_engine(cfg, backend, health: Optional[EngineHealth], serving: int, device_total: Optional[int]) -> int:
+    """What a second engine of CFG takes beyond the shared weights: what the
+    serving one takes (SERVING), with its KV cache (its /health's
+    kv_cache_bytes: allocated and touched at start, so inside SERVING)
+    replaced by the one CFG's engine will allocate (Backend.engine_kv_bytes),
+    when the backend can tell."""
+    target = backend.engine_kv_bytes(cfg, device_total)
+    if target is None:
+        return serving
+    held = health.kv_cache_bytes if health is not None else None
+    held = held if isinstance(held, int) and held >= 0 else 0
+    return max(0, serving - held) + target
+
+
+def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
+    target = backend.engine_kv_bytes(cfg, device_total)
+    return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
+
+
+def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int) -> list["GpuMemory"]:
+    """Preflight.gpu_memory's NVML reading of GPUS (blocking: run it in a thread)."""
+    with nvml.session() as pynvml:
+        out = []
+        for index in gpus:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            daemon = held // max(1, len(gpus))
+            engine = next(
+                (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                 if p.pid == engine_pid), None)
+            if engine is None:
+                engine = max(0, info.used - daemon)
+            out.append(GpuMemory(index, info.total, info.free, engine, daemon))
+        return out
+
+
+class GpuMemory(NamedTuple):
+    """Bytes on one GPU, as NVML reports them (Preflight.gpu_memory)."""
+
+    index: int
+    total: int
+    free: int
+    engine: int  # the serving engine's share
+    daemon: int  # the weight daemon's share
+
+
+class Memory(NamedTuple):
+    """One preflight's reading (Preflight.read_memory)."""
+
+    gpus: Optional[list[GpuMemory]]  # None: the engine uses no GPU, or NVML could not be read
+    unreadable: str  # why NVML could not be read; "" when it was (or was not needed)
+
