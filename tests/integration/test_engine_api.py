@@ -73,7 +73,7 @@ _ENGINE_MAIN = textwrap.dedent("""
         model, tokenizer, limits, served_name=args["name"],
         socket_path=args["socket"], on_ready=lambda: Path(args["ready"]).touch(),
         on_status=lambda line: print("STATUS:", line, file=sys.stderr, flush=True),
-        health_info={"loader": "from_pretrained"},
+        health_info={"weights": "disk"},
     ))
 """)
 
@@ -407,9 +407,9 @@ def test_models_health_and_a_private_socket(engine: Engine):
     assert [m.id for m in engine.openai().models.list().data] == [MODEL]
     with engine.http() as http:
         health = http.get("/health")
-    expected = {"status": "ok", "model": MODEL, "max_num_seqs": 2, "max_model_len": 256, "loader": "from_pretrained"}
+    expected = {"status": "ok", "model": MODEL, "max_num_seqs": 2, "max_model_len": 256, "weights": "disk"}
     assert health.status_code == 200
-    assert {key: health.json().get(key) for key in expected} == expected  # loader: from health_info
+    assert {key: health.json().get(key) for key in expected} == expected  # weights: from health_info (an EngineHealth field)
     assert stat.S_IMODE(engine.socket_path.stat().st_mode) == 0o600
     assert "STATUS: serving: 0 running, 0 waiting" in engine.log()
 
