@@ -68,6 +68,19 @@ def test_an_impossible_in_flight_count_is_no_status(tmp_path, monkeypatch):
     assert asyncio.run(go()) is None
 
 
+async def with_engine_socket(tmp_path: Path, method: str, path: str, handler, probe_call):
+    """PROBE_CALL() while tiny's engine.sock under TMP_PATH answers METHOD PATH with HANDLER."""
+    app = web.Application()
+    app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, str(tmp_path / "tiny" / "engine.sock")).start()
+    try:
+        return await probe_call()
+    finally:
+        await runner.cleanup()
+
+
 def test_an_engine_health_answer_past_the_cap_is_not_read(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
     (tmp_path / "tiny").mkdir(mode=0o700)
@@ -76,18 +89,7 @@ def test_an_engine_health_answer_past_the_cap_is_not_read(tmp_path, monkeypatch,
     async def health(request):
         return web.json_response(huge)
 
-    async def go():
-        app = web.Application()
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.UnixSite(runner, str(tmp_path / "tiny" / "engine.sock")).start()
-        try:
-            return await Probe("tiny").engine_health()
-        finally:
-            await runner.cleanup()
-
-    assert asyncio.run(go()) is None
+    assert asyncio.run(with_engine_socket(tmp_path, "GET", "/health", health, Probe("tiny").engine_health)) is None
     # Refused for its size, and said so (not merely a JSON the cut made invalid).
     assert "answered /health with more than" in caplog.text
 
@@ -104,20 +106,12 @@ def test_a_smoke_error_is_read_to_300_bytes_never_whole(tmp_path, monkeypatch):
         while True:
             await response.write(b"x" * 65536)
 
-    async def go():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.UnixSite(runner, str(tmp_path / "tiny" / "engine.sock")).start()
-        try:
-            with pytest.raises(probe.VerifyFailed) as failed:
-                await asyncio.wait_for(Probe("tiny").smoke("tiny"), 30)  # a safety net, not a timing
-            return str(failed.value)
-        finally:
-            await runner.cleanup()
+    async def smoke():
+        with pytest.raises(probe.VerifyFailed) as failed:
+            await asyncio.wait_for(Probe("tiny").smoke("tiny"), 30)  # a safety net, not a timing
+        return str(failed.value)
 
-    message = asyncio.run(go())
+    message = asyncio.run(with_engine_socket(tmp_path, "POST", "/v1/completions", completions, smoke))
     assert message.startswith("smoke request answered 400: xxx") and len(message) < 400
 
 
