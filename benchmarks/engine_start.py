@@ -30,9 +30,9 @@ from pathlib import Path
 from hostd.checkpoints.random_model import write_checkpoint
 
 # The harness that runs a model's daemons by hand lives beside the tests
-# (tests/local.py): put the checkout on the path to import it.
+# (harness/local.py): put the checkout on the path to import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.local import ModelTree, wait_for  # noqa: E402
+from harness.local import ModelTree, wait_for  # noqa: E402
 
 
 def first_token(tree: ModelTree) -> None:

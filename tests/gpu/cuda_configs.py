@@ -3,7 +3,7 @@ without CUDA: tests/unit/test_gpu_configs.py runs each through the checks an
 engine would make at start (BuiltinBackend.start_refusals), on the CPU
 machine, so that a GPU test's config cannot be wrong without CI failing.
 
-Each builder returns tests.local.ModelTree.write_config's keyword arguments
+Each builder returns harness.local.ModelTree.write_config's keyword arguments
 (device, fixed keys, engine keys) for a checkpoint of GPU_SHAPE.
 """
 

@@ -23,7 +23,7 @@ pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is needed to read GP
 from hostd.checkpoints import random_model  # noqa: E402
 from tests.gpu import cuda_configs  # noqa: E402
 from tests.gpu.cuda_configs import GPU_SHAPE  # noqa: E402
-from tests.local import ModelTree, wait_for  # noqa: E402
+from harness.local import ModelTree, wait_for  # noqa: E402
 from hostd.weights import client  # noqa: E402
 
 MiB = 1 << 20

@@ -26,7 +26,7 @@ def real_checkpoint() -> Path:
 
 @pytest.fixture
 def trees():
-    """ModelTrees (tests/local.py) whose daemons are stopped at the end of the test."""
+    """ModelTrees (harness/local.py) whose daemons are stopped at the end of the test."""
     made = []
     yield made
     for tree in made:

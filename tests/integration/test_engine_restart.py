@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.local import ModelTree
+from harness.local import ModelTree
 from hostd.weights import client
 
 PROMPT = "Once upon a time there was a model"

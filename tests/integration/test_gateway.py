@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from hostd.gateway import control
-from tests.local import ModelTree, as_other_user, wait_for
+from harness.local import ModelTree, as_other_user, wait_for
 
 
 def free_port() -> int:

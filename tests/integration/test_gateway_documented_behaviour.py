@@ -1,5 +1,5 @@
 """Promises of docs/gateway.md that had no test, on a real gateway process
-(hostd.main gateway, run by hand through tests.local.ModelTree), with a real
+(hostd.main gateway, run by hand through harness.local.ModelTree), with a real
 builtin engine where one is needed: /health and the `starting` state,
 `gateway.admission: queue` (queue_max, queue_timeout and their metrics), the
 lowering of max_connections to the file descriptor limit, and the 64 KiB cap
@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from hostd.gateway import control
-from tests.local import Daemon, ModelTree, wait_for
+from harness.local import Daemon, ModelTree, wait_for
 
 
 def free_port() -> int:

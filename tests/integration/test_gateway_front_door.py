@@ -22,7 +22,7 @@ import yaml
 
 from hostd import sockets
 from hostd.gateway import control
-from tests.local import ModelTree, wait_for
+from harness.local import ModelTree, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
 MiB = 1 << 20

@@ -17,7 +17,7 @@ import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 import hostd
-from tests.local import ModelTree, wait_for
+from harness.local import ModelTree, wait_for
 from tests.promql_names import SYNTHETIC, dashboard_exprs, equality_matchers, exposed_names, names_in, rule_exprs
 from test_overlap import free_port  # as test_standby.py
 

@@ -14,7 +14,7 @@ import pytest
 
 from hostd import paths
 from hostd.gateway import control
-from tests.local import ModelTree, wait_for
+from harness.local import ModelTree, wait_for
 
 
 def free_port() -> int:

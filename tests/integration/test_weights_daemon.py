@@ -15,7 +15,7 @@ import pytest
 
 from hostd.checkpoints.random_model import write_checkpoint
 from hostd.weights import client, protocol
-from tests.local import ModelTree, as_other_user, wait_for
+from harness.local import ModelTree, as_other_user, wait_for
 
 
 @pytest.fixture

