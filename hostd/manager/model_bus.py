@@ -314,26 +314,37 @@ class ModelInterface(ServiceInterface):
         """NVML's view of the model's GPUs, JSON (read-only; what the reload's
         preflight weighs): a list of {index, total, free, engine, weights} in
         bytes, [] for a model on no GPU, or {"unreadable": why} when NVML
-        cannot be read here."""
+        cannot be read here. With `standby: true` each entry also has
+        `standby` (the standby engine's bytes by NVML, null where NVML does
+        not list its PID) and, from the standby's /health, `standby_kv_bytes`
+        and `standby_kv_budget` ("idle" while it waits, "full" while it
+        serves; docs/builtin.md)."""
         loaded = self.loaded()
         if loaded is None:
             return json.dumps([])
-        memory = await self._gpu_memory(loaded.config, self._pid(self.units[1]))
+        standby_pid = self._pid(self.standby_unit) if self.standby() else 0
+        memory = await self._gpu_memory(loaded.config, self._pid(self.units[1]), standby_pid)
         if memory.gpus is None:
             return json.dumps({"unreadable": memory.unreadable} if memory.unreadable else [])
+        standby = {}
+        if self.standby():
+            health = await self.handles.probe.engine_health("standby")
+            standby = {"standby_kv_bytes": _known(getattr(health, "kv_cache_bytes", None)),
+                       "standby_kv_budget": _known(getattr(health, "kv_budget", None))}
         return json.dumps([{"index": g.index, "total": g.total, "free": g.free, "engine": g.engine,
-                            "weights": g.daemon} for g in memory.gpus])
+                            "weights": g.daemon, **({"standby": g.standby, **standby} if self.standby() else {})}
+                           for g in memory.gpus])
 
-    async def _gpu_memory(self, cfg, engine_pid: int):
+    async def _gpu_memory(self, cfg, engine_pid: int, standby_pid: int = 0):
         """GpuMemory's reading: any caller may ask, so one reading of the same
-        config and engine serves every call within GPU_MEMORY_CACHE_S, those
+        config and engines serves every call within GPU_MEMORY_CACHE_S, those
         that arrive while it runs included (NVML is never asked in parallel)."""
         loop = asyncio.get_running_loop()
-        key = (msgspec.json.encode(cfg), engine_pid)
+        key = (msgspec.json.encode(cfg), engine_pid, standby_pid)
         cached = self._gpu_reading
         if cached is None or cached[1] != key or loop.time() - cached[0] > GPU_MEMORY_CACHE_S:
-            cached = self._gpu_reading = (loop.time(), key,
-                                          asyncio.ensure_future(self.handles.probe.read_memory(cfg, engine_pid)))
+            cached = self._gpu_reading = (loop.time(), key, asyncio.ensure_future(
+                self.handles.probe.read_memory(cfg, engine_pid, standby_pid)))
         return await asyncio.shield(cached[2])  # a caller that leaves does not cancel the others' reading
 
     @method()
@@ -341,3 +352,8 @@ class ModelInterface(ServiceInterface):
     async def CheckReload(self, patch: "a{sv}") -> "s":
         """What Reload(PATCH) would do, JSON (Manager.CheckReload); read-only."""
         return await self.manager.check_reload(self.model_name, reload_mod.patch_from_variants(patch))
+
+
+def _known(value):
+    """VALUE, or None for msgspec's UNSET (a field an engine's /health did not send)."""
+    return None if value is msgspec.UNSET else value

@@ -31,13 +31,13 @@ class Preflight:
     def __init__(self, name: str):
         self.name = name
 
-    async def read_memory(self, cfg, engine_pid: int) -> "Memory":
+    async def read_memory(self, cfg, engine_pid: int, standby_pid: int = 0) -> "Memory":
         """The one memory reading a preflight weighs (memory_problem and
         overlap_problem): NVML's view of CFG's GPUs when its engine uses any."""
         if not backends.for_config(cfg).uses_gpu(cfg):
             return Memory(None, "")
         try:
-            return Memory(await self.gpu_memory(cfg, engine_pid), "")
+            return Memory(await self.gpu_memory(cfg, engine_pid, standby_pid), "")
         except RuntimeError as exc:  # no driver library here
             return Memory(None, str(exc))
 
@@ -75,12 +75,14 @@ class Preflight:
                 )
         return None
 
-    async def gpu_memory(self, cfg, engine_pid: int) -> list["GpuMemory"]:
+    async def gpu_memory(self, cfg, engine_pid: int, standby_pid: int = 0) -> list["GpuMemory"]:
         """NVML's view of each of the model's GPUs: free, total, the serving
-        engine's share and the weight daemon's. The engine's share is NVML's
-        per-process figure where NVML sees our PIDs; inside a container they
-        are another namespace's, so then it is the device's used memory less
-        the daemon's share. RuntimeError when NVML cannot be read."""
+        engine's share, the weight daemon's and the warm standby's (STANDBY_PID,
+        0: none). The engines' shares are NVML's per-process figures where NVML
+        sees our PIDs; inside a container they are another namespace's, so
+        then the engine's is the device's used memory less the daemon's share
+        (the standby's, if any, included) and the standby's is unknown (None).
+        RuntimeError when NVML cannot be read."""
         status = None
         try:
             status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
@@ -88,7 +90,7 @@ class Preflight:
             pass
         held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
         # In a thread: NVML takes milliseconds per GPU, and this is root's only loop.
-        return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held)
+        return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held, standby_pid)
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory") -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
@@ -191,7 +193,7 @@ def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
     return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
 
 
-def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int) -> list["GpuMemory"]:
+def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int, standby_pid: int = 0) -> list["GpuMemory"]:
     """Preflight.gpu_memory's NVML reading of GPUS (blocking: run it in a thread)."""
     with nvml.session() as pynvml:
         out = []
@@ -199,12 +201,12 @@ def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int) -> list["GpuMe
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
             daemon = held // max(1, len(gpus))
-            engine = next(
-                (p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                 if p.pid == engine_pid), None)
+            processes = {p.pid: p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            engine = processes.get(engine_pid)
             if engine is None:
                 engine = max(0, info.used - daemon)
-            out.append(GpuMemory(index, info.total, info.free, engine, daemon))
+            standby = processes.get(standby_pid) if standby_pid else None
+            out.append(GpuMemory(index, info.total, info.free, engine, daemon, standby))
         return out
 
 
@@ -216,6 +218,7 @@ class GpuMemory(NamedTuple):
     free: int
     engine: int  # the serving engine's share
     daemon: int  # the weight daemon's share
+    standby: Optional[int] = None  # the warm standby's share; None: no standby, or NVML does not list its PID
 
 
 class Memory(NamedTuple):

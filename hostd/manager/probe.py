@@ -266,8 +266,8 @@ class Probe:
 
     # ------------------------------------------------------------ preflight (preflight.py's)
 
-    async def read_memory(self, cfg, engine_pid: int) -> Memory:
-        return await self.preflight.read_memory(cfg, engine_pid)
+    async def read_memory(self, cfg, engine_pid: int, standby_pid: int = 0) -> Memory:
+        return await self.preflight.read_memory(cfg, engine_pid, standby_pid)
 
     def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
         return self.preflight.memory_problem(cfg, memory)

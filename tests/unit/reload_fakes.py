@@ -211,7 +211,7 @@ class FakeProbe:
             return ""
         return backend.bridge_summary(cfg, backend.bridge(cfg))
 
-    async def read_memory(self, cfg, pid: int) -> Memory:
+    async def read_memory(self, cfg, pid: int, standby_pid: int = 0) -> Memory:
         self.calls.append("memory")
         return Memory(None, "")
 

@@ -270,7 +270,7 @@ def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(w
         readings = iter([Memory([GpuMemory(0, 100, 40, 30, 20)], ""), Memory(None, "NVML unavailable (x)"),
                          Memory(None, "")])
 
-        async def read_memory(cfg, pid):
+        async def read_memory(cfg, pid, standby_pid=0):
             return next(readings)
 
         world.probe.read_memory = read_memory
@@ -293,7 +293,7 @@ def test_gpu_memory_answers_every_caller_within_a_second_from_one_reading(world,
         model = manager.models["tiny"]
         reads = []
 
-        async def read_memory(cfg, pid):
+        async def read_memory(cfg, pid, standby_pid=0):
             reads.append(pid)
             await asyncio.sleep(0)  # callers arrive while it runs
             return Memory([GpuMemory(0, 100, 40, 30, 20)], "")

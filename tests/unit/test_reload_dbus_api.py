@@ -299,3 +299,20 @@ def test_cancel_of_a_finished_operation_answers_not_running_and_changes_nothing(
     assert error.text == "operation 1 already ended (done)"
     assert (state, restored) == ("done", False)
     assert yaml.safe_load(world.dropin.read_text()) == {"engine": {"max_num_seqs": 4}}
+
+
+def test_nvml_gives_the_standby_its_own_share_and_none_where_it_does_not_list_its_pid(monkeypatch):
+    # Issue 34: Model.GpuMemory shows what the warm standby costs (idle, and switched in).
+    import pynvml
+
+    from hostd.manager import preflight
+
+    fake_nvml(monkeypatch, total=80 * GiB, free=40 * GiB, engine_pid=11, engine_bytes=20 * GiB)
+    listed = pynvml.nvmlDeviceGetComputeRunningProcesses("gpu0") + [SimpleNamespace(pid=12, usedGpuMemory=GiB)]
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", lambda handle: listed)
+    [gpu] = preflight._nvml_gpu_memory([0], 11, 15 * GiB, standby_pid=12)
+    assert (gpu.engine, gpu.daemon, gpu.standby) == (20 * GiB, 15 * GiB, GiB)
+    [gpu] = preflight._nvml_gpu_memory([0], 11, 15 * GiB, standby_pid=99)  # another PID namespace
+    assert gpu.standby is None
+    [gpu] = preflight._nvml_gpu_memory([0], 11, 15 * GiB)  # no standby
+    assert gpu.standby is None
