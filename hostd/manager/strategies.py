@@ -92,6 +92,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Optional
 
 import msgspec
@@ -310,10 +311,16 @@ class SecondEngine(Strategy):
         try:
             await run.record_stage()
             op.enter(self.prepare)
+            began = time.monotonic()
             await until_asked(op, self.prepare_engine(run))
             op.enter(Stage.SWITCH)
+            prepared = time.monotonic()
             await probe.switch(self.slot)
             switched = True
+            # Where the time to "the new config serves" went (issue 34): the journal's phases.
+            log.info("reload %d of %s: new requests go to the %s engine on the target config: %s %.2f s, "
+                     "switch %.3f s", op.id, op.model, self.slot, self.prepare.value, prepared - began,
+                     time.monotonic() - prepared, extra=op.fields())
             # What runs on the main engine finishes there before it restarts.
             op.enter(Stage.SETTLE)
             await self.settle_main(run)
