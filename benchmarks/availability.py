@@ -26,18 +26,27 @@ stack that has one (so the first one's gateway has no standby to fail over
 to). Each reload changes the config (max_num_seqs alternates between
 --max-num-seqs and one less, written to the model's YAML as the manager's
 drop-in would be), so "new config serves" is real: the seconds from the
-reload's start until the first request sent after new requests went to an
-engine running the new config (restart: the resume; overlap: the switch to
-the next engine; standby: the switch to the rebuilt standby) got its first
-byte.
+reload's start until the first token of a probe request (streaming, one
+token) sent the moment new requests went to an engine running the new
+config (restart: the resume; overlap: the switch to the next engine;
+standby: the switch to the rebuilt and verified standby). The next column
+counts, as this benchmark did before the probe, to the first byte of the
+first load request sent after that moment, which also waits for a client to
+finish the request it was in. Each reload's phases (drain, engine start,
+switch, the standby's rebuild and its own phases, the smoke request that
+verifies it, the probe's first token) are printed as medians per strategy.
 
 With --kills K (builtin backend; default 0), then a failover run per stack
 (without and with the standby): under the same load, K times kill -9 of the
 serving engine, and after RestartSec (--restart-sec, 2 s as
 model-engine@.service) a new main engine, as systemd's Restart= would start
-it; per kill: seconds until a request sent after the kill gets its first byte,
-503s, other errors and lost requests (streams that were running on the killed
-engine) until the main engine serves again, and how long that took.
+it; per kill: seconds until a probe request sent right after the kill gets
+its first token (and until the first load request sent after it got its
+first byte), 503s, other errors and lost requests (streams that were running
+on the killed engine) until the main engine serves again, and how long that
+took. With the standby, what it costs idle (after it started) and switched
+in (failed over, before the main engine is back): its process's GPU memory
+(NVML), the KV budget its /health reports, and the phases of its KV grow.
 
 --backend builtin (the default) runs hostd's own engine on a random
 checkpoint of --size. --backend vllm runs real vLLM (`vllm serve`, from
@@ -119,6 +128,10 @@ class Run:
     skipped: str = ""
     bridges: list[str] = field(default_factory=list)  # what the second engine ran with (vllm, sglang)
     new_config: list[Optional[float]] = field(default_factory=list)  # per reload: when new requests went to it
+    # per reload (or kill): seconds of each phase, the probe's first token included (Stack.phases)
+    phases: list[dict] = field(default_factory=list)
+    probes: list[Optional[float]] = field(default_factory=list)  # per reload or kill: when the probe's first token came
+    standby_switched_in: dict = field(default_factory=dict)  # failover with a standby: its cost while it serves
 
 
 # ---------------------------------------------------------------- the model's processes
@@ -137,9 +150,44 @@ class Stack:
         self.engine: Optional[Daemon] = None
         self.standby_engine: Optional[Daemon] = None
         self.standby_cost: dict = {}
+        self.standby_idle: dict = {}  # the idle standby's own cost (standby_gpu)
         self.bridges: list[str] = []
+        self.phases: dict = {}  # the running reload's (or kill's) phases, seconds
+        self.standby_serving: dict = {}  # the standby's cost and grow phases, read while failed over
+        self.probe: Optional[threading.Thread] = None
+        self.probe_first: Optional[float] = None
+        # Made once: a client's construction (its TLS context) is no part of the time to a first token.
+        self.probe_client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                          timeout=120)
         self.can_settle = False
         self.write(self.limits[0])
+
+    def switched(self) -> float:
+        """New requests go to the new config from now on: one probe request
+        (streaming, one token) is sent at once; its first token is what
+        "new config serves" and "answered again" count to, so they do not
+        depend on when a load client happens to send its next request."""
+        moment = time.monotonic()
+        self.probe_first = None
+
+        def probe() -> None:
+            self.probe_first = probe_first_token(self.probe_client, self.tree.name)
+
+        self.probe = threading.Thread(target=probe, daemon=True)
+        self.probe.start()
+        return moment
+
+    def probe_answer(self, timeout: float = 120) -> Optional[float]:
+        """When the last switched()'s probe got its first token (None: it got none)."""
+        if self.probe is not None:
+            self.probe.join(timeout)
+        return self.probe_first
+
+    def phase(self, name: str, since: float) -> float:
+        """Record NAME as the seconds since SINCE; returns now (the next phase's start)."""
+        now = time.monotonic()
+        self.phases[name] = round(now - since, 3)
+        return now
 
     def write(self, max_num_seqs: int) -> dict:
         """The model's YAML with MAX_NUM_SEQS (what a reload's drop-in does);
@@ -172,6 +220,7 @@ class Stack:
             time.sleep(2.0)
             after = used_memory(gpu)
             self.standby_cost = {k: after[k] - before[k] for k in before}
+            self.standby_idle = standby_gpu(self.standby_engine.pid, self.socket("standby"))
             reported = engine_health(self.socket("standby")).get("memory") or {}
             if "anonymous" in reported:
                 self.standby_cost["anonymous"] = reported["anonymous"] / 2**20
@@ -181,11 +230,16 @@ class Stack:
         answers; returns when new requests go to the new config (the resume)."""
         assert self.engine
         self.next_config()
+        mark = time.monotonic()
         self.tree.control("drain", timeout=drain_timeout)
+        mark = self.phase("drain", mark)
         self.engine.stop(timeout=120)
+        mark = self.phase("stop", mark)
         self.engine = self.start_engine("main")
+        mark = self.phase("engine_start", mark)
         self.tree.control("resume")
-        return time.monotonic()
+        self.phase("resume", mark)
+        return self.switched()
 
     def settle(self, slot: str, timeout: float) -> None:
         """Wait until the requests running on SLOT's engine end, as the
@@ -203,13 +257,16 @@ class Stack:
         returns when new requests went to the new config (the switch to next)."""
         assert self.engine
         self.next_config()
+        mark = time.monotonic()
         following = self.start_engine("next")
         try:
+            mark = self.phase("next_engine_start", mark)
             bridge = engine_health(self.socket("next")).get("bridge")
             if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
                 self.bridges.append(bridge)
             self.tree.control("switch", slot="next")
-            switched = time.monotonic()
+            self.phase("switch", mark)
+            switched = self.switched()
             self.settle("main", drain_timeout)
             self.engine.stop(timeout=120)  # SIGTERM: nothing left to finish, it exits
             self.engine = self.start_engine("main")
@@ -227,12 +284,21 @@ class Stack:
         assert self.engine and self.standby_engine
         section = self.next_config()
         transport = httpx.HTTPTransport(uds=str(self.socket("standby")))
+        mark = time.monotonic()
         with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
             answer = http.post("/hostd/rebuild", json={"engine": section})
             if answer.status_code != 200:
                 raise RuntimeError(f"the standby refused the rebuild: {answer.text[:300]}")
+            mark = self.phase("rebuild", mark)
+            for name, seconds in (answer.json().get("rebuild_s") or {}).items():
+                self.phases[f"rebuild.{name}"] = seconds  # the engine's own phases of it
+            # As the manager verifies the standby before switching to it: one
+            # smoke request (on an idle standby this is what grows its KV cache).
+            http.post("/v1/completions", json={"model": self.tree.name, "prompt": "Hi", "max_tokens": 1})
+            mark = self.phase("verify", mark)
         self.tree.control("switch", slot="standby")
-        switched = time.monotonic()
+        self.phase("switch", mark)
+        switched = self.switched()
         self.settle("main", drain_timeout)
         self.engine.stop(timeout=120)
         self.engine = self.start_engine("main")
@@ -244,8 +310,15 @@ class Stack:
         systemd's Restart= starts it; returns when the gateway sends new
         requests to it again."""
         assert self.engine
-        self.engine.stop(signal.SIGKILL)
+        self.engine.proc.send_signal(signal.SIGKILL)
+        self.switched()  # the probe, sent right after the kill
+        self.engine.proc.wait(60)
         time.sleep(restart_sec)
+        if self.standby_engine is not None:  # failed over: what the standby costs while it serves
+            self.probe_answer(30)
+            self.standby_serving = {**standby_gpu(self.standby_engine.pid, self.socket("standby")),
+                                    **{f"grow.{k}": v for k, v in (engine_health(self.socket("standby"))
+                                                                   .get("grow_s") or {}).items()}}
         self.engine = self.start_engine("main")
         wait_for(lambda: self.tree.control("status")["slot"] == "main"
                  and self.tree.control("status")["state"] == "serving", 60, "the gateway on the main engine")
@@ -266,6 +339,46 @@ def engine_health(path: Path) -> dict:
 
 def healthy(path: Path) -> bool:
     return bool(engine_health(path))
+
+
+def process_gpu_mib(pid: int) -> Optional[float]:
+    """NVML's used memory of process PID on GPU 0, MiB (None: no GPU, or NVML does not list it)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid]
+    except Exception:
+        return None
+    return used[0] / 2**20 if used and used[0] is not None else None
+
+
+def standby_gpu(pid: int, socket_path: Path) -> dict:
+    """The standby engine's own cost now: its process's GPU memory (NVML) and
+    the KV budget its /health reports (idle or full)."""
+    health = engine_health(socket_path)
+    out: dict = {}
+    gpu = process_gpu_mib(pid)
+    if gpu is not None:
+        out["process GPU MiB"] = gpu
+    if isinstance(health.get("kv_cache_bytes"), int):
+        out["KV MiB"] = health["kv_cache_bytes"] / 2**20
+    if health.get("kv_budget"):
+        out["KV budget"] = health["kv_budget"]
+    return out
+
+
+def probe_first_token(client: openai.OpenAI, model: str) -> Optional[float]:
+    """One streaming completion of one token through the gateway (CLIENT);
+    when its first token came (None: it got an error or no token)."""
+    try:
+        for chunk in client.completions.create(model=model, prompt="Hi", max_tokens=1, temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].text is not None:
+                return time.monotonic()
+    except Exception:
+        return None
+    return None
 
 
 def gateway_knows(tree: ModelTree, verb: str, **request) -> bool:
@@ -410,6 +523,7 @@ def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
         for _ in range(args.reloads):
             t0 = time.monotonic()
             new_config = None
+            stack.phases = {}
             try:
                 new_config = reload(args.drain_timeout)
             except Exception as exc:
@@ -417,6 +531,11 @@ def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
             t1 = time.monotonic()
             run.reloads.append((t0, t1))
             run.new_config.append(new_config)
+            probe = stack.probe_answer() if new_config is not None else None
+            run.probes.append(probe)
+            if probe is not None:
+                stack.phases["first_token"] = round(probe - new_config, 3)
+            run.phases.append(dict(stack.phases))
             print(f"# {strategy}: reload {len(run.reloads)} took {t1 - t0:.2f} s", file=sys.stderr)
             time.sleep(max(0.0, gap - (t1 - t0)))
 
@@ -437,12 +556,16 @@ def run_failover(stack: Stack, args) -> Run:
     def kills() -> None:
         for _ in range(args.kills):
             t0 = time.monotonic()
+            stack.standby_serving = {}
             try:
                 back = stack.kill_main(args.restart_sec)
             except Exception as exc:
                 run.failures.append(repr(exc)[:300])
                 back = time.monotonic()
             run.reloads.append((t0, back))
+            run.probes.append(stack.probe_answer())
+            if stack.standby_serving:
+                run.standby_switched_in = stack.standby_serving
             print(f"# failover, {run.strategy}: kill {len(run.reloads)}, main back after {back - t0:.2f} s",
                   file=sys.stderr)
             time.sleep(args.warmup)
@@ -483,7 +606,7 @@ def median_max(values: list[float]) -> str:
     return f"{fmt(statistics.median(values) if values else None)}, {fmt(max(values, default=None))}"
 
 
-def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
+def report(runs: list[Run], args, standby_costs: list[dict] = (), standby_idle: list[dict] = ()) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     checkpoint = "tiny random Llama (harness/tiny_llama.py)" if args.backend == "vllm" else args.size
     print(f"\nAvailability during reloads: {args.clients} streaming clients (openai client, no retries, "
@@ -492,14 +615,14 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}.\n")
     print("| strategy | sent | admitted | completed | 503 | lost | other errors | 503 s/reload "
-          "| new config serves s (median, max) "
+          "| new config serves s (median, max) | first load request on it s (median, max) "
           "| p50 / p99 s inside reloads | p50 / p99 s outside | reload s (median, max) | peak memory over base, MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         if run.failover:
             continue
         if run.skipped:
-            print(f"| {run.strategy} | not run: {run.skipped} |" + " |" * 11)
+            print(f"| {run.strategy} | not run: {run.skipped} |" + " |" * 12)
             continue
         count = lambda kind: sum(o.kind == kind for o in run.outcomes)  # noqa: E731
         completed = [o for o in run.outcomes if o.kind == "completed"]
@@ -507,10 +630,13 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
                   if any(o.started <= t1 and o.ended >= t0 for t0, t1 in run.reloads)]
         outside = [o.ended - o.started for o in completed
                    if not any(o.started <= t1 and o.ended >= t0 for t0, t1 in run.reloads)]
-        # From the reload's start to the first byte of the first request sent
-        # once new requests went to the new config.
-        serves = [moment - t0 + answer for (t0, _), moment in zip(run.reloads, run.new_config)
-                  if moment is not None for answer in [first_answer_after(run, moment)] if answer is not None]
+        # From the reload's start to the first token of the probe sent the
+        # moment new requests went to the new config (Stack.switched); and,
+        # as before, to the first byte of the first load request sent after
+        # that moment (which waits for a client to finish its last request).
+        serves = [probe - t0 for (t0, _), probe in zip(run.reloads, run.probes) if probe is not None]
+        loads = [moment - t0 + answer for (t0, _), moment in zip(run.reloads, run.new_config)
+                 if moment is not None for answer in [first_answer_after(run, moment)] if answer is not None]
         durations = [t1 - t0 for t0, t1 in run.reloads]
         m = run.memory
         memory = "-"
@@ -520,7 +646,7 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
                 memory += f"; GPU {m['gpu_peak'] - m['gpu_base']:+.0f} (peak {m['gpu_peak']:.0f})"
         admitted = count("completed") + count("lost")
         print(f"| {run.strategy} | {len(run.outcomes)} | {admitted} | {count('completed')} | {count('503')} "
-              f"| {count('lost')} | {count('error')} | {seconds_of_503(run):.2f} | {median_max(serves)} "
+              f"| {count('lost')} | {count('error')} | {seconds_of_503(run):.2f} | {median_max(serves)} | {median_max(loads)} "
               f"| {fmt(percentile(inside, 0.5))} / {fmt(percentile(inside, 0.99))} "
               f"| {fmt(percentile(outside, 0.5))} / {fmt(percentile(outside, 0.99))} "
               f"| {median_max(durations)} | {memory} |")
@@ -528,23 +654,32 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
     if failovers:
         print(f"\nFailover: kill -9 of the serving engine under the same load, {args.kills} time(s); a new main "
               f"engine {args.restart_sec:g} s later (RestartSec=). Counted from each kill until the main engine "
-              "serves again (+2 s).\n")
-        print("| failover run | kills | answered again s (median, max) | 503 | lost | other errors "
-              "| main back s (median) |")
-        print("|---|---|---|---|---|---|---|")
+              "serves again (+2 s). Answered again: the first token of a probe sent right after the kill; "
+              "first load answer: the first byte of the first load request sent after it.\n")
+        print("| failover run | kills | answered again s (median, max) | first load answer s (median, max) "
+              "| 503 | lost | other errors | main back s (median) |")
+        print("|---|---|---|---|---|---|---|---|")
         for run in failovers:
             window = [o for o in run.outcomes if any(t0 <= o.ended and o.started <= t1 + 2.0
                                                       for t0, t1 in run.reloads)]
             count = lambda kind: sum(o.kind == kind for o in window)  # noqa: E731
-            again = [a for t0, _ in run.reloads for a in [first_answer_after(run, t0)] if a is not None]
+            again = [probe - t0 for (t0, _), probe in zip(run.reloads, run.probes) if probe is not None]
+            loads = [a for t0, _ in run.reloads for a in [first_answer_after(run, t0)] if a is not None]
             backs = [t1 - t0 for t0, t1 in run.reloads]
-            print(f"| {run.strategy} | {len(run.reloads)} | {median_max(again)} "
+            print(f"| {run.strategy} | {len(run.reloads)} | {median_max(again)} | {median_max(loads)} "
                   f"| {count('503')} | {count('lost')} | {count('error')} "
                   f"| {fmt(statistics.median(backs) if backs else None)} |")
     for cost in standby_costs:
         text = ", ".join(f"{k} {v:+.0f} MiB" for k, v in cost.items())
         print(f"\nStandby cost (used memory after the standby started, over before; anonymous: what the "
               f"standby engine itself reports beyond the shared weights): {text}")
+    for idle in standby_idle:
+        print(f"\nThe idle standby itself: {figures(idle)}")
+    for run in failovers:
+        if run.standby_switched_in:
+            print(f"\nThe standby switched in (failed over, {args.restart_sec:g} s after a kill): "
+                  f"{figures(run.standby_switched_in)}")
+    print_phases(runs)
     for run in runs:
         name = f"failover, {run.strategy}" if run.failover else run.strategy
         for bridge in sorted(set(run.bridges)):
@@ -555,6 +690,30 @@ def report(runs: list[Run], args, standby_costs: list[dict] = ()) -> None:
         if details:
             print(f"\n{name}: lost/other errors: {'; '.join(details[:5])}")
     print(f"\nCommand: python {' '.join(shlex.quote(a) for a in sys.argv)}")
+
+
+def figures(values: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+
+
+def print_phases(runs: list[Run]) -> None:
+    """Per strategy, the median seconds of each phase of its reloads, in the
+    order they ran (Stack.phase; rebuild.*: the standby's own answer;
+    first_token: the probe sent at the switch)."""
+    rows = [run for run in runs if not run.failover and any(run.phases)]
+    if not rows:
+        return
+    print("\nPhases of the reloads, median seconds (first_token: the probe sent at the switch, to its first token; "
+          "rebuild.*: the standby's own phases, inside rebuild):\n")
+    print("| strategy | phases |")
+    print("|---|---|")
+    for run in rows:
+        names = list(dict.fromkeys(name for phases in run.phases for name in phases))
+        cells = []
+        for name in names:
+            values = [phases[name] for phases in run.phases if name in phases]
+            cells.append(f"{name} {statistics.median(values):.3f}")
+        print(f"| {run.strategy} | {', '.join(cells)} |")
 
 
 def write_checkpoint_once(workdir: Path, args) -> Path:
@@ -659,6 +818,7 @@ def main() -> int:
     gpu = args.device == "cuda"
     runs: list[Run] = []
     standby_costs: list[dict] = []
+    standby_idle: list[dict] = []
     # Without a standby (restart, overlap), then with one: one stack each, so
     # that the first one's gateway has no standby to fail over to. A failover
     # run (--kills) follows each stack's strategies.
@@ -675,13 +835,14 @@ def main() -> int:
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr)
             if standby:
                 standby_costs.append(stack.standby_cost)
+                standby_idle.append(stack.standby_idle)
             for strategy in wanted:
                 runs.append(run_strategy(stack, strategy, args, gpu))
             if args.kills:
                 runs.append(run_failover(stack, args))
         finally:
             tree.stop_all()
-    report(runs, args, standby_costs)
+    report(runs, args, standby_costs, standby_idle)
     return 0
 
 
