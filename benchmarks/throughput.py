@@ -66,7 +66,6 @@ import platform
 import random
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
