@@ -26,6 +26,18 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "off
 # Series Prometheus makes itself for every target, not the target's /metrics.
 SYNTHETIC = {"up"}
 
+# The upstream engines' families, by the prefix of their names: the
+# dashboard's vLLM and SGLang rows read them, a builtin model's /metrics has
+# none (tests/upstream/test_dashboard_names.py checks them against upstream's
+# source instead).
+UPSTREAM_PREFIXES = {"vllm": "vllm:", "sglang": "sglang:"}
+
+
+def upstream_kind(name: str) -> str | None:
+    """The upstream engine whose family NAME is ('vllm', 'sglang'), None for hostd's own."""
+    return next((kind for kind, prefix in UPSTREAM_PREFIXES.items() if name.startswith(prefix)), None)
+
+
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 

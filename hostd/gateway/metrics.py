@@ -9,7 +9,14 @@ gauge shows what the running engine runs, before and after a reload. The engine'
 engine's /metrics at scrape time and passed through unchanged, restricted to
 the families its backend declares as its own (METRICS_PREFIXES: vllm:*,
 sglang:*, hostd_engine_*): the engine's process_* and python_* series would
-otherwise collide with nothing but mean another process. An engine counter
+otherwise collide with nothing but mean another process.
+
+Every series of the page carries model="NAME", the model's name (the NAME
+of model@NAME, hostd_build_info's): the gateway's own through its registry
+(ModelRegistry), the engine's added as they pass (engine_families), so one
+dashboard and one set of alerts select a model by the same label whatever
+its engine (vLLM's own model_name label is its served model name, which may
+differ). A label the engine calls model itself is replaced. An engine counter
 starts again from zero with a new engine, which Prometheus' rate() reads as
 a counter reset; only one engine is scraped at a time, so two engines'
 series never mix.
@@ -21,7 +28,8 @@ import json
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 import hostd
 from hostd.engine.health import EngineHealth
@@ -33,9 +41,35 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 RELOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 
+MODEL_LABEL = "model"
+
+
+def with_model(family: Metric, model: str) -> Metric:
+    """FAMILY with MODEL_LABEL=MODEL on every sample (replacing one it had)."""
+    labelled = Metric(family.name, family.documentation, family.type, family.unit)
+    labelled.samples = [s._replace(labels={**s.labels, MODEL_LABEL: model}) for s in family.samples]
+    return labelled
+
+
+class ModelRegistry(CollectorRegistry):
+    """A registry whose every sample carries model=MODEL: a constant label,
+    which prometheus-client's metrics have no argument for."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.model = model
+
+    def collect(self):
+        for family in super().collect():
+            yield with_model(family, self.model)
+
+
 class Metrics:
+    """The gateway's own series; with FACTS, the model's, and every series
+    labelled with FACTS' model (ModelRegistry)."""
+
     def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]], facts: Optional["ModelFacts"] = None):
-        self.registry = CollectorRegistry()
+        self.registry = ModelRegistry(facts.model) if facts is not None else CollectorRegistry()
         r = self.registry
         self.facts = facts
         if facts is not None:
@@ -69,8 +103,9 @@ class Metrics:
             "response headers, by status", ["status"], buckets=REQUEST_BUCKETS, registry=r)
         self.ttft = Histogram(
             "hostd_gateway_time_to_first_token_seconds", "Completions and chat completions answered 200: from "
-            "admission to the first SSE event carrying a token (streaming) or to the whole body (not "
-            "streaming)", buckets=REQUEST_BUCKETS, registry=r)
+            "admission to the first SSE event carrying a token (stream=\"true\") or to the whole body "
+            "(stream=\"false\": a time to last token, kept apart)", ["stream"], buckets=REQUEST_BUCKETS,
+            registry=r)
         self.admission_wait = Histogram(
             "hostd_gateway_admission_wait_seconds", "Time a request waited for admission (queue mode) "
             "before it was admitted or refused", buckets=REQUEST_BUCKETS, registry=r)
@@ -91,6 +126,11 @@ class Metrics:
             self.connections_evicted.inc()
         else:
             self.connections_timed_out.labels(event).inc()
+
+    def first_token(self, stream: bool, seconds: float) -> None:
+        """A generating answer's time to first token: its first SSE event with
+        a token (STREAM), or its whole body."""
+        self.ttft.labels("true" if stream else "false").observe(seconds)
 
     def set_state(self, current: str, states: Iterable[str]) -> None:
         for s in states:
@@ -129,9 +169,10 @@ class ModelFacts:
     def collect(self):
         info = GaugeMetricFamily(
             "hostd_build_info", "1, labelled with hostd's version, the model's backend and the version of the "
-            "upstream package its engine runs ('' until an engine answered)",
-            labels=["model", "version", "backend", "upstream", "upstream_version"])
-        info.add_metric([self.model, hostd.__version__, self.backend, self.upstream, self.upstream_version], 1)
+            "upstream package its engine runs ('' until an engine answered); its model label, as every "
+            "series', is Metrics' registry's",
+            labels=["version", "backend", "upstream", "upstream_version"])
+        info.add_metric([hostd.__version__, self.backend, self.upstream, self.upstream_version], 1)
         yield info
         limits = GaugeMetricFamily(
             "hostd_limit", "A configured limit, by its key in the model's YAML: gateway.* from the gateway's "
@@ -264,16 +305,24 @@ class ReloadClock:
         self.started, self.ended = None, False
 
 
-def engine_families(text: str, prefixes: tuple[str, ...]) -> str:
-    """The lines of Prometheus TEXT that belong to families named with PREFIXES."""
-    kept = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].startswith(prefixes):
-                kept.append(line)
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name and name.startswith(prefixes):
-            kept.append(line)
-    return "\n".join(kept) + ("\n" if kept else "")
+def engine_families(text: str, prefixes: tuple[str, ...], model: str) -> str:
+    """The families of Prometheus TEXT named with PREFIXES, every sample
+    labelled model=MODEL; '' for a page that does not parse (Prometheus would
+    refuse the whole scrape for it, the gateway's own series with it)."""
+    kept = CollectorRegistry(auto_describe=False)
+    try:
+        families = [with_model(f, model) for f in text_string_to_metric_families(text) if f.name.startswith(prefixes)]
+    except ValueError:
+        return ""
+    kept.register(_Fixed(families))
+    return generate_latest(kept).decode()
+
+
+class _Fixed:
+    """A collector of families already read (engine_families)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families

@@ -222,7 +222,7 @@ class Gateway:
                 text = await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return ""
-        return engine_families(text, self.backend.metrics_prefixes)
+        return engine_families(text, self.backend.metrics_prefixes, self.name)
 
     # ------------------------------------------------------------ proxying
 
@@ -288,7 +288,7 @@ class Gateway:
         def chunk(data: bytes) -> None:
             self._count_bytes(len(data))
             if scan is not None and scan.feed(data):
-                self.metrics.ttft.observe(loop.time() - admitted)
+                self.metrics.first_token(True, loop.time() - admitted)
 
         slot = self.slots.current  # the engine this request goes to, whatever a switch does meanwhile
         self.admission.sent(slot)
@@ -313,7 +313,7 @@ class Gateway:
             gone = request.transport is None or request.transport.is_closing()
             status = CLIENT_CLOSED if gone else str(response.status)
             if tokens and status == "200" and not forward.is_event_stream(response.headers):
-                self.metrics.ttft.observe(loop.time() - admitted)  # the whole body: its tokens came at once
+                self.metrics.first_token(False, loop.time() - admitted)  # the whole body: its tokens came at once
             return response
         except forward.Broken as exc:
             # The engine died mid-response: the client's library reports an

@@ -205,10 +205,10 @@ def test_bodies_in_flight_are_capped_across_connections(tmp_path: Path):
         assert grown < 40 * 1024, f"gateway RSS grew by {grown} KiB"
         status = door.tree.control("status")
         assert status["in_flight"] == 0  # nothing admitted before its body arrived
-        assert 'hostd_gateway_refused_total{status="503"} 10.0' in door.metrics()
+        assert 'hostd_gateway_refused_total{model="tiny",status="503"} 10.0' in door.metrics()
         for conn in senders:
             conn.close()
-        wait_for(lambda: 'hostd_gateway_body_bytes_held 0.0' in door.metrics(), 10, "budget released")
+        wait_for(lambda: 'hostd_gateway_body_bytes_held{model="tiny"} 0.0' in door.metrics(), 10, "budget released")
 
 
 def test_a_body_over_the_size_cap_is_413(tmp_path: Path):
@@ -239,7 +239,7 @@ def test_a_chunked_body_that_arrives_whole_is_capped_and_passed_whole(tmp_path: 
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
         completions = [r for r in door.engine_saw() if r["path"] == "/v1/completions"]
         assert [r["body_bytes"] for r in completions] == [len(body)]
-        wait_for(lambda: "hostd_gateway_body_bytes_held 0.0" in door.metrics(), 10, "budget released")
+        wait_for(lambda: 'hostd_gateway_body_bytes_held{model="tiny"} 0.0' in door.metrics(), 10, "budget released")
 
 
 # ---------------------------------------------------------------- row 3: slow bodies
@@ -289,8 +289,8 @@ def test_silent_connections_are_capped_timed_out_and_never_block_the_control_soc
             assert conn.recv(4096) == b""
         assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
         text = door.metrics()
-        assert "hostd_gateway_connections_refused_total 10.0" in text
-        assert 'hostd_gateway_connections_timed_out_total{phase="headers"} 20.0' in text
+        assert 'hostd_gateway_connections_refused_total{model="tiny"} 10.0' in text
+        assert 'hostd_gateway_connections_timed_out_total{model="tiny",phase="headers"} 20.0' in text
         for conn in silent:
             conn.close()
 
@@ -313,10 +313,10 @@ def test_metrics_carry_histograms_and_only_the_engines_own_families(door: FrontD
     for _ in range(3):
         assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
     text = door.metrics()
-    assert 'hostd_gateway_request_duration_seconds_count{status="200"} 3.0' in text
-    assert 'hostd_gateway_time_to_first_byte_seconds_count{status="200"} 3.0' in text
-    assert "hostd_gateway_admitted_total 3.0" in text
-    assert "hostd_engine_requests_running 0.0" in text  # the builtin engine's families pass
+    assert 'hostd_gateway_request_duration_seconds_count{model="tiny",status="200"} 3.0' in text
+    assert 'hostd_gateway_time_to_first_byte_seconds_count{model="tiny",status="200"} 3.0' in text
+    assert 'hostd_gateway_admitted_total{model="tiny"} 3.0' in text
+    assert 'hostd_engine_requests_running{model="tiny"} 0.0' in text  # the builtin engine's families pass
     assert "python_gc" not in text and "vllm:" not in text  # the engine's process series and others' do not
 
 
@@ -328,12 +328,14 @@ def test_gateway_counters_survive_an_engine_restart(door: FrontDoor):
     door.start_engine()
     wait_for(lambda: door.tree.control("status")["state"] == "serving", 10, "serving again")
     assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
-    assert 'hostd_gateway_request_duration_seconds_count{status="200"} 3.0' in door.metrics()
+    assert 'hostd_gateway_request_duration_seconds_count{model="tiny",status="200"} 3.0' in door.metrics()
 
 
 def histogram(text: str, name: str) -> dict[str, float]:
-    """NAME's series in TEXT: '_count{...}' / '_sum' / '_bucket{le="0.0"}' -> value."""
-    return {line.split()[0][len(name):]: float(line.split()[1]) for line in text.splitlines()
+    """NAME's series in TEXT: '_count{...}' / '_sum' / '_bucket{le="0.0"}' -> value
+    (their model label, tiny, left out)."""
+    unlabelled = text.replace(',model="tiny"', "").replace('model="tiny",', "").replace('{model="tiny"}', "")
+    return {line.split()[0][len(name):]: float(line.split()[1]) for line in unlabelled.splitlines()
             if line.startswith(name)}
 
 
@@ -378,7 +380,7 @@ def test_a_stream_broken_on_the_engine_a_switch_left_does_not_stop_admission(doo
         assert door.tree.control("status")["state"] == "serving"
         response = httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10)
         assert response.status_code == 200  # served by the next engine
-        assert 'hostd_gateway_upstream_errors_total 1.0' in door.metrics()
+        assert 'hostd_gateway_upstream_errors_total{model="tiny"} 1.0' in door.metrics()
     finally:
         second.terminate()
         second.wait(10)
@@ -423,7 +425,7 @@ def test_client_disconnect_mid_stream_is_counted_and_frees_admission(door: Front
         assert next(lines).startswith("data: {")
         assert door.tree.control("status")["in_flight"] == 1
     wait_for(lambda: door.tree.control("status")["in_flight"] == 0, 10, "the stream ended at the disconnect")
-    assert 'hostd_gateway_request_duration_seconds_count{status="499"} 1.0' in door.metrics()
+    assert 'hostd_gateway_request_duration_seconds_count{model="tiny",status="499"} 1.0' in door.metrics()
 
 
 # ---------------------------------------------------------------- API keys
@@ -447,7 +449,7 @@ def test_api_keys_are_required_checked_and_never_reach_the_engine(tmp_path: Path
         assert httpx.get(door.base_url + "/metrics", headers={"Authorization": "Bearer sk-first"},
                          timeout=10).status_code == 200
         assert all(r["authorization"] is None for r in door.engine_saw())
-        assert 'hostd_gateway_refused_total{status="401"} 6.0' in door.metrics(
+        assert 'hostd_gateway_refused_total{model="tiny",status="401"} 6.0' in door.metrics(
             headers={"Authorization": "Bearer sk-second"})
 
 

@@ -72,7 +72,7 @@ def test_announced_bodies_that_never_arrive_do_not_fill_the_body_budget(tmp_path
         time.sleep(0.5)
         response = httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10)
         assert response.status_code == 200, response.text
-        assert "hostd_gateway_body_bytes_held 0.0" in metrics(door)
+        assert 'hostd_gateway_body_bytes_held{model="tiny"} 0.0' in metrics(door)
         assert all(still_open(conn) for conn in silent)  # still waiting for their bytes (body_timeout)
         for conn in silent:
             conn.close()
@@ -97,7 +97,7 @@ def test_one_client_holds_its_share_of_the_body_budget_and_others_are_served(tmp
             assert http.post(door.base_url + "/v1/completions", json=body).status_code == 200
         for conn in senders:
             conn.close()
-        wait_for(lambda: "hostd_gateway_body_bytes_held 0.0" in metrics(door), 10, "budget released")
+        wait_for(lambda: 'hostd_gateway_body_bytes_held{model="tiny"} 0.0' in metrics(door), 10, "budget released")
 
 
 # ---------------------------------------------------------------- item 3: a client that stops reading
@@ -116,7 +116,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_does_not_hold_a_drain(tmp_pa
         drained = door.tree.control("drain", timeout=30)
         assert drained["drained"] is True and drained["remaining"] == 0, drained
         door.tree.control("resume")
-        assert 'hostd_gateway_connections_timed_out_total{phase="write"} 1.0' in metrics(door)
+        assert 'hostd_gateway_connections_timed_out_total{model="tiny",phase="write"} 1.0' in metrics(door)
         conn.close()
 
 
@@ -153,7 +153,7 @@ def test_idle_keep_alive_connections_at_the_cap_make_room_for_a_new_client(tmp_p
         assert held[0].recv(4096) == b""  # the longest idle was closed to make room
         assert all(still_open(conn) for conn in held[2:])
         assert "hostd_gateway_connections_evicted_total" in metrics(door)
-        assert "hostd_gateway_connections_refused_total 0.0" in metrics(door)
+        assert 'hostd_gateway_connections_refused_total{model="tiny"} 0.0' in metrics(door)
         for conn in held:
             conn.close()
 
@@ -167,7 +167,7 @@ def test_unfinished_heads_at_the_cap_make_room_for_a_new_client_oldest_first(tmp
             assert http.post(door.base_url + "/v1/completions", json=COMPLETION).status_code == 200
         assert slow[0].recv(4096) == b""  # the oldest unfinished head was closed to make room
         assert all(still_open(conn) for conn in slow[2:])
-        assert "hostd_gateway_connections_refused_total 0.0" in metrics(door)
+        assert 'hostd_gateway_connections_refused_total{model="tiny"} 0.0' in metrics(door)
         for conn in slow:
             conn.close()
 

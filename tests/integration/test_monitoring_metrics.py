@@ -1,7 +1,10 @@
-"""packaging/monitoring against a running model: every metric name, and
-every label value an equality matcher asks for, in the shipped dashboard
+"""packaging/monitoring against a running model: every metric name of
+hostd's (every name but the vLLM and SGLang rows' vllm:*/sglang:*, which
+tests/upstream/test_dashboard_names.py checks against upstream's source),
+and every label value an equality matcher asks for, in the shipped dashboard
 and alert rules exists in the /metrics of a real gateway in front of a real
-builtin engine on the tiny checkpoint; and the new series say what they
+builtin engine on the tiny checkpoint; every series there names the model;
+and the new series say what they
 promise: hostd_build_info, the limits of the engine that runs (they follow
 an engine restarted on new limits), the weights retained, time to first
 token for streaming and whole answers, the engine's vLLM-style histograms."""
@@ -18,13 +21,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hostd
 from harness.local import ModelTree, wait_for
-from tests.promql_names import SYNTHETIC, dashboard_exprs, equality_matchers, exposed_names, names_in, rule_exprs
+from tests.promql_names import (SYNTHETIC, dashboard_exprs, equality_matchers, exposed_names, names_in, rule_exprs,
+                                upstream_kind)
 from test_overlap import free_port  # as test_standby.py
 
 # Matchers on label values that only an event this test cannot cause cheaply
 # makes: the reason says which.
 EVENT_ONLY = {
     ("hostd_gateway_refused_total", "status", "503"): "a full body budget (gateway.body_bytes_in_flight)",
+}
+# Matchers on label values that only another backend's model shows: the
+# test that shows it says where.
+OTHER_BACKEND = {
+    ("hostd_limit", "key", "engine.max_running_requests"): "sglang's limit (test_upstream_doubles.py shows it)",
 }
 
 
@@ -93,13 +102,16 @@ def test_every_metric_the_dashboard_and_the_rules_name_exists_in_a_running_model
     text = after_traffic
     exposed = exposed_names(text)
     exprs = {**{f"rule {k}": v for k, v in rule_exprs().items()}, **dashboard_exprs()}
-    missing = {where: sorted(names_in(expr) - exposed - SYNTHETIC) for where, expr in exprs.items()}
+    missing = {where: sorted(n for n in names_in(expr) - exposed - SYNTHETIC if not upstream_kind(n))
+               for where, expr in exprs.items()}
     assert not {k: v for k, v in missing.items() if v}, "named but not in /metrics"
     shown = samples(text)
     absent = []
     for where, expr in exprs.items():
         for name, label, wanted in equality_matchers(expr):
             values = {l.get(label) for n, l, _ in shown if n == name}
+            if upstream_kind(name) or (name, label, wanted) in OTHER_BACKEND:
+                continue
             if (name, label, wanted) in EVENT_ONLY:
                 assert label in {k for n, l, _ in shown if n == name for k in l}, (where, name, label)
             elif wanted not in values:
@@ -115,8 +127,9 @@ def test_new_series_say_what_runs_and_time_to_first_token_counts_generating_answ
     assert value(text, "hostd_limit", key="engine.max_num_seqs") == 6
     assert value(text, "hostd_limit", key="gateway.max_connections") == 1024
     assert value(text, "hostd_weights_retained") == 1
-    # One stream, one whole completion: the models list, the 404 and the 503s are not counted.
-    assert value(text, "hostd_gateway_time_to_first_token_seconds_count") == 2
+    # One stream, one whole completion, apart: the models list, the 404 and the 503s are not counted.
+    assert value(text, "hostd_gateway_time_to_first_token_seconds_count", stream="true") == 1
+    assert value(text, "hostd_gateway_time_to_first_token_seconds_count", stream="false") == 1
     assert value(text, "hostd_gateway_time_to_first_byte_seconds_count", status="200") == 3
     assert value(text, "hostd_engine_time_to_first_token_seconds_count") == 2
     assert value(text, "hostd_engine_e2e_request_latency_seconds_count") == 2
@@ -126,6 +139,12 @@ def test_new_series_say_what_runs_and_time_to_first_token_counts_generating_answ
     assert value(text, "hostd_engine_request_prompt_tokens_count") == 2
     assert value(text, "hostd_engine_time_per_output_token_seconds_count") == 5
     assert value(text, "hostd_gateway_reload_duration_seconds_count", outcome="rolled-back") == 1
+
+
+def test_every_series_of_the_page_names_the_model_the_gateways_and_the_engines(after_traffic: str):
+    unnamed = sorted({n for n, l, _ in samples(after_traffic) if l.get("model") != "tiny"})
+    assert not unnamed
+    assert {n for n, _, _ in samples(after_traffic) if n.startswith("hostd_engine_")}
 
 
 def test_the_engine_limits_shown_follow_an_engine_restarted_on_new_limits(served: ModelTree, tiny_checkpoint: Path):
@@ -138,5 +157,6 @@ def test_the_engine_limits_shown_follow_an_engine_restarted_on_new_limits(served
     assert "hostd_weights_retained" not in exposed_names(text)
     served.write_config(tiny_checkpoint, fixed={"listen": served.base_url.removeprefix("http://")}, max_num_seqs=3)
     served.start_engine()
-    wait_for(lambda: 'hostd_limit{key="engine.max_num_seqs"} 3.0' in scrape(served), 30, "the new engine's limit")
+    wait_for(lambda: 'hostd_limit{key="engine.max_num_seqs",model="tiny"} 3.0' in scrape(served), 30,
+             "the new engine's limit")
     assert value(scrape(served), "hostd_weights_retained") == 1

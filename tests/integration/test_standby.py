@@ -125,7 +125,7 @@ def test_the_gateway_fails_over_to_the_standby_at_once_and_back_when_the_engine_
         status = tree.control("status")
         assert (status["slot"], status["failed_over"], status["state"]) == ("standby", "main", "serving")
         assert sum(status["rejected"].values()) == 0
-        assert "hostd_gateway_failovers_total 1.0" in httpx.get(base_url + "/metrics").text
+        assert 'hostd_gateway_failovers_total{model="tiny"} 1.0' in httpx.get(base_url + "/metrics").text
 
         tree.start_engine()  # what systemd's Restart= does
         wait_for(lambda: tree.control("status")["slot"] == "main", 60, "new requests back on the main engine")

@@ -228,9 +228,9 @@ def test_the_gateways_metrics_name_upstreams_version_and_weights_loaded_from_dis
     version = {"vllm": "0.32.0", "sglang": "0.5.23"}[backend]
     assert (f'hostd_build_info{{backend="{backend}",model="m",upstream="{backend}",upstream_version="{version}",'
             in text)
-    assert "hostd_weights_retained 0.0" in text.splitlines()
+    assert 'hostd_weights_retained{model="m"} 0.0' in text.splitlines()
     key = next(iter(limits))
-    assert f'hostd_limit{{key="engine.{key}"}} 5.0' in text.splitlines()
+    assert f'hostd_limit{{key="engine.{key}",model="m"}} 5.0' in text.splitlines()
 
 
 def engine_client(tree: ModelTree, slot: str, timeout: float = 30) -> httpx.Client:

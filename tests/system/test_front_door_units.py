@@ -70,10 +70,11 @@ def test_key_protected_model_reloads_under_an_authorized_stream(host: SystemdCon
     assert answer.choices[0].text is not None
 
     metrics = httpx.get(host.base_url + "/metrics", headers=AUTH, timeout=10).text
-    assert 'hostd_gateway_reload_duration_seconds_count{outcome="done"} 1.0' in metrics  # the manager's outcome
-    assert "hostd_gateway_reload_unavailable_seconds_count 1.0" in metrics
-    assert "hostd_engine_max_num_seqs 2.0" in metrics  # the new engine's own metrics, through the gateway
-    assert 'hostd_gateway_refused_total{status="401"} 2.0' in metrics  # the manager never knocked here
+    # the manager's outcome:
+    assert 'hostd_gateway_reload_duration_seconds_count{model="tiny",outcome="done"} 1.0' in metrics
+    assert 'hostd_gateway_reload_unavailable_seconds_count{model="tiny"} 1.0' in metrics
+    assert 'hostd_engine_max_num_seqs{model="tiny"} 2.0' in metrics  # the new engine's own metrics, through the gateway
+    assert 'hostd_gateway_refused_total{model="tiny",status="401"} 2.0' in metrics  # the manager never knocked here
 
     with socket.create_connection(("127.0.0.1", host.port), timeout=10) as conn:
         conn.sendall(b"GET /v1/%2e%2e/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")

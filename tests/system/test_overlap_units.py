@@ -127,9 +127,9 @@ def test_overlap_reload_under_streaming_load_refuses_nothing_and_loses_nothing(h
     def grew(name: str) -> float:
         return after.get(name, 0.0) - metrics_before.get(name, 0.0)
 
-    assert grew('hostd_gateway_reload_duration_seconds_count{outcome="done"}') == 1
-    assert grew("hostd_gateway_reload_unavailable_seconds_count") == 1
-    assert grew("hostd_gateway_reload_unavailable_seconds_sum") == 0
+    assert grew('hostd_gateway_reload_duration_seconds_count{model="tiny",outcome="done"}') == 1
+    assert grew('hostd_gateway_reload_unavailable_seconds_count{model="tiny"}') == 1
+    assert grew('hostd_gateway_reload_unavailable_seconds_sum{model="tiny"}') == 0
 
 
 def test_a_failing_overlap_reload_refuses_nothing_and_the_old_engine_keeps_serving(host):

@@ -131,11 +131,11 @@ def test_only_the_engines_own_metric_families_pass():
         'vllm:num_requests_running{model_name="m"} 2.0\n'
         "# EOF\n"
     )
-    assert engine_families(text, ("vllm:",)) == (
+    assert engine_families(text, ("vllm:",), "tiny") == (
         "# HELP vllm:num_requests_running Running\n# TYPE vllm:num_requests_running gauge\n"
-        'vllm:num_requests_running{model_name="m"} 2.0\n'
+        'vllm:num_requests_running{model="tiny",model_name="m"} 2.0\n'
     )
-    assert engine_families(text, ("sglang:",)) == ""
+    assert engine_families(text, ("sglang:",), "tiny") == ""
 
 
 def test_the_reload_clock_counts_unavailable_time_until_serving_again():

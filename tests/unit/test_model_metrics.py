@@ -1,7 +1,8 @@
 """The gateway's time to first token finds the first SSE event that carries
 a token (not the headers, not a chat's opening event), the model's facts
-follow the serving engine's /health, and the builtin engine's latency
-histograms count what vLLM's count."""
+follow the serving engine's /health, every series of the page (the
+gateway's and the engine's) names the model, and the builtin engine's
+latency histograms count what vLLM's count."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from hostd.engine.latency import Latency, RequestClock, token_buckets
 from hostd.engine.health import EngineHealth
-from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts
+from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, engine_families
 
 
 def event(body) -> bytes:
@@ -48,11 +49,39 @@ def test_a_stream_without_an_event_boundary_is_read_up_to_the_limit_only():
 
 
 def samples(metrics: Metrics) -> dict[str, float]:
+    """{name + its labels but model: value}; every sample's model is "m"."""
     out = {}
     for family in metrics.registry.collect():
         for s in family.samples:
-            out[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
+            labels = dict(s.labels)
+            assert labels.pop("model") == "m", s
+            out[s.name + json.dumps(labels, sort_keys=True)] = s.value
     return out
+
+
+def test_every_series_names_the_model_and_time_to_first_token_says_whether_it_streamed():
+    gauges = {"hostd_gateway_in_flight": ("", lambda: 0)}
+    metrics = Metrics(gauges, ModelFacts("m", "vllm", "vllm", {}))
+    metrics.first_token(True, 0.2)
+    metrics.first_token(False, 3.0)
+    metrics.rejected.labels("draining").inc()
+    shown = samples(metrics)  # asserts model="m" on every sample
+    assert shown['hostd_gateway_time_to_first_token_seconds_count{"stream": "true"}'] == 1
+    assert shown['hostd_gateway_time_to_first_token_seconds_sum{"stream": "false"}'] == 3.0
+    assert shown['hostd_gateway_rejected_total{"reason": "draining"}'] == 1
+    assert any(k.startswith("hostd_build_info") for k in shown)
+    # The engine's families, relayed: model="m" added to each, an engine's own model label replaced.
+    engine = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="served"} 2.0\n'
+              '# TYPE vllm:e2e_request_latency_seconds histogram\n'
+              'vllm:e2e_request_latency_seconds_bucket{le="+Inf",model="other"} 1.0\n'
+              'vllm:e2e_request_latency_seconds_count{model="other"} 1.0\n'
+              'vllm:e2e_request_latency_seconds_sum{model="other"} 0.5\n'
+              '# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 1.0\n')
+    relayed = engine_families(engine, ("vllm:",), "m")
+    assert 'vllm:num_requests_running{model="m",model_name="served"} 2.0' in relayed
+    assert 'vllm:e2e_request_latency_seconds_count{model="m"} 1.0' in relayed
+    assert "process_cpu" not in relayed and "other" not in relayed
+    assert engine_families("not { a page", ("vllm:",), "m") == ""
 
 
 def test_model_facts_show_the_serving_engines_limits_and_weights_and_keep_its_upstream_version():

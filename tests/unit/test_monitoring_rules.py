@@ -7,10 +7,12 @@ ships promtool (packaging/setup.sh installs it): without it these fail."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from tests.promql_names import DASHBOARD, MONITORING, RULES, dashboard_exprs, equality_matchers, names_in, rule_exprs
 
@@ -41,11 +43,23 @@ def test_the_sample_scrape_config_is_valid_and_loads_the_rules():
 
 def test_every_alert_of_the_brief_has_a_rule_and_a_promtool_test():
     alerts = set(rule_exprs())
-    assert {"HostdModelNotServing", "HostdReloadFailed", "HostdReloadRolledBack", "Hostd503Rate",
-            "HostdWeightsNotRetained"} <= alerts
+    assert {"HostdModelNotServing", "HostdModelStarting", "HostdReloadFailed", "HostdReloadRolledBack",
+            "Hostd503Rate", "HostdWeightsNotRetained"} <= alerts
     tested = (MONITORING / "hostd.rules.test.yml").read_text()
     for alert in alerts:
         assert f"alertname: {alert}\n" in tested, f"{alert} has no promtool test"
+
+
+def test_every_alert_names_its_model_and_only_a_long_start_warns_of_starting():
+    rules = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+    for rule in rules:
+        for key, text in rule["annotations"].items():
+            assert "$labels.model" in text and not re.search(r"\bMODEL\b", text), (rule["alert"], key)
+    by_name = {rule["alert"]: rule for rule in rules}
+    assert "starting" not in by_name["HostdModelNotServing"]["expr"]
+    starting = by_name["HostdModelStarting"]
+    assert starting["labels"]["severity"] == "warning" and 'state="starting"' in starting["expr"]
+    assert int(starting["for"].removesuffix("m")) > int(by_name["HostdModelNotServing"]["for"].removesuffix("m"))
 
 
 def test_the_dashboard_is_one_grafana_document_with_unique_panel_ids():
@@ -57,8 +71,40 @@ def test_the_dashboard_is_one_grafana_document_with_unique_panel_ids():
     assert len(exprs) > 20
     for where, expr in exprs.items():
         assert names_in(expr), f"{where}: {expr!r} names no metric"
+        assert 'job="' not in expr, f"{where} names a scrape job: use $job"
         if where.startswith("panel"):
-            assert 'job="hostd"' in expr and 'instance=~"$instance"' in expr, f"{where} is not per model"
+            assert 'job=~"$job"' in expr and 'model=~"$model"' in expr, f"{where} is not per model"
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["model"]["definition"] == 'label_values(hostd_build_info{job=~"$job"}, model)'
+    assert variables["job"]["definition"] == "label_values(hostd_build_info, job)"
+
+
+def test_every_dashboard_panel_uses_the_data_source_variable_and_names_its_models():
+    board = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in board  # nothing to import: the datasource variable picks it
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"], panel["title"]
+            if target.get("format") != "table":
+                assert target["legendFormat"].startswith("{{model}}"), (panel["title"], target["refId"])
+
+
+def test_the_dashboard_has_an_engine_row_per_backend_with_the_same_panels():
+    board = json.loads(DASHBOARD.read_text())
+    rows, current = {}, None
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            current = rows.setdefault(panel["title"], [])
+        elif current is not None:
+            current.append(panel["title"].split(" (")[0])
+    engines = {title: panels for title, panels in rows.items() if title.startswith("Engine: ")}
+    assert [t.split(" (")[0] for t in engines] == ["Engine: builtin", "Engine: vLLM", "Engine: SGLang"]
+    for panels in engines.values():
+        assert {"Time to first token", "End-to-end latency", "Running and waiting", "KV cache usage"} <= set(panels)
+        assert {"Time per output token", "Inter-token latency"} & set(panels)
 
 
 @pytest.mark.parametrize("expr, names", [
