@@ -20,11 +20,17 @@ behave the same way:
 - A client that goes away (its handler is cancelled, or a write finds its
   connection closed) closes the engine connection, so the engine sees the
   disconnect and cancels the request.
-- An engine that cannot be reached raises Unreachable before anything was
-  sent, so the caller chooses the answer (503, 502). An engine that fails
-  after the response started ends it: an SSE response gets one OpenAI error
-  event, the client connection is closed (a client library then reports an
-  error instead of a truncated success), and Broken is raised.
+- An engine that fails before any byte reached the client raises
+  Unreachable, so the caller chooses the answer (503, 502, or the request
+  once more elsewhere): its `taken` says whether the engine may have taken
+  the request (it died after the connection was made: before its response
+  headers, or in a whole answer, or before a streamed answer's first chunk;
+  a streamed response's headers wait for that chunk, so they go out in one
+  write with it) or surely did not (no connection: refused, no such
+  socket). An engine that fails after the response started ends it: an SSE
+  response gets one OpenAI error event, the client connection is closed (a
+  client library then reports an error instead of a truncated success), and
+  Broken is raised.
 
 Trusts: neither side; it only copies bytes and drops connection fields.
 """
@@ -63,7 +69,11 @@ ENGINE_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyn
 
 
 class Unreachable(Exception):
-    """The engine did not take the request; nothing was sent to the client."""
+    """Nothing was sent to the client; TAKEN: the engine may have taken the request."""
+
+    def __init__(self, message: str, taken: bool = False):
+        super().__init__(message)
+        self.taken = taken
 
 
 class Broken(Exception):
@@ -120,8 +130,10 @@ async def forward(
         headers.update(add)
     try:
         upstream = await session.request(request.method, url, headers=headers, data=body or None)
-    except (aiohttp.ClientConnectionError, OSError) as exc:
+    except aiohttp.ClientConnectorError as exc:  # no connection: the engine took nothing
         raise Unreachable(str(exc)) from exc
+    except (aiohttp.ClientConnectionError, OSError) as exc:  # reset or EOF once sent: it may have
+        raise Unreachable(f"the engine went away before it answered: {exc}", taken=True) from exc
     if on_start is not None:
         on_start(upstream.status, upstream.headers)
     try:
@@ -131,7 +143,7 @@ async def forward(
             try:
                 whole = await upstream.read()
             except ENGINE_ERRORS as exc:
-                raise Unreachable(f"the engine's answer broke off: {exc}") from exc
+                raise Unreachable(f"the engine's answer broke off: {exc}", taken=True) from exc
             response = web.Response(status=upstream.status, reason=upstream.reason, body=whole,
                                     headers=forwarded_headers(upstream.headers))
             if on_chunk is not None and whole:
@@ -141,13 +153,17 @@ async def forward(
         response.headers.extend(forwarded_headers(upstream.headers))
         if length is not None and not sse:
             response.content_length = length
-        await response.prepare(request)
         while True:
             try:
                 chunk = await upstream.content.readany()
             except ENGINE_ERRORS as exc:
+                if not response.prepared:  # the client has nothing of it yet
+                    raise Unreachable(f"the engine's answer broke off before its first chunk: {exc}",
+                                      taken=True) from exc
                 await _end_broken(request, response, sse, stream_error)
                 raise Broken(response, exc) from exc
+            if not response.prepared:
+                await response.prepare(request)
             if not chunk:
                 break
             try:

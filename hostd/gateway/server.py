@@ -27,14 +27,20 @@ metrics.py.
   A client that disconnects has its engine request closed, so the engine
   cancels it. An engine that dies mid-request ends that request with a clear
   error, and the gateway stops admitting until the engine is healthy again.
+- The gateway learns that an engine died from an idle connection it holds
+  to each engine socket (watch.py): its end, and a socket that then takes no
+  connection, is the death, seen at once with no request in flight; a
+  request that cannot reach the engine, and the health monitor (every
+  HEALTH_INTERVAL), are the other two ways.
 - With a warm standby (`standby: true`: engine-standby.sock), an engine that
-  dies costs new requests nothing: the first request that cannot reach it (or
-  the health monitor, every HEALTH_INTERVAL) moves new requests to the
-  standby, and a request the dead engine never took is sent there instead of
-  being answered 503. Requests that were running on the dead engine fail as
-  above. Once the dead engine's slot answers /health again (its unit
-  restarted it and it is warm: an engine listens only then), new requests go
-  back to it. A switch from the manager ends that failover.
+  dies costs new requests nothing: its death moves new requests to the
+  standby, and a request of which the client had received nothing is sent
+  there once instead of being answered 503, if the dead engine never took it
+  or it is one that may run twice (retry.py: generation without tools).
+  Requests whose answer had started fail as above. Once the dead engine's
+  slot answers /health again (its unit restarted it and it is warm: an
+  engine listens only then), new requests go back to it. A switch from the
+  manager ends that failover.
 - Connections are capped, in all and per client, and timed (limits.py): slow
   or oversized headers, idle keep-alive connections and clients that stop
   reading are closed; at a cap the longest-idle connection makes room, and
@@ -65,11 +71,12 @@ from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.engine import health as engine_health
 from hostd.engine.health import EngineHealth
-from hostd.gateway import control, keys, limits, routes
+from hostd.gateway import control, keys, limits, retry, routes
 from hostd.gateway.controller import Controller
 from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, engine_families, numeric_fields
 from hostd.gateway.slots import Slots
 from hostd.gateway.state import HELD, Admission, State, refusal_message
+from hostd.gateway.watch import EngineWatch
 
 log = logging.getLogger("hostd.gateway")
 
@@ -88,6 +95,8 @@ class Gateway:
         # Where new requests go (slots.py); set up once the metrics exist.
         self.slots = Slots(engine_sockets, self.engine_ok, on_failover=lambda: self.metrics.failovers.inc())
         self.sessions: dict[str, aiohttp.ClientSession] = {}
+        # The engines' deaths, seen from a connection held to each (watch.py).
+        self.watch = EngineWatch(engine_sockets, on_lost=self._engine_lost, on_up=self._engine_up)
         self.control_socket = control_socket
         self.backend = backends.for_config(cfg)
         self.routes = routes.Table(self.backend.public_routes)
@@ -137,9 +146,11 @@ class Gateway:
         for slot, path in self.engine_sockets.items():
             self.sessions[slot] = forward.session(aiohttp.UnixConnector(path=str(path), limit=0), 5)
         app["monitor"] = asyncio.create_task(self.monitor())
+        self.watch.start()
 
     async def _cleanup(self, app: web.Application) -> None:
         app["monitor"].cancel()
+        await self.watch.stop()
         for session in self.sessions.values():
             await session.close()
 
@@ -304,10 +315,12 @@ class Gateway:
                 except forward.Unreachable as exc:
                     log.warning("engine unreachable (%s slot): %s", slot, exc)
                     await self._engine_lost(slot)
-                    if attempt or self.slots.current == slot or self.admission.state != State.SERVING:
+                    if attempt or self.slots.current == slot or self.admission.state != State.SERVING or (
+                            exc.taken and not retry.retried(request.method, path, body)):
                         status = "503"
                         return self.unavailable("engine-down")
-                    # Failed over to the standby: the dead engine took nothing of it.
+                    # Failed over to the standby; the client has nothing of this
+                    # request, and the dead engine took none of it or it may run twice.
                     self.admission.moved(slot, self.slots.current)
                     slot = self.slots.current
             gone = request.transport is None or request.transport.is_closing()
@@ -334,6 +347,12 @@ class Gateway:
         one that serves."""
         if slot == self.slots.current and not await self._fail_over(slot):
             await self.admission.engine_lost()
+
+    async def _engine_up(self, slot: str) -> None:
+        """SLOT's engine takes connections again (watch.py): end a failover from it now."""
+        if self.slots.failed_over == slot and self.admission.state not in HELD and await self.slots.fail_back(
+                self.admission.on_slot.get("standby", 0)):
+            self.report()
 
     async def _fail_over(self, slot: str) -> bool:
         moved = await self.slots.fail_over(slot, held=self.admission.state in HELD)

@@ -2,8 +2,11 @@
 reload under streaming load refuses nothing, loses nothing and serves the new
 config from the rebuilt standby while the main engine restarts; a standby
 that refuses the new config costs nothing and the main engine is never
-touched; kill -9 of the serving engine answers no new request 503; a manager
-killed mid-way leaves the main engine serving one config and the standby on it.
+touched; kill -9 of the serving engine answers no new request 503; a
+completion it was running and had not answered is answered by the standby,
+a stream it had started gets the engine_down error event (issue 34); a
+manager killed mid-way leaves the main engine serving one config and the
+standby on it.
 
 One container for the module (model tiny with standby: true, hostd.service).
 Clients are the official openai client without retries, streaming the whole
@@ -13,7 +16,10 @@ time (test_overlap_units.under_load).
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from container import SystemdContainer, wait_for
@@ -24,6 +30,7 @@ from test_overlap_units import MAIN, NEXT, active, another_max_num_seqs, gateway
     under_load
 
 STANDBY = "model-engine-standby@tiny.service"
+TAKE = 0.3  # seconds for a request to reach the engine (a local hop); 240 tokens take about a second
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +65,37 @@ def standby_answered(host: SystemdContainer) -> float:
                      "http://engine/metrics"]).stdout
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("hostd_engine_requests_total{") and 'status="200"' in line)
+
+
+def main_back(host: SystemdContainer, killed_pid: int) -> None:
+    """Wait until systemd restarted the main engine and new requests went back to it."""
+    wait_for(lambda: main_pid(host, MAIN) not in (0, killed_pid) and active(host, MAIN) == "active",
+             timeout=180, what="the main engine restarted by systemd")
+    wait_for(lambda: gateway_status(host)["slot"] == "main", timeout=60, what="new requests on the main engine")
+
+
+def kill_main_while_it_runs(host: SystemdContainer, request, started=None):
+    """REQUEST() in a thread; kill -9 of the main engine once it runs it
+    (STARTED(), or else after TAKE seconds: a status call through the
+    container would take longer than the request itself); what
+    REQUEST() returned or raised, once main is back and serving new requests."""
+    engine_pid = main_pid(host, MAIN)
+    assert gateway_status(host)["slot"] == "main"
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(request)
+        if started:
+            wait_for(lambda: started() or future.done(), timeout=60, what="the request started")
+        else:
+            time.sleep(TAKE)
+        assert not future.done(), "the request ended before the main engine could be killed under it"
+        host.run(["kill", "-9", str(engine_pid)])
+        outcome = future.exception(timeout=300) or future.result()
+    main_back(host, engine_pid)
+    return outcome
+
+
+def client(host: SystemdContainer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_the_standby_is_a_unit_of_the_model_on_the_same_weights_and_hostctl_shows_it(host):
@@ -127,12 +165,32 @@ def test_kill_9_of_the_serving_engine_answers_no_new_request_503_and_the_main_en
     # no new request was answered 503.
     assert counts["refused"] == 0 and counts["completed"] > 0, counts
     assert gateway_metrics(host)['hostd_gateway_failovers_total{model="tiny"}'] == failovers + 1
-    wait_for(lambda: main_pid(host, MAIN) not in (0, engine_pid) and active(host, MAIN) == "active",
-             timeout=180, what="the main engine restarted by systemd")
-    # Once main answers again, new requests go back to it.
-    wait_for(lambda: gateway_status(host)["slot"] == "main", timeout=60, what="new requests on the main engine")
+    main_back(host, engine_pid)  # once main answers again, new requests go back to it
     assert gateway_status(host)["failed_over"] == "" and status_code(host) == 200
     assert hostctl(host, "status", "tiny", check=True).stdout.startswith("● tiny - builtin model, serving")
+
+
+def test_a_completion_the_killed_engine_had_not_answered_is_answered_by_the_standby(host):
+    served_before = standby_answered(host)
+    answer = kill_main_while_it_runs(host, lambda: client(host).completions.create(
+        model="tiny", prompt="Once", max_tokens=240, temperature=0, extra_body={"ignore_eos": True}))
+    assert isinstance(answer, openai.types.Completion), answer
+    assert answer.usage.completion_tokens == 240 and answer.choices[0].finish_reason == "length"
+    assert standby_answered(host) == served_before + 1  # the standby ran it, once
+
+
+def test_a_stream_the_killed_engine_had_started_gets_the_engine_down_error_event(host):
+    chunks: list[str] = []
+
+    def stream():
+        for chunk in client(host).completions.create(model="tiny", prompt="Once", max_tokens=240, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True}):
+            chunks.append(chunk.choices[0].text if chunk.choices else "")
+        return "finished"
+
+    raised = kill_main_while_it_runs(host, stream, started=lambda: bool(chunks))
+    assert isinstance(raised, openai.APIError) and "stopped mid-stream" in str(raised), raised
+    assert chunks  # it had started
 
 
 def test_manager_killed_during_a_standby_reload_leaves_main_serving_one_config_and_the_standby_on_it(host):
