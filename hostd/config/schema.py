@@ -210,6 +210,24 @@ class ReloadConfig(_Strict):
             le=1 << 20,
         ),
     ] = 2048
+    standby_kv_mib: Annotated[
+        int,
+        _doc(
+            "builtin with engine.batching: continuous and standby: true: the KV "
+            "cache, in MiB, that the warm standby holds while it waits (the smaller "
+            "of this and its full budget). It grows to the full budget (engine.kv_cache_mib, "
+            "or the unset rule) when a generation request reaches it and gives it back "
+            "after 10 s without one (docs/builtin.md, The warm standby). "
+            "The idle standby only runs its own warm-up, which needs one KV block: "
+            "on CUDA a block is 256 tokens (14 MiB for Qwen2.5-7B in bf16, so 256 "
+            "MiB is 18 blocks), on CPU 16; a budget below one block is refused at "
+            "the standby's start. 256 keeps the idle standby within 1 GiB of GPU "
+            "memory beyond its CUDA context. engine.batching: none has no KV cache: "
+            "then this key does nothing.",
+            ge=1,
+            le=1 << 20,
+        ),
+    ] = 256
 
 
 class TimeoutsConfig(_Strict):
@@ -445,8 +463,10 @@ class BuiltinModel(_ModelBase, kw_only=True):
             "on the new config in its own process (no imports, no process start) "
             "and serves from it within about a second while the main engine "
             "restarts; when the main engine dies the gateway sends new requests "
-            "to it at once. It costs a second engine's memory at all times "
-            "(docs/operations.md, The standby engine). Takes effect at the next "
+            "to it at once. While it waits it costs a second engine's memory "
+            "less its KV cache, which the builtin engine keeps at "
+            "reload.standby_kv_mib until a request comes (docs/builtin.md, The "
+            "warm standby; docs/operations.md, The standby engine). Takes effect at the next "
             "`systemctl restart model@NAME` (with a daemon-reload)."
         ),
     ] = False

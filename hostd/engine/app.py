@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -58,6 +59,7 @@ from hostd.engine.openai_api import (
     token_usage,
 )
 from hostd.engine.prepare import Preparer
+from hostd.engine.standby_kv import StandbyKV
 
 CLIENT_MAX_SIZE = 64 * 1024 * 1024  # request bodies: long contexts need more than aiohttp's 1 MiB
 STATUS_CLIENT_CLOSED = "499"  # requests_total status for a client that left before the end (nginx's code)
@@ -75,6 +77,9 @@ class Limits:
     shutdown_timeout: float  # seconds admitted requests get after SIGTERM
     batching: str = "continuous"  # "continuous": batch.BatchRunner; "none": generate.Runner, a thread per request
     kv_cache_bytes: int | None = None  # continuous: the paged KV cache; None: budget.kv_cache_bytes's unset rule
+    # continuous, the standby slot: the budget its runner holds while no request
+    # comes (reload.standby_kv_mib; standby_kv.py grows it to kv_cache_bytes)
+    kv_cache_bytes_idle: int | None = None
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "none"):
@@ -109,6 +114,7 @@ class Engine:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     on_change: Callable[[], None] | None = None  # run_server's status line
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    standby_kv: "StandbyKV | None" = None  # the standby slot's runner swap (build_app sets it)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -125,6 +131,13 @@ class Engine:
     def changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    def swap_runner(self, new: Runner) -> Runner:
+        """Serve on NEW from now on (standby_kv.py, with no request on the
+        old one); returns the old runner. The counters carry over."""
+        old, self.runner = self.runner, new
+        new.stats, new.on_change = old.stats, self.changed
+        return old
 
     def running_waiting(self) -> tuple[int, int]:
         """Requests generating, and requests waiting (for a slot, or batched: holding one, waiting for KV blocks)."""
@@ -162,17 +175,19 @@ class Engine:
             max_model_len=self.limits.max_model_len, batching=self.limits.batching, running=running,
             waiting=waiting, running_max=s.running_max, tokens_per_s=round(s.tokens_per_second(), 2),
         )
-        blocks = self.kv_blocks()
-        if blocks is not None:
-            health = msgspec.structs.replace(
-                health, kv_blocks_used=blocks[0], kv_blocks_total=blocks[1], kv_block_tokens=self.runner.page_size,
-                kv_cache_bytes=self.runner.kv_cache_bytes)
         try:
             extra = self.health_info() if callable(self.health_info) else self.health_info
             if extra:
                 health = msgspec.structs.replace(health, **extra, status=status)
         except Exception:  # a callback that failed, or a field EngineHealth does not have
             self.log.exception("the health_info facts failed; /health answers without them")
+        blocks = self.kv_blocks()
+        if blocks is not None:  # the live runner's cache, over the start's figure: a standby's changes size
+            health = msgspec.structs.replace(
+                health, kv_blocks_used=blocks[0], kv_blocks_total=blocks[1], kv_block_tokens=self.runner.page_size,
+                kv_cache_bytes=self.runner.kv_cache_bytes)
+        if self.standby_kv is not None:
+            health = msgspec.structs.replace(health, **self.standby_kv.facts())
         return health
 
 
@@ -186,6 +201,8 @@ _OUTCOME = "hostd_outcome_status"  # request key: status to count when it differ
 
 
 async def _answer(request: web.Request, engine: Engine, job: Job, fmt) -> web.StreamResponse:
+    if engine.standby_kv is not None:
+        await engine.standby_kv.full()  # an idle standby grows its KV cache first
     if job.stream:
         return await _answer_stream(request, engine, job, fmt)
     parts: list[str] = []
@@ -392,21 +409,30 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 # --- the application -------------------------------------------------------------
 
 
-def make_runner(model, tokenizer, limits: Limits) -> Runner:
-    """The runner LIMITS ask for: one batched loop (batch.BatchRunner), or a worker thread per request."""
+def full_kv_bytes(model, limits: Limits) -> int:
+    """The KV budget of a runner that serves requests within LIMITS (batching: continuous)."""
+    if limits.kv_cache_bytes is not None:
+        return limits.kv_cache_bytes
+    from hostd.engine import budget
+
+    config = model.config.get_text_config().to_dict()
+    per_token = budget.bytes_per_token(config, str(model.dtype).removeprefix("torch."))
+    return budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=limits.max_num_seqs,
+                                 max_model_len=limits.max_model_len, per_token=per_token, device_total=None)
+
+
+def make_runner(model, tokenizer, limits: Limits, *, full: bool = False) -> Runner:
+    """The runner LIMITS ask for: one batched loop (batch.BatchRunner), or a
+    worker thread per request. With an idle budget (the standby), the idle
+    runner unless FULL. Blocking: the cache is allocated here."""
     if limits.batching == "none":
         return Runner(model, tokenizer, limits.max_num_seqs)
-    from hostd.engine import batch, budget
+    from hostd.engine import batch
 
-    kv = limits.kv_cache_bytes
-    if kv is None:
-        config = model.config.get_text_config().to_dict()
-        dtype = str(model.dtype).removeprefix("torch.")
-        kv = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=limits.max_num_seqs,
-                                   max_model_len=limits.max_model_len,
-                                   per_token=budget.bytes_per_token(config, dtype), device_total=None)
+    idle = limits.kv_cache_bytes_idle is not None and not full
     return batch.BatchRunner(model, tokenizer, limits.max_num_seqs, max_model_len=limits.max_model_len,
-                             kv_cache_bytes=kv)
+                             kv_cache_bytes=limits.kv_cache_bytes_idle if idle else full_kv_bytes(model, limits),
+                             idle=idle)
 
 
 def build_app(
@@ -417,9 +443,11 @@ def build_app(
     served_name: str,
     health_info: dict | Callable[[], dict] | None = None,
     log: logging.Logger | None = None,
+    runner: Runner | None = None,
 ) -> web.Application:
     """The aiohttp application serving MODEL within LIMITS: routes, admission,
-    metrics. Its cleanup stops the worker threads."""
+    metrics; on RUNNER when given (make_runner's, built off the loop), else
+    on a new one. Its cleanup stops the worker threads."""
     log = log or _log
     positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if positions is not None and limits.max_model_len > positions:
@@ -434,13 +462,16 @@ def build_app(
         vocab_size = None
     engine = Engine(
         tokenizer=tokenizer,
-        runner=make_runner(model, tokenizer, limits),
+        runner=runner or make_runner(model, tokenizer, limits),
         served_name=served_name,
         limits=limits,
         vocab_size=vocab_size,
         health_info=health_info,
         log=log,
     )
+    if limits.batching == "continuous" and limits.kv_cache_bytes_idle is not None:
+        engine.standby_kv = StandbyKV(engine, functools.partial(make_runner, model, tokenizer, limits),
+                                      full_bytes=full_kv_bytes(model, limits), log=log)
     app = web.Application(middlewares=[_admission, _errors], client_max_size=CLIENT_MAX_SIZE)
     app[ENGINE] = engine
     app.router.add_post(COMPLETIONS, _completions)
@@ -451,6 +482,8 @@ def build_app(
     app.router.add_get("/metrics", _metrics)
 
     async def stop_workers(app: web.Application) -> None:
+        if app[ENGINE].standby_kv is not None:
+            await app[ENGINE].standby_kv.close()  # a grow or shrink under way ends first
         app[ENGINE].close()
         runner = app[ENGINE].runner
         runner.cancel_all()

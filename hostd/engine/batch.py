@@ -201,12 +201,15 @@ class BatchRunner(Runner):
 
     ``max_model_len`` and ``kv_cache_bytes`` size the paged cache: at least
     one request of ``max_model_len`` tokens must fit, else ValueError at
-    construction, naming the numbers. Construct it on the thread of the event
-    loop that will stream from it.
+    construction, naming the numbers. ``idle`` says the runner serves no
+    request (the warm standby's idle runner, standby_kv.py: its warm-up and
+    /health only), so one KV block is enough. Construct it on any thread;
+    stream from one event loop.
     """
 
     max_model_len: int = 2048
     kv_cache_bytes: int = 0
+    idle: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -229,8 +232,14 @@ class BatchRunner(Runner):
         per_token = budget.bytes_per_token(config.to_dict(), str(self.model.dtype).removeprefix("torch."))
         self.kv_bytes_per_token = per_token
         num_blocks = self.kv_cache_bytes // (per_token * page)
-        problem = rules.kv_problem(kv_cache_bytes=self.kv_cache_bytes, per_token=per_token,
-                                   max_model_len=self.max_model_len, device=kind)
+        if self.idle:
+            problem = None if num_blocks >= 1 else (
+                f"reload.standby_kv_mib: the standby's idle KV budget of {self.kv_cache_bytes} bytes holds no block "
+                f"of {page} tokens ({per_token * page} bytes); raise reload.standby_kv_mib to at least "
+                f"{(per_token * page + (1 << 20) - 1) >> 20}")
+        else:
+            problem = rules.kv_problem(kv_cache_bytes=self.kv_cache_bytes, per_token=per_token,
+                                       max_model_len=self.max_model_len, device=kind)
         if problem:  # the engine's start checked it from the config (rules.py); this is the built model's word
             raise ValueError(problem)
         cb_config = ContinuousBatchingConfig(

@@ -67,6 +67,11 @@ class EngineHealth(msgspec.Struct, kw_only=True):
     tensors_outside_shared: Union[int, UnsetType] = UNSET
     phases_s: Union[dict[str, float], UnsetType] = UNSET  # seconds per start-up phase
     rebuild_s: Union[dict[str, float], None, UnsetType] = UNSET  # the standby's last rebuild, per phase
+    # the standby slot's KV cache (engine/standby_kv.py): "idle" (reload.standby_kv_mib) or "full",
+    # the full budget it grows to, and the last grow's seconds per phase
+    kv_budget: Union[Literal["idle", "full"], UnsetType] = UNSET
+    kv_cache_bytes_full: Union[int, UnsetType] = UNSET
+    grow_s: Union[dict[str, float], None, UnsetType] = UNSET
 
     # --- the vLLM/SGLang supervisor's own facts (engine/upstream.py)
     backend: Union[str, UnsetType] = UNSET

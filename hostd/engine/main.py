@@ -15,13 +15,14 @@ PID and socket inode are checked before and after mapping (client.py).
 benchmarks compare against, never used by the units.
 
 In the standby slot (model-engine-standby@NAME, `standby: true`) the engine
-also answers the manager's rebuild verb (server.py, POST /hostd/rebuild):
-rebuild() builds a new skeleton, attaches the tensors this process mapped at
-start (the same daemon allocation; nothing is copied or fetched again) and
-takes the new engine section's limits; server.py warms it up and swaps it
-in. What the config cannot serve (a max_model_len beyond the model's
-positions, a value out of range) is refused as a start would refuse it, and
-the old model keeps serving.
+holds a small KV cache while it waits (reload.standby_kv_mib; standby_kv.py
+grows it at the first request) and also answers the manager's rebuild verb
+(server.py, POST /hostd/rebuild): rebuild() takes the new engine section's
+limits on the same model object (the same daemon allocation; nothing is
+built, copied or fetched again); server.py builds a runner for them, warms
+it up and swaps it in. What the config cannot serve (a max_model_len beyond
+the model's positions, a value out of range) is refused as a start would
+refuse it, and the old runner keeps serving.
 
 Refuses to start (exit 1, reason in the journal) when the weights cannot be
 had: a daemon holding other weights, a cache that changed while attaching
@@ -70,10 +71,8 @@ class Phases:
         self._last = now
 
 
-def load_model(cfg, name: str, args, phases: Phases, keep: list | None = None) -> tuple[torch.nn.Module, dict]:
-    """The model with its weights, and facts about where they came from.
-    KEEP, when given, receives the attached tensors (and what maps them), for
-    a rebuild on the same weights."""
+def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, dict]:
+    """The model with its weights, and facts about where they came from."""
     model_dir = Path(cfg.model)
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -103,9 +102,6 @@ def load_model(cfg, name: str, args, phases: Phases, keep: list | None = None) -
             "shared_ptr": attached.block.data_ptr(),
             "shared_bytes": attached.block.numel(),
         }
-    if keep is not None:
-        keep[:] = [list(tensors), attached]  # the mapping lives as long as the process
-        tensors = keep[0]
     checkpoint.attach(model, tensors)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -127,9 +123,10 @@ def device_memory(device: str) -> int | None:
     return memory.host_total()
 
 
-def limits_for(cfg, model):
+def limits_for(cfg, model, standby: bool = False):
     """The engine's Limits for CFG's engine section on MODEL: its batching and
-    KV budget (continuous), and on CPU without batching the torch threads
+    KV budget (continuous; in the STANDBY slot also the idle budget,
+    reload.standby_kv_mib), and on CPU without batching the torch threads
     each request gets."""
     from hostd.engine import server
 
@@ -152,15 +149,15 @@ def limits_for(cfg, model):
         shutdown_timeout=cfg.engine.shutdown_timeout,
         batching=cfg.engine.batching,
         kv_cache_bytes=kv_cache_bytes,
+        kv_cache_bytes_idle=min(cfg.reload.standby_kv_mib << 20, kv_cache_bytes) if standby and kv_cache_bytes else None,
     )
 
 
-def rebuilder(cfg, backend, tensors: list, health_of):
+def rebuilder(cfg, backend, model, health_of):
     """The standby's rebuild (server.py's ``rebuild``): given an engine
-    section, the model built again on TENSORS (the weights this process
-    mapped at start) with that section's limits; HEALTH_OF(cfg) is its
-    /health facts. Raises RebuildRefused for what the engine would refuse at
-    start."""
+    section, MODEL (the one this process built and attached at start) with
+    that section's limits; HEALTH_OF(cfg, phases) is its /health facts.
+    Raises RebuildRefused for what the engine would refuse at start."""
     from hostd.engine import server
 
     try:
@@ -169,7 +166,11 @@ def rebuilder(cfg, backend, tensors: list, health_of):
         model_config = {}  # the start read it: a checkpoint changed under a running engine
 
     def rebuild(section: object) -> "server.Rebuilt":
-        started = time.monotonic()
+        # Every key of the engine section is the runner's or the application's
+        # (limits_for, app.py), so the model object serves any of them as it
+        # is: no skeleton is built and nothing re-attached. A key that changed
+        # the model itself (its dtype, its modules) would need a new skeleton;
+        # none of the engine section does today.
         try:
             engine = msgspec.convert(section, type=type(cfg.engine))
         except msgspec.ValidationError as exc:
@@ -178,18 +179,11 @@ def rebuilder(cfg, backend, tensors: list, health_of):
         problems = backend.engine_refusals(new, model_config)
         if problems:
             raise server.RebuildRefused("; ".join(problems))
-        model_dir = Path(cfg.model)
-        model = checkpoint.build_skeleton(model_dir, checkpoint.resolve_dtype(model_dir, cfg.dtype), meta_buffers=True)
-        skeleton = time.monotonic()
-        checkpoint.attach(model, tensors)
-        if cfg.device == "cuda":
-            torch.cuda.synchronize()
-        attached = time.monotonic()
         try:
-            limits = limits_for(new, model)
+            limits = limits_for(new, model, standby=True)
         except ValueError as exc:
             raise server.RebuildRefused(f"engine: {exc}") from None
-        phases = {"build_skeleton": round(skeleton - started, 4), "attach": round(attached - skeleton, 4)}
+        phases: dict[str, float] = {}  # server.py fills it in; /health's rebuild_s is this dict
         return server.Rebuilt(model=model, limits=limits, health_info=health_of(new, phases), phases_s=phases)
 
     return rebuild
@@ -208,18 +202,17 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
     # manager relays it on a reload's Operation as EngineStatus).
     systemd.status("building the model")
     standby = getattr(args, "slot", "main") == "standby" and backend is not None
-    keep: list = []
     try:
         with systemd.ExtendTimeout():
-            model, info = load_model(cfg, args.name, args, phases, keep if standby else None)
+            model, info = load_model(cfg, args.name, args, phases)
     except (client.WeightsRefused, OSError, ValueError) as exc:
         log.error("cannot get the weights of %s: %s", args.name, exc)
         systemd.status(f"failed: {exc}")
         return 1
     systemd.status("loading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    limits = limits_for(cfg, model)
-    info["kv_cache_bytes"] = limits.kv_cache_bytes
+    limits = limits_for(cfg, model, standby=standby)
+    info["kv_cache_bytes"] = limits.kv_cache_bytes  # the full budget; /health says the live runner's
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = engine_health.facts(**{
@@ -261,6 +254,6 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
         on_status=status,
         health_info=health_info(),
         log=log,
-        rebuild=rebuilder(cfg, backend, keep[0], health_info) if standby else None,
+        rebuild=rebuilder(cfg, backend, model, health_info) if standby else None,
     )
 

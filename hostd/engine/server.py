@@ -18,15 +18,17 @@ included) finish for up to ``Limits.shutdown_timeout`` seconds, then cancel
 what is left, and return exit code 0. A second signal cancels at once.
 
 Rebuild (the warm standby only: run_server's ``rebuild``): ``POST
-/hostd/rebuild`` with ``{"engine": {...}}`` builds the model again in this
-process on the same mapped weights with that engine section (``rebuild``
-returns a Rebuilt: new skeleton, new limits, new /health facts), warms it up,
-and only then swaps it in: a new application on the same listening socket
-takes new connections, the old one closes its connections as their requests
-end, finishes what it admitted (up to its shutdown_timeout) and stops. No imports, no process start, no new socket.
-Answers 200 with the new /health, 422 with {"error"} when the section is
-refused (the old model keeps serving, untouched), 409 while another rebuild
-runs or the process shuts down. The route is the manager's: no backend's
+/hostd/rebuild`` with ``{"engine": {...}}`` applies that engine section in
+this process on the same model object (``rebuild`` returns a Rebuilt: the
+refusals checked, new limits, new /health facts), builds a runner for it (its
+KV cache on the standby's idle budget, off the event loop), warms it up, and
+only then swaps it in: a new application on the same listening socket takes
+new connections, the old one closes its connections as their requests end,
+finishes what it admitted (up to its shutdown_timeout) and stops. No imports,
+no process start, no new socket, no new skeleton. Its phases (rebuild_s):
+refusals, runner, warm_up, swap. Answers 200 with the new /health, 422 with
+{"error"} when the section is refused (the old runner keeps serving,
+untouched), 409 while another rebuild runs or the process shuts down. The route is the manager's: no backend's
 public routes list it, so the gateway never forwards a client to it.
 """
 
@@ -49,7 +51,7 @@ import msgspec
 from aiohttp import web
 
 from hostd import logs, sockets
-from hostd.engine.app import ENGINE, Engine, Limits, build_app
+from hostd.engine.app import ENGINE, Engine, Limits, build_app, make_runner
 from hostd.engine.generate import warm_up
 
 CANCEL_GRACE_S = 5.0  # after cancelling, how long handlers get to write their error and close
@@ -69,8 +71,8 @@ class RebuildRefused(Exception):
 
 @dataclass
 class Rebuilt:
-    """What ``rebuild`` returns: the model built again on the same weights,
-    its limits and its /health facts (as run_server's health_info)."""
+    """What ``rebuild`` returns: the model to serve (the same object), the
+    new section's limits and its /health facts (as run_server's health_info)."""
 
     model: Any
     limits: Limits
@@ -251,10 +253,11 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
 
 
 async def _application(model, tokenizer, limits: Limits, served_name: str, health_info, log: logging.Logger,
-                       status: _StatusLine, rebuilder: "_Rebuilder | None") -> _Serving:
-    """MODEL's application, set up (not yet listening); with REBUILDER its
-    rebuild route too."""
-    app = build_app(model, tokenizer, limits, served_name=served_name, health_info=health_info, log=log)
+                       status: _StatusLine, rebuilder: "_Rebuilder | None", runner=None) -> _Serving:
+    """MODEL's application (on RUNNER when given), warmed up and set up (not
+    yet listening); with REBUILDER its rebuild route too."""
+    app = build_app(model, tokenizer, limits, served_name=served_name, health_info=health_info, log=log,
+                    runner=runner)
     if rebuilder is not None:
         app.router.add_post(REBUILD_PATH, rebuilder.handle)
     engine = app[ENGINE]
@@ -312,23 +315,30 @@ class _Rebuilder:
         self.status.set("rebuilding", now=True)
         try:
             rebuilt = await asyncio.to_thread(self.rebuild, section)
-            warm = time.monotonic()
-            await asyncio.to_thread(warm_up, rebuilt.model, self.tokenizer)
-            rebuilt.phases_s["warm_up"] = round(time.monotonic() - warm, 4)
+            phases = rebuilt.phases_s
+            phases["refusals"] = round(time.monotonic() - started, 4)
+            mark = time.monotonic()
+            runner = await asyncio.to_thread(make_runner, rebuilt.model, self.tokenizer, rebuilt.limits)
+            phases["runner"] = round(time.monotonic() - mark, 4)  # KV allocation and batching start
+            if self.stop.is_set():
+                runner.cancel_all()
+                await asyncio.to_thread(runner.join)
+                return self.answer(409, {"error": "the engine is shutting down; not rebuilding"})
+            mark = time.monotonic()
+            # The application around a built runner costs nothing beside its warm-up generation.
+            new = await _application(rebuilt.model, self.tokenizer, rebuilt.limits, self.served_name,
+                                     rebuilt.health_info, log, self.status, self, runner=runner)
+            phases["warm_up"] = round(time.monotonic() - mark, 4)
         except RebuildRefused as error:
-            log.error("rebuild refused, the old model keeps serving: %s", error)
+            log.error("rebuild refused, the old runner keeps serving: %s", error)
             self.status.set(self.serving.engine.summary(), now=True)
             return self.answer(422, {"error": str(error)})
         except Exception as error:
-            log.exception("rebuild failed, the old model keeps serving")
+            log.exception("rebuild failed, the old runner keeps serving")
             self.status.set(self.serving.engine.summary(), now=True)
             return self.answer(500, {"error": f"rebuild failed: {type(error).__name__}: {error}"})
-        if self.stop.is_set():
-            return self.answer(409, {"error": "the engine is shutting down; not rebuilding"})
         old = self.serving
         swap = time.monotonic()
-        new = await _application(rebuilt.model, self.tokenizer, rebuilt.limits, self.served_name,
-                                 rebuilt.health_info, log, self.status, self)
         # The new application takes new connections on the same socket before
         # the old one stops taking them: none is refused in between.
         new.sock = socket.socket(old.sock.family, old.sock.type, old.sock.proto, fileno=os.dup(old.sock.fileno()))
@@ -336,15 +346,15 @@ class _Rebuilder:
         await new.site.start()
         await old.site.stop()
         self.serving = new
-        rebuilt.phases_s["swap"] = round(time.monotonic() - swap, 4)
+        phases["swap"] = round(time.monotonic() - swap, 4)
         task = asyncio.create_task(self._retire(old))
         self.retiring.add(task)
         task.add_done_callback(self.retiring.discard)
         log.info("rebuilt in %.3f s (phases %s): serving with max_num_seqs=%d, max_model_len=%d",
-                 time.monotonic() - started, json.dumps(rebuilt.phases_s), rebuilt.limits.max_num_seqs,
+                 time.monotonic() - started, json.dumps(phases), rebuilt.limits.max_num_seqs,
                  rebuilt.limits.max_model_len)
         self.status.set(new.engine.summary(), now=True)
-        answer = self.answer(200, msgspec.to_builtins(msgspec.structs.replace(new.engine.health(), rebuild_s=rebuilt.phases_s)))
+        answer = self.answer(200, msgspec.to_builtins(msgspec.structs.replace(new.engine.health(), rebuild_s=phases)))
         # This connection belongs to the old application, which closes it once
         # idle (_retire): a client reusing it could send its next request just
         # as it closes, and lose it. Connection: close makes it open a new one.

@@ -1,9 +1,10 @@
-"""The warm standby by hand: an engine in the standby slot rebuilds itself on
-a new engine section in its own process (same PID, same mapped weights), and
-refuses what a start would refuse while its old model keeps serving; the
-gateway sends new requests to it the moment the main engine dies, and back
-once the main engine answers again. (The manager drives the same pieces
-through systemd: tests/system/test_standby_units.py.)"""
+"""The warm standby by hand: an engine in the standby slot holds a small KV
+cache while it waits, grows it for the first request and gives it back when
+quiet; it rebuilds itself on a new engine section in its own process (same
+PID, same model object), and refuses what a start would refuse while its old
+runner keeps serving; the gateway sends new requests to it the moment the
+main engine dies, and back once the main engine answers again. (The manager
+drives the same pieces through systemd: tests/system/test_standby_units.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from hostd import paths
 from harness.local import ModelTree, wait_for
@@ -31,10 +33,45 @@ def start_standby(tree: ModelTree):
     return standby
 
 
-def test_a_standby_rebuilds_on_a_new_config_in_its_own_process_on_the_same_weights(tmp_path: Path,
-                                                                                   tiny_checkpoint: Path):
+MiB = 1 << 20
+SMALL_STANDBY = {"reload": {"standby_kv_mib": 1}}  # the tiny model's block is 16 tokens of 256 B: 256 blocks
+
+
+def test_an_idle_standby_holds_its_small_cache_grows_for_a_request_as_the_main_engine_answers_and_shrinks_back(
+        tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HOSTD_STANDBY_IDLE_S", "2")  # the engines' environment (ModelTree.env)
     tree = ModelTree(tmp_path)
-    tree.write_config(tiny_checkpoint, max_num_seqs=4)
+    tree.write_config(tiny_checkpoint, fixed=SMALL_STANDBY, max_num_seqs=4, kv_cache_mib=4)
+    try:
+        tree.start_weights()
+        tree.start_engine()
+        start_standby(tree)
+        with standby_http(tree) as http, tree.http() as main:
+            idle = http.get("/health").json()
+            assert (idle["kv_budget"], idle["kv_cache_bytes"], idle["kv_cache_bytes_full"]) == ("idle", MiB, 4 * MiB)
+            assert idle["grow_s"] is None
+            assert "kv_budget" not in main.get("/health").json()  # the main slot has no idle budget
+            for sampling in ({"temperature": 0}, {"temperature": 1, "seed": 7}):
+                body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 12, "ignore_eos": True, **sampling}
+                on_standby = http.post("/v1/completions", json=body)
+                assert on_standby.status_code == 200, on_standby.text
+                full = http.get("/health").json()
+                assert (full["kv_budget"], full["kv_cache_bytes"]) == ("full", 4 * MiB)
+                assert set(full["grow_s"]) == {"kv_alloc_and_batching_start", "warm_up", "total"}
+                assert full["tensors_outside_shared"] == 0
+                on_main = main.post("/v1/completions", json=body).json()
+                assert on_standby.json()["choices"][0]["text"] == on_main["choices"][0]["text"], sampling
+            wait_for(lambda: http.get("/health").json()["kv_budget"] == "idle", 30, "the standby idle again")
+            assert http.get("/health").json()["kv_cache_bytes"] == MiB
+    finally:
+        tree.stop_all()
+    assert "standby KV cache grown" in tree.root.joinpath("engine-2.log").read_text()
+
+
+def test_a_standby_rebuilds_on_a_new_config_in_its_own_process_on_the_same_model(tmp_path: Path,
+                                                                                tiny_checkpoint: Path):
+    tree = ModelTree(tmp_path)
+    tree.write_config(tiny_checkpoint, fixed=SMALL_STANDBY, max_num_seqs=4, kv_cache_mib=4)
     try:
         tree.start_weights()
         standby = start_standby(tree)
@@ -48,7 +85,10 @@ def test_a_standby_rebuilds_on_a_new_config_in_its_own_process_on_the_same_weigh
             assert answer.headers["connection"] == "close"
             after = http.get("/health").json()
             assert after["engine_config"]["max_num_seqs"] == 2 and after["max_num_seqs"] == 2
-            assert set(answer.json()["rebuild_s"]) >= {"build_skeleton", "attach", "warm_up", "swap"}
+            # Nothing of the model is built again: the same object takes the new section's runner.
+            assert list(answer.json()["rebuild_s"]) == ["refusals", "runner", "warm_up", "swap"]
+            assert answer.json()["kv_budget"] == after["kv_budget"] == "idle"
+            assert (after["kv_cache_bytes"], after["kv_cache_bytes_full"]) == (MiB, 4 * MiB)
             # Same process, same daemon allocation, nothing copied.
             assert after["pid"] == before["pid"] == standby.pid
             assert (after["weights_pid"], after["shared_ptr"]) == (before["weights_pid"], before["shared_ptr"])

@@ -148,6 +148,8 @@ def test_wrong_type_names_file_key_and_expected_type(root: Path):
         ("engine: {max_num_seqs: 0}", "engine.max_num_seqs", ">= 1"),
         ("engine: {max_num_seqs: 100000}", "engine.max_num_seqs", "<= 4096"),
         ("reload: {drain_timeout: -1}", "reload.drain_timeout", "> 0"),
+        ("reload: {standby_kv_mib: 0}", "reload.standby_kv_mib", ">= 1"),
+        ("reload: {standby_kv_mib: 2097152}", "reload.standby_kv_mib", "<= 1048576"),
         ("listen: '99999'", "listen", "no port from 1 to 65535"),
         ("gpus: [-1]", "gpus.0", ">= 0"),
         ("model: relative/path", "model", "not an absolute path"),

@@ -1,0 +1,148 @@
+"""The warm standby's KV cache: small while it waits, full while it serves.
+
+One job: swap the standby engine's batching runner between its idle budget
+(Limits.kv_cache_bytes_idle: reload.standby_kv_mib, at most the full one) and
+its full budget, on the same model object. The idle runner serves its own
+warm-up and /health only. A generation request that reaches it waits for
+the grow (app.py's _answer calls ``full``): a new runner with the full budget
+(KV allocation and batching start, off the event loop; then its warm-up
+generation), the idle one stopped and its cache freed, and the request runs
+on the new one. After ``idle_s`` seconds with no generation request in
+flight (SHRINK_IDLE_S, or the environment's HOSTD_STANDBY_IDLE_S) it goes
+back to an idle runner the same way. One swap at a time (``lock``), never
+while a request is in flight; a request that arrives during a shrink waits
+for it and then grows the cache again. Each swap is one INFO line in the
+journal with its phases in seconds.
+
+The new runner is built before the old one stops, so that a failed
+allocation leaves the old one serving: for a moment the two caches are
+held together (the idle one is the small one).
+
+Trust: as app.py; nothing here reads a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from hostd.engine.generate import Runner
+
+SHRINK_IDLE_S = 10.0  # seconds without a generation request before the standby gives its full cache back
+IDLE_ENV = "HOSTD_STANDBY_IDLE_S"  # overrides SHRINK_IDLE_S (the tests use about 1 s)
+
+_log = logging.getLogger("hostd.engine")
+
+
+def idle_seconds() -> float:
+    """SHRINK_IDLE_S, or HOSTD_STANDBY_IDLE_S's seconds when it is set to a positive number."""
+    value = os.environ.get(IDLE_ENV, "")
+    try:
+        seconds = float(value) if value else SHRINK_IDLE_S
+    except ValueError:
+        seconds = -1.0
+    if seconds > 0:
+        return seconds
+    _log.warning("%s=%r is not a positive number of seconds; the standby shrinks after %g s", IDLE_ENV, value,
+                 SHRINK_IDLE_S)
+    return SHRINK_IDLE_S
+
+
+def _return_freed_memory() -> None:
+    gc.collect()  # the batching manager and its output router refer to each other: only a collection frees them
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # so that NVML, and the manager's preflight through it, sees the memory returned
+
+
+class StandbyKV:
+    """ENGINE's (app.py's Engine) runner swap. MAKE_RUNNER(full=...) builds a
+    runner on the full or the idle budget (app.py's make_runner; blocking);
+    the engine starts on an idle one."""
+
+    def __init__(self, engine, make_runner: Callable[..., Runner], *, full_bytes: int,
+                 log: logging.Logger | None = None, idle_s: float | None = None) -> None:
+        self.engine, self.make_runner, self.full_bytes = engine, make_runner, full_bytes
+        self.log = log or _log
+        self.idle_s = idle_seconds() if idle_s is None else idle_s
+        self.budget = "idle"
+        self.grow_s: dict[str, float] | None = None  # the last grow's phases
+        self.lock = asyncio.Lock()
+        self._grow: asyncio.Task | None = None  # the grow every waiting request awaits
+        self._watch: asyncio.Task | None = None  # while full: the shrink after idle_s
+        self._arrived = asyncio.Event()  # a generation request came (the shrink's quiet period restarts)
+        self._closed = False
+
+    def facts(self) -> dict:
+        """/health's fields of the standby's KV cache (health.py)."""
+        return {"kv_budget": self.budget, "kv_cache_bytes_full": self.full_bytes, "grow_s": self.grow_s}
+
+    async def full(self) -> None:
+        """Return once the full runner serves: at once when it does, else
+        after the grow (one for every request that waits). A request's
+        cancellation does not cancel the grow."""
+        self._arrived.set()
+        if self.budget == "full" and not self.lock.locked():
+            return
+        if self._grow is None or self._grow.done():
+            self._grow = asyncio.create_task(self._swap("full"))
+        await asyncio.shield(self._grow)
+
+    async def close(self) -> None:
+        """No swap from now on; one under way finishes first (the engine's shutdown)."""
+        self._closed = True
+        async with self.lock:
+            if self._watch is not None:
+                self._watch.cancel()
+
+    async def _swap(self, budget: str) -> None:
+        async with self.lock:
+            if self._closed or self.budget == budget or (budget == "idle" and self.engine.in_flight):
+                return
+            started = time.monotonic()
+            new = await asyncio.to_thread(self.make_runner, full=budget == "full")
+            built = time.monotonic()
+            try:
+                await new.warm_up()
+            except BaseException:
+                new.cancel_all()
+                await asyncio.to_thread(new.join)
+                raise
+            warm = time.monotonic()
+            old = self.engine.swap_runner(new)
+            self.budget = budget
+            old.cancel_all()  # nothing runs on it: requests wait in full(), and a shrink needs none in flight
+            await asyncio.to_thread(old.join)
+            del old
+            await asyncio.to_thread(_return_freed_memory)
+            phases = {"kv_alloc_and_batching_start": round(built - started, 4), "warm_up": round(warm - built, 4),
+                      "total": round(time.monotonic() - started, 4)}
+            if budget == "full":
+                self.grow_s = phases
+                self._watch = asyncio.create_task(self._shrink_when_idle())
+            self.log.info("standby KV cache %s to %d bytes (%s budget) in %.3f s (phases %s)",
+                          "grown" if budget == "full" else "shrunk", new.kv_cache_bytes, budget, phases["total"],
+                          json.dumps(phases))
+            self.engine.changed()
+
+    async def _shrink_when_idle(self) -> None:
+        """While full: back to the idle runner once no generation request was in flight for idle_s."""
+        while self.budget == "full" and not self._closed:
+            await self.engine.idle.wait()
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), self.idle_s)
+                continue  # a request came: wait for it to end, then for a quiet idle_s again
+            except TimeoutError:
+                pass
+            try:
+                await self._swap("idle")  # nothing, if a request is in flight by now
+            except Exception:
+                self.log.exception("the standby could not go back to its idle KV budget; it keeps the full one")
+                return
