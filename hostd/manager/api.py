@@ -41,6 +41,11 @@ VERB_ACTIONS = {
     "log-level": LOG_LEVEL_ACTION,  # Model.SetLogLevel
 }
 
+# Model.SetLogLevel's roles (manager/log_levels.py finds their processes);
+# "" means the model's own: all of these but the manager, which serves every
+# model and changes only when named.
+LOG_ROLES = ("gateway", "engine", "weights", "manager")
+
 MODEL_PATH = f"{ROOT_PATH}/model"
 OPERATION_PATH = f"{ROOT_PATH}/operation"
 

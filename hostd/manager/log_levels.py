@@ -25,14 +25,14 @@ import os
 from dataclasses import dataclass
 
 from hostd import logs, units
-from hostd.manager import errors
+from hostd.manager import api, errors
 
 log = logging.getLogger("hostd.manager")
 
-# The roles a level may go to. The manager is one process for every model:
-# it is changed only when named, never by a model's "all".
-MODEL_ROLES = ("gateway", "engine", "weights")
-ROLES = (*MODEL_ROLES, "manager")
+ROLES = api.LOG_ROLES
+# A model's own roles: the manager is one process for every model, changed
+# only when named, never by a model's "all".
+MODEL_ROLES = tuple(role for role in ROLES if role != "manager")
 
 
 @dataclass(frozen=True)
