@@ -156,6 +156,14 @@ class AsyncClient:
     async def restart(self, name: str, wait: bool = True) -> dict[str, Any]:
         return await self._verb("Restart", name, wait)
 
+    async def set_log_level(self, name: str, role: str, level: str) -> list[dict]:
+        """LEVEL in model NAME's running processes of ROLE ("": all of the
+        model's) until they restart (Model.SetLogLevel); the processes that
+        took it: [{role, unit, pid}]."""
+        [path] = await self._call("GetModel", "s", [name])
+        [rows] = await self._call("SetLogLevel", "ss", [role, level], path=path, interface=api.MODEL)
+        return [{"role": role, "unit": unit, "pid": pid} for role, unit, pid in rows]
+
     async def cancel(self, op_id: int) -> None:
         [path] = await self._call("GetOperation", "u", [op_id])
         await self._call("Cancel", path=path, interface=api.OPERATION)

@@ -31,6 +31,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -38,10 +39,11 @@ from dbus_fast.errors import DBusError
 
 import hostd
 from hostd import backends, config, units
-from hostd.config import show
-from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_list, cmd_operations, cmd_reload,
-                               cmd_status, cmd_unit_verb)
+from hostd.config import schema, show
+from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_list, cmd_log_level, cmd_operations,
+                               cmd_reload, cmd_status, cmd_unit_verb)
 from hostd.hostctl_output import EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_USAGE, emit_json
+from hostd.manager import api
 
 
 def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
@@ -246,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(verb, help=f"{verb} a model (all its units) and wait")
         p.add_argument("name", metavar="NAME")
         p.set_defaults(func=cmd_unit_verb)
+    p = command("log-level", help="change the log level of a model's running processes (no restart)",
+                description="Set LEVEL in model NAME's running processes of ROLE (without ROLE: its gateway, "
+                            "engines and weights daemon; manager: the manager, for every model) now, without "
+                            "restarting them; each keeps it until it restarts, when hostd.yaml's log_level "
+                            "applies again. vLLM's and SGLang's own lines keep their level (a restart changes "
+                            "it). Needs root, the admin group or polkit action org.hostd1.log-level.")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("role", nargs="?", choices=api.LOG_ROLES, metavar="ROLE",
+                   help="gateway, engine (every engine slot), weights or manager; default: all of the model's")
+    p.add_argument("level", choices=typing.get_args(schema.LogLevel), metavar="LEVEL",
+                   help="debug, info, warning or error")
+    p.set_defaults(func=cmd_log_level)
     p = command("edit", help="edit a drop-in in $EDITOR; saved only when valid")
     p.add_argument("name", metavar="NAME")
     p.set_defaults(func=cmd_edit)

@@ -1,8 +1,8 @@
 """hostctl's commands that talk to the manager (org.hostd1) over the system
 bus through hostd.client: reload (and `reload --check`: only the manager can
 preflight a reload, and the check changes nothing there), list, status,
-is-active, operations, cancel, start, stop and restart; and the one line and
-exit code a D-Bus error becomes.
+is-active, operations, cancel, start, stop, restart and log-level; and the
+one line and exit code a D-Bus error becomes.
 
 Trusts the manager's answers for what they say (states, stages, whether
 Cancel is honoured now: hostctl keeps no table of its own) and nothing
@@ -380,3 +380,16 @@ def cmd_unit_verb(args: argparse.Namespace) -> int:
         return 0 if result["State"] == "done" else 1
     print(f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}")
     return 0 if result["State"] == "done" else 1
+
+
+def cmd_log_level(args: argparse.Namespace) -> int:
+    """`log-level NAME [ROLE] LEVEL`: the manager's SetLogLevel; each process
+    that took the level, with its PID (the same PID before and after: nothing
+    restarts)."""
+    with _client() as hostd:
+        changed = hostd.set_log_level(args.name, args.role or "", args.level)
+    if args.json:
+        emit_json(args, [{**c, "level": args.level} for c in changed])
+        return 0
+    table(args, ["ROLE", "UNIT", "PID", "LEVEL"], [[c["role"], c["unit"], c["pid"], args.level] for c in changed])
+    return 0

@@ -48,13 +48,18 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 # ---------------------------------------------------------------- daemon-wide
 
 
+# The levels of hostd's own lines (hostd/logs.py has a signal for each).
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
 class DaemonConfig(_Strict):
     """/etc/hostd/hostd.yaml: settings for every model on the host."""
 
     log_level: Annotated[
-        Literal["debug", "info", "warning", "error"],
+        LogLevel,
         _doc("Lowest level written to the journal by every hostd process (the manager, each gateway, engine and "
-             "weights daemon, read when it starts; upstream vLLM and SGLang keep their own levels)."),
+             "weights daemon, read when it starts; upstream vLLM and SGLang keep their own levels). "
+             "`hostctl log-level` changes it in running processes until they restart."),
     ] = "info"
     admin_group: Annotated[
         str,

@@ -223,6 +223,9 @@ async def _connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 answer = await handle(request)
             except ControlError as exc:  # the gateway refused: it says why, nothing changed
                 answer = Refusal(error=str(exc))
+            # One line a request at debug (the manager asks `status` often).
+            log.debug("control: %s from pid %d: %s", type(request).__name__.lower(), pid,
+                      "refused" if isinstance(answer, Refusal) else "ok")
             await _answer(writer, answer)
     except (ConnectionError, OSError):
         return

@@ -22,8 +22,11 @@ ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 ACTIONS = {
     "org.hostd1.reload": "reload a model (Reload, ReloadJSON, Model.Reload)",
     "org.hostd1.manage": "start, stop or restart a model, or cancel its operation",
+    # Its own action, not reload's: a level changes no config, and a site may
+    # grant it to whoever reads the journal (it costs only journal space).
+    "org.hostd1.log-level": "change the log level of a model's running processes (Model.SetLogLevel)",
 }
-RELOAD_ACTION, MANAGE_ACTION = ACTIONS
+RELOAD_ACTION, MANAGE_ACTION, LOG_LEVEL_ACTION = ACTIONS
 # The polkit detail `verb` of each mutating method, and the action it asks
 # for (authority.admin passes both): Access asks polkit once per verb, as the
 # method would, since a rule may grant one verb of an action and not another
@@ -35,7 +38,13 @@ VERB_ACTIONS = {
     "stop": MANAGE_ACTION,
     "restart": MANAGE_ACTION,
     "cancel": MANAGE_ACTION,  # Operation.Cancel
+    "log-level": LOG_LEVEL_ACTION,  # Model.SetLogLevel
 }
+
+# Model.SetLogLevel's roles (manager/log_levels.py finds their processes);
+# "" means the model's own: all of these but the manager, which serves every
+# model and changes only when named.
+LOG_ROLES = ("gateway", "engine", "weights", "manager")
 
 MODEL_PATH = f"{ROOT_PATH}/model"
 OPERATION_PATH = f"{ROOT_PATH}/operation"

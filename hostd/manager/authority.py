@@ -104,7 +104,7 @@ class Authority:
 
 
 # The polkit detail `verb` of each mutating method (its name lowercased otherwise).
-VERBS = {"ReloadJSON": "reload"}
+VERBS = {"ReloadJSON": "reload", "SetLogLevel": "log-level"}
 
 
 def _model_of(interface, args: tuple) -> str:

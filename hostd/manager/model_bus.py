@@ -1,13 +1,13 @@
 """org.hostd1.Model: one object per configured model on the bus, as systemd's
 Unit (/org/hostd1/model/<escaped name>): read-only properties that follow the
 model's units (their PropertiesChanged, through systemd1.py) and its
-operations, and Reload. The manager (service.py) exports one per model YAML.
+operations, Reload and SetLogLevel. The manager (service.py) exports one per model YAML.
 
 Trust: anyone on the bus may read: Config and RunningConfig have env: values
 and secret flags' values redacted (secrets of a YAML that may be 0600), and a config's problems are
 the loader's messages, which name files, keys and what was expected, never
-values. Reload asks polkit first (authority.admin); CheckReload, which
-changes nothing, does not.
+values. Reload and SetLogLevel ask polkit first (authority.admin);
+CheckReload, which changes nothing, does not.
 """
 
 import asyncio
@@ -22,7 +22,7 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 from hostd import backends, units
 from hostd import config as hostd_config
 from hostd.config import redact, schema
-from hostd.manager import api
+from hostd.manager import api, log_levels
 from hostd.manager import reload as reload_mod
 from hostd.manager.authority import admin
 from hostd.manager.errors import replies
@@ -307,6 +307,17 @@ class ModelInterface(ServiceInterface):
     @admin(api.RELOAD_ACTION)
     async def Reload(self, patch: "a{sv}") -> "o":
         return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
+
+    @method()
+    @admin(api.LOG_LEVEL_ACTION)
+    async def SetLogLevel(self, role: "s", level: "s") -> "a(ssu)":
+        """LEVEL (debug, info, warning, error) in the model's running
+        processes of ROLE (gateway, engine: every slot, weights, manager;
+        "": gateway, engines and weights) until they restart
+        (manager/log_levels.py); each process that took it as (role,
+        unit, PID)."""
+        changed = await log_levels.set_level(self.manager.systemd, self.model_name, role, level)
+        return [[c.role, c.unit, c.pid] for c in changed]
 
     @method()
     @replies

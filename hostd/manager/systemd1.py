@@ -1,7 +1,8 @@
 """The manager's client of org.freedesktop.systemd1.
 
-One job: start, stop and restart units the way systemctl does, and know each
-unit's state the way machined does, from signals rather than polling.
+One job: start, stop and restart units the way systemctl does (and signal
+them, as `systemctl kill` does), and know each unit's state the way machined
+does, from signals rather than polling.
 
 - Jobs: Subscribe first, then call the verb, then match JobRemoved on the job
   path the call returned (JobRemoved can arrive before the call's reply, so
@@ -220,3 +221,13 @@ class Systemd:
 
     async def restart(self, unit: str, timeout: Optional[float] = None) -> None:
         await self._job("restart", unit, timeout)
+
+    # ------------------------------------------------------------ signals to units
+
+    async def kill(self, unit: str, signum: int, whom: str = "main") -> None:
+        """Send SIGNUM to UNIT's processes, as `systemctl kill
+        --kill-whom=WHOM` does (KillUnit: no job, systemd sends it at
+        once). "main" reaches the main process only, not the children a
+        supervisor runs (vLLM, SGLang). systemd does it, not the manager:
+        root's manager keeps no CAP_KILL for the models' users."""
+        await self._call("KillUnit", "ssi", [unit, whom, signum])

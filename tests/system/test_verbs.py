@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_model_units import host, status_code  # noqa: F401 (host: the module's container, set up alike)
+from test_model_units import greedy, host, main_pid, status_code  # noqa: F401 (host: the module's container, set up alike)
 
 POLL_S = 0.02
 
@@ -267,3 +267,45 @@ def test_hostctl_reload_check_says_what_would_change_and_changes_nothing(host):
     # And the reload then does what the check said.
     done = hostctl(host, "reload", "tiny", f"max_num_seqs={running + 1}", "--quiet")
     assert done.returncode == 0 and done.stdout.startswith("reload of tiny: done (strategy restart"), done
+
+
+def test_hostctl_log_level_changes_a_running_engines_level_seen_in_the_journal_and_restarts_nothing(host):
+    """`hostctl log-level` (Model.SetLogLevel: systemd's KillUnit with the
+    level's signal, main process only): the running engine writes DEBUG lines
+    to the journal from then on, and every unit keeps its PID: the weights
+    were never reloaded. Back to info, all of the model's processes at once."""
+    serving(host)
+    units = ("model-weights@tiny.service", "model-engine@tiny.service", "model@tiny.service")
+    before = {unit: main_pid(host, unit) for unit in units}
+    engine_pid = before["model-engine@tiny.service"]
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+
+    def engine_lines(priority: str) -> list[str]:  # journalctl's -p: "7" is debug alone
+        return [entry["MESSAGE"] for entry in host.journal("model-engine@tiny.service", "--since", since,
+                                                           "-p", f"{priority}..{priority}")
+                if entry.get("_PID") == str(engine_pid)]
+
+    greedy(host)
+    assert engine_lines("7") == []  # at hostd.yaml's info: no debug line for a completion
+
+    changed = hostctl(host, "log-level", "tiny", "engine", "debug", "--json=short")
+    assert changed.returncode == 0, changed.stderr
+    assert json.loads(changed.stdout) == [{"role": "engine", "unit": "model-engine@tiny.service",
+                                           "pid": engine_pid, "level": "debug"}]
+    wait_for(lambda: "log level debug (was info), set by a signal (hostctl log-level)" in engine_lines("6"),
+             timeout=30, what="the engine saying it logs at debug")
+    greedy(host)
+    wait_for(lambda: any(" prompt + " in line for line in engine_lines("7")), timeout=30,
+             what="the engine's DEBUG line for a completion in the journal")
+    assert {unit: main_pid(host, unit) for unit in units} == before
+
+    back = hostctl(host, "log-level", "tiny", "info", "--no-legend")  # no role: the model's processes
+    assert back.returncode == 0, back.stderr
+    assert [line.split() for line in back.stdout.splitlines()] == [
+        ["gateway", "model@tiny.service", str(before["model@tiny.service"]), "info"],
+        ["engine", "model-engine@tiny.service", str(engine_pid), "info"],
+        ["weights", "model-weights@tiny.service", str(before["model-weights@tiny.service"]), "info"]]
+    wait_for(lambda: "log level info (was debug), set by a signal (hostctl log-level)" in engine_lines("6"),
+             timeout=30, what="the engine back at info")
+    assert {unit: main_pid(host, unit) for unit in units} == before
+    assert hostctl(host, "log-level", "tiny", "loud").returncode == 2

@@ -4,7 +4,7 @@ machine (hostd/manager/reload.py) and its recovery in milliseconds.
 FakeBus answers the D-Bus messages hostd's real systemd client
 (hostd/manager/systemd1.py) sends, the way systemd 252 does: LoadUnit,
 GetAll, {Start,Stop,Restart}Unit with a JobRemoved after the unit's
-PropertiesChanged. It counts every message sent, so a test can say how many
+PropertiesChanged, and KillUnit (recorded in `kills`). It counts every message sent, so a test can say how many
 round trips a reload costs. FakeProbe stands for the gateway, engine and
 weight daemon: the engine "runs" whatever the config on disk says when it is
 restarted, unless the test makes its start fail; it asks the model's backend
@@ -57,6 +57,7 @@ class FakeBus:
         self.job_results: dict[str, list[str]] = {}  # unit -> results of its next jobs
         self.jobs = 0
         self.job_log: list[tuple[str, str]] = []  # (start|stop|restart, unit) of every job asked for
+        self.kills: list[tuple[str, str, int]] = []  # (unit, whom, signal) of every KillUnit
 
     exported: dict[str, object]
 
@@ -103,6 +104,9 @@ class FakeBus:
             job = f"{PATH}/job/{self.jobs}"
             asyncio.get_running_loop().create_task(self.run_job(msg.member[:-4].lower(), msg.body[0], job))
             return Message.new_method_return(msg, "o", [job])
+        if msg.member == "KillUnit":  # systemd signals the unit's processes at once: no job
+            self.kills.append(tuple(msg.body))
+            return Message.new_method_return(msg)
         return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownMethod", msg.member)
 
     async def run_job(self, verb: str, name: str, job: str) -> None:

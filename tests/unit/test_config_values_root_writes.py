@@ -425,10 +425,24 @@ def test_the_policy_ships_the_actions_the_manager_asks_for_and_no_other():
 
     root = Path(__file__).resolve().parents[2]
     policy = (root / "packaging/org.hostd1.policy").read_text()
-    assert set(re.findall(r'<action id="([^"]+)">', policy)) == set(api.ACTIONS) == {"org.hostd1.reload",
-                                                                                    "org.hostd1.manage"}
+    assert set(re.findall(r'<action id="([^"]+)">', policy)) == set(api.ACTIONS) == {
+        "org.hostd1.reload", "org.hostd1.manage", "org.hostd1.log-level"}
     asked = "".join(p.read_text() for p in (root / "hostd/manager").glob("*.py"))
     assert asked.count("@admin(api.RELOAD_ACTION)") == 3 and "@admin(api.MANAGE_ACTION)" in asked
+    assert asked.count("@admin(api.LOG_LEVEL_ACTION)") == 1
+
+
+def test_the_log_level_action_is_allowed_to_whoever_may_reload():
+    """org.hostd1.log-level has reload's defaults, and the shipped rule's
+    grant to the admin group covers it (every org.hostd1. action)."""
+    import xml.etree.ElementTree as ET
+
+    root = Path(__file__).resolve().parents[2]
+    policy = ET.parse(root / "packaging/org.hostd1.policy").getroot()
+    defaults = {a.get("id"): {d.tag: d.text for d in a.find("defaults")} for a in policy.iter("action")}
+    assert defaults["org.hostd1.log-level"] == defaults["org.hostd1.reload"]
+    rule = (root / "packaging/org.hostd1.rules").read_text()
+    assert 'action.id.indexOf("org.hostd1.") === 0 && subject.isInGroup(@ADMIN_GROUP@)' in rule
 
 
 def test_install_puts_polkit_files_where_debians_polkitd_reads_them(tmp_path: Path):

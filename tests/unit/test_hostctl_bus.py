@@ -52,6 +52,16 @@ class FakeClient:
     def cancel(self, op_id: int) -> None:
         self.calls.append(f"cancel {op_id}")
 
+    def set_log_level(self, name: str, role: str, level: str) -> list[dict]:
+        self.calls.append(f"set_log_level {name} {role!r} {level}")
+        if role == "weights":
+            from dbus_fast.errors import DBusError
+
+            raise DBusError("org.hostd1.Error.NotRunning", "model tiny has no weights process running")
+        rows = [{"role": "gateway", "unit": "model@tiny.service", "pid": 101},
+                {"role": "engine", "unit": "model-engine@tiny.service", "pid": 102}]
+        return [r for r in rows if role in ("", r["role"])]
+
 
 def test_list_shows_the_managers_config_problem_and_reads_no_file(tmp_path: Path, monkeypatch, capsys):
     client = FakeClient()
@@ -161,3 +171,52 @@ def test_status_shows_why_the_socket_refuses_to_start_the_model(monkeypatch, cap
     monkeypatch.setattr(hostctl_bus, "_client", lambda: StateClient("stopped"))
     hostctl.main(["status", "m"])
     assert "Refused" not in capsys.readouterr().out
+
+
+def test_log_level_without_a_role_goes_to_all_of_the_models_processes_and_lists_them(monkeypatch, capsys):
+    client = FakeClient()
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
+    assert hostctl.main(["log-level", "tiny", "debug"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "ROLE     UNIT                       PID  LEVEL",
+        "gateway  model@tiny.service         101  debug",
+        "engine   model-engine@tiny.service  102  debug",
+        "",
+        "2 listed.",
+    ]
+    assert client.calls == ["set_log_level tiny '' debug"]
+
+
+def test_log_level_with_a_role_goes_to_it_alone_and_prints_json(monkeypatch, capsys):
+    client = FakeClient()
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
+    assert hostctl.main(["log-level", "tiny", "engine", "warning", "--json=short"]) == 0
+    assert capsys.readouterr().out == ('[{"level":"warning","pid":102,"role":"engine",'
+                                       '"unit":"model-engine@tiny.service"}]\n')
+    assert client.calls == ["set_log_level tiny 'engine' warning"]
+
+
+@pytest.mark.parametrize("argv", [["tiny", "loud"], ["tiny", "proxy", "debug"], ["tiny"], ["tiny", "engine"],
+                                  ["tiny", "engine", "debug", "extra"]])
+def test_log_level_refuses_a_level_or_role_of_its_own_before_asking_the_manager(argv, monkeypatch, capsys):
+    client = FakeClient()
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
+    with pytest.raises(SystemExit) as usage:
+        hostctl.main(["log-level", *argv])
+    assert usage.value.code == 2 and client.calls == []
+    assert "error:" in capsys.readouterr().err
+
+
+def test_log_level_of_a_role_with_nothing_running_exits_3_with_the_managers_line(monkeypatch, capsys):
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: FakeClient())
+    assert hostctl.main(["log-level", "tiny", "weights", "info"]) == 3
+    assert capsys.readouterr().err == "hostctl: NotRunning: model tiny has no weights process running\n"
+
+
+def test_the_man_page_documents_log_level_and_that_a_restart_reads_hostd_yaml_again():
+    from hostd import manpages
+
+    page = manpages.hostctl_page().replace("\\-", "-")
+    assert "COMMAND 'hostctl log-level'" in page.replace("\\fI\\,", "").replace("\\/\\fR", "")
+    assert "NAME [ROLE] LEVEL" in page and "gateway, engine (every engine slot), weights or manager" in page
+    assert "hostd.yaml's log_level" in page.replace("\n", " ")

@@ -223,6 +223,10 @@ def test_mutating_methods_check_the_caller(world):
             await call(manager.Reload, "tiny", {})  # no caller: not through the bus
         assert denied.value.type == api.ACCESS_DENIED
         assert not world.dropin.exists()
+        with pytest.raises(DBusError) as denied:
+            await call(manager.models["tiny"].SetLogLevel, "", "debug")
+        assert denied.value.type == api.ACCESS_DENIED
+        assert world.bus.kills == []
 
     asyncio.run(go())
 
@@ -243,18 +247,87 @@ def test_access_says_what_the_caller_may_do_as_the_mutating_methods_would_decide
         assert set(answer) == {*api.ACTIONS, *api.VERB_ACTIONS} and all(answer.values()), answer
         manager.authority.require = require
         assert await call(manager.Access, "tiny") == {
-            "reload": "", "start": refused, "stop": "", "restart": refused, "cancel": refused,
-            api.RELOAD_ACTION: "", api.MANAGE_ACTION: refused}
+            "reload": "", "start": refused, "stop": "", "restart": refused, "cancel": refused, "log-level": "",
+            api.RELOAD_ACTION: "", api.MANAGE_ACTION: refused, api.LOG_LEVEL_ACTION: ""}
         # polkit asked as each method asks it: its action and its verb
         assert asked == [(api.RELOAD_ACTION, {"model": "tiny", "verb": "reload"}),
                          (api.MANAGE_ACTION, {"model": "tiny", "verb": "start"}),
                          (api.MANAGE_ACTION, {"model": "tiny", "verb": "stop"}),
                          (api.MANAGE_ACTION, {"model": "tiny", "verb": "restart"}),
-                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "cancel"})]
+                         (api.MANAGE_ACTION, {"model": "tiny", "verb": "cancel"}),
+                         (api.LOG_LEVEL_ACTION, {"model": "tiny", "verb": "log-level"})]
         with pytest.raises(DBusError) as missing:
             await call(manager.Access, "nope")
         assert missing.value.type == api.error_name("NoSuchModel")
         assert not world.dropin.exists() and manager.operations == {}
+
+    asyncio.run(go())
+
+
+def test_set_log_level_signals_the_main_process_of_each_running_unit_of_the_role_and_restarts_nothing(world):
+    import logging
+    import os
+
+    from hostd import logs
+
+    pids = {units.umbrella("tiny"): 101, units.engine("tiny"): 102, units.engine("tiny", "standby"): 104,
+            units.weights("tiny"): 105}
+    for unit, pid in pids.items():
+        world.bus.unit(unit)["MainPID"] = pid
+    # The overlap reload's slot is not running; a process that is still starting is not signalled
+    # (it would die of a signal it has no handler for yet).
+    world.bus.units[units.engine("tiny", "next")] = {"ActiveState": "inactive", "SubState": "dead", "MainPID": 0}
+
+    async def go():
+        manager = await manager_of(world)
+        model = manager.models["tiny"]
+        asked = []
+
+        async def require(action, details):
+            asked.append((action, details))
+
+        manager.authority.require = require
+        assert await call(model.SetLogLevel, "", "debug") == [
+            ["gateway", units.umbrella("tiny"), 101], ["engine", units.engine("tiny"), 102],
+            ["engine", units.engine("tiny", "standby"), 104], ["weights", units.weights("tiny"), 105]]
+        debug = logs.level_signal("debug")
+        assert world.bus.kills == [(unit, "main", debug) for unit in pids]  # main: not upstream's children
+        assert asked == [(api.LOG_LEVEL_ACTION, {"model": "tiny", "verb": "log-level"})]
+        world.bus.kills.clear()
+        world.bus.set_state(units.engine("tiny", "standby"), "activating")
+        assert await call(model.SetLogLevel, "engine", "warning") == [["engine", units.engine("tiny"), 102]]
+        assert world.bus.kills == [(units.engine("tiny"), "main", logs.level_signal("warning"))]
+        world.bus.kills.clear()
+        try:  # the manager's own level: this process's, no unit signalled
+            assert await call(model.SetLogLevel, "manager", "error") == [["manager", units.MANAGER, os.getpid()]]
+            assert logging.getLogger().level == logging.ERROR and world.bus.kills == []
+        finally:
+            logging.getLogger().setLevel(logging.INFO)
+        assert world.bus.job_log == []  # nothing started, stopped or restarted
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("role, level, error, says", [
+    ("", "loud", "InvalidValue", "log level 'loud' is not one of debug, info, warning, error"),
+    ("proxy", "debug", "InvalidValue", "role 'proxy' is not one of gateway, engine, weights, manager"),
+    ("weights", "debug", "NotRunning", "model tiny has no weights process running to take a log level"),
+])
+def test_set_log_level_refuses_an_unknown_role_or_level_and_a_role_with_nothing_running(
+        world, role, level, error, says):
+    world.bus.units[units.weights("tiny")] = {"ActiveState": "failed", "SubState": "failed", "MainPID": 0}
+
+    async def go():
+        manager = await manager_of(world)
+
+        async def require(action, details):
+            pass
+
+        manager.authority.require = require
+        with pytest.raises(DBusError) as refused:
+            await call(manager.models["tiny"].SetLogLevel, role, level)
+        assert refused.value.type == api.error_name(error) and says in refused.value.text
+        assert world.bus.kills == []
 
     asyncio.run(go())
 
