@@ -77,6 +77,11 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.empty(1, device=device)  # create the CUDA context now, to time it apart
+        # Attention without cuDNN's SDPA: torch 2.11 on an H200 picks it for
+        # every decode shape and pays 40-65 ms of host time per step for each
+        # new key length (28 layers of a 7B model, measured 2026-12-02), where
+        # the flash and memory-efficient kernels take about 1 ms (issue 37).
+        torch.backends.cuda.enable_cudnn_sdp(False)
         phases.mark("cuda_context")
     dtype = checkpoint.resolve_dtype(model_dir, cfg.dtype)
     model = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=True)

@@ -53,6 +53,7 @@ from aiohttp import web
 from hostd import logs, sockets
 from hostd.engine.app import ENGINE, Engine, Limits, build_app, make_runner
 from hostd.engine.generate import warm_up
+from hostd.engine.standby_kv import return_freed_memory
 
 CANCEL_GRACE_S = 5.0  # after cancelling, how long handlers get to write their error and close
 STATUS_INTERVAL_S = 1.0  # on_status is called at most about this often
@@ -374,6 +375,9 @@ class _Rebuilder:
                              old.engine.in_flight)
             old.engine.runner.cancel_all()
         await old.runner.cleanup()
+        # The old model's runner and its KV cache are garbage now: so that
+        # NVML (and the manager's preflight through it) sees them returned.
+        await asyncio.to_thread(return_freed_memory)
 
 
 async def _wait_idle(engine: Engine, timeout: float, hurry: asyncio.Event) -> bool:

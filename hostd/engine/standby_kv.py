@@ -16,7 +16,11 @@ journal with its phases in seconds.
 
 The new runner is built before the old one stops, so that a failed
 allocation leaves the old one serving: for a moment the two caches are
-held together (the idle one is the small one).
+held together (the idle one is the small one). The requests that waited
+for a grow run as soon as the new runner is in; the old one is stopped and
+its memory returned after that, in the background (a collection and
+torch.cuda.empty_cache take tens of milliseconds that no first token
+should wait for), and the next swap waits for it.
 
 Trust: as app.py; nothing here reads a request.
 """
@@ -55,7 +59,8 @@ def idle_seconds() -> float:
     return SHRINK_IDLE_S
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
+    """Hand a stopped runner's memory back: to the host, and on CUDA to the driver."""
     gc.collect()  # the batching manager and its output router refer to each other: only a collection frees them
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # so that NVML, and the manager's preflight through it, sees the memory returned
@@ -72,12 +77,14 @@ class StandbyKV:
         self.log = log or _log
         self.idle_s = idle_seconds() if idle_s is None else idle_s
         self.budget = "idle"
-        self.grow_s: dict[str, float] | None = None  # the last grow's phases
+        self.grow_s: dict[str, float] | None = None  # the last grow's phases, once its old runner is freed
         self.lock = asyncio.Lock()
         self._grow: asyncio.Task | None = None  # the grow every waiting request awaits
         self._watch: asyncio.Task | None = None  # while full: the shrink after idle_s
         self._arrived = asyncio.Event()  # a generation request came (the shrink's quiet period restarts)
         self._closed = False
+        self._swapping: str | None = None  # the budget a swap under way goes to
+        self._retiring: asyncio.Task | None = None  # the last swap's old runner, being stopped and freed
 
     def facts(self) -> dict:
         """/health's fields of the standby's KV cache (health.py)."""
@@ -88,11 +95,16 @@ class StandbyKV:
         after the grow (one for every request that waits). A request's
         cancellation does not cancel the grow."""
         self._arrived.set()
-        if self.budget == "full" and not self.lock.locked():
+        if self.budget == "full" and self._swapping is None:
             return
         if self._grow is None or self._grow.done():
             self._grow = asyncio.create_task(self._swap("full"))
         await asyncio.shield(self._grow)
+
+    async def settled(self) -> None:
+        """Return once the last swap's old runner is stopped and its memory returned."""
+        if self._retiring is not None:
+            await self._retiring
 
     async def close(self) -> None:
         """No swap from now on; one under way finishes first (the engine's shutdown)."""
@@ -100,36 +112,48 @@ class StandbyKV:
         async with self.lock:
             if self._watch is not None:
                 self._watch.cancel()
+            await self.settled()
 
     async def _swap(self, budget: str) -> None:
         async with self.lock:
             if self._closed or self.budget == budget or (budget == "idle" and self.engine.in_flight):
                 return
-            started = time.monotonic()
-            new = await asyncio.to_thread(self.make_runner, full=budget == "full")
-            built = time.monotonic()
+            await self.settled()  # never two big caches and a third being built
+            self._swapping = budget
             try:
-                await new.warm_up()
-            except BaseException:
-                new.cancel_all()
-                await asyncio.to_thread(new.join)
-                raise
-            warm = time.monotonic()
-            old = self.engine.swap_runner(new)
-            self.budget = budget
-            old.cancel_all()  # nothing runs on it: requests wait in full(), and a shrink needs none in flight
-            await asyncio.to_thread(old.join)
-            del old
-            await asyncio.to_thread(_return_freed_memory)
+                started = time.monotonic()
+                new = await asyncio.to_thread(self.make_runner, full=budget == "full")
+                built = time.monotonic()
+                try:
+                    await new.warm_up()
+                except BaseException:
+                    new.cancel_all()
+                    await asyncio.to_thread(new.join)
+                    raise
+                warm = time.monotonic()
+                old = self.engine.swap_runner(new)
+                self.budget = budget
+            finally:
+                self._swapping = None
             phases = {"kv_alloc_and_batching_start": round(built - started, 4), "warm_up": round(warm - built, 4),
-                      "total": round(time.monotonic() - started, 4)}
+                      "swap": round(time.monotonic() - started, 4)}
             if budget == "full":
-                self.grow_s = phases
                 self._watch = asyncio.create_task(self._shrink_when_idle())
-            self.log.info("standby KV cache %s to %d bytes (%s budget) in %.3f s (phases %s)",
-                          "grown" if budget == "full" else "shrunk", new.kv_cache_bytes, budget, phases["total"],
-                          json.dumps(phases))
+            self._retiring = asyncio.create_task(self._retire(old, new.kv_cache_bytes, budget, phases, started))
             self.engine.changed()
+
+    async def _retire(self, old: Runner, kv_bytes: int, budget: str, phases: dict, started: float) -> None:
+        """The swapped-out runner stopped and its memory returned; then the swap's journal line."""
+        old.cancel_all()  # nothing runs on it: requests wait in full(), and a shrink needs none in flight
+        await asyncio.to_thread(old.join)
+        del old
+        await asyncio.to_thread(return_freed_memory)
+        phases["free_old"] = round(time.monotonic() - started - phases["swap"], 4)
+        if budget == "full":
+            self.grow_s = phases  # /health's, once complete
+        self.log.info("standby KV cache %s to %d bytes (%s budget) in %.3f s (phases %s)",
+                      "grown" if budget == "full" else "shrunk", kv_bytes, budget, phases["swap"],
+                      json.dumps(phases))
 
     async def _shrink_when_idle(self) -> None:
         """While full: back to the idle runner once no generation request was in flight for idle_s."""
