@@ -39,9 +39,16 @@ def overlap(port: int) -> dict:
             "kv_cache_mib": KV_CACHE_MIB, "max_model_len": MAX_MODEL_LEN}
 
 
+#: The idle standby's KV budget (reload.standby_kv_mib) in that test: below
+#: KV_CACHE_MIB, so that its grow to the full budget is seen; two 256-token
+#: blocks of this shape (6 MiB each).
+STANDBY_KV_MIB = 16
+
+
 def standby(port: int) -> dict:
     """test_standby_reload_and_failover_on_cuda_...: main and a warm standby."""
-    return {"device": "cuda", "fixed": {"listen": f"127.0.0.1:{port}", "standby": True},
+    return {"device": "cuda", "fixed": {"listen": f"127.0.0.1:{port}", "standby": True,
+                                        "reload": {"standby_kv_mib": STANDBY_KV_MIB}},
             "kv_cache_mib": KV_CACHE_MIB, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4}
 
 

@@ -237,6 +237,9 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
         assert a["tensors_outside_shared"] == b["tensors_outside_shared"] == 0
         both = settle(nvml, 1.0) - with_daemon
         assert both - one_engine < weight_bytes, (both / MiB, one_engine / MiB)  # the standby copied nothing
+        # Idle, the standby holds its small KV budget, not the full one (issue 34).
+        assert (b["kv_budget"], b["kv_cache_bytes"], b["kv_cache_bytes_full"]) == (
+            "idle", cuda_configs.STANDBY_KV_MIB * MiB, cuda_configs.KV_CACHE_MIB * MiB), b
 
         # The reload: the standby rebuilds on the new config, takes new requests.
         transport = httpx.HTTPTransport(uds=str(tree.runtime_dir / paths.ENGINE_SOCKETS["standby"]))
@@ -246,8 +249,11 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
         after = engine_health(tree, "standby")
         assert (after["pid"], after["max_num_seqs"], after["tensors_outside_shared"]) == (standby.pid, 2, 0)
         assert after["shared_ptr"] == b["shared_ptr"]  # the same mapping of the daemon's block
+        assert after["kv_budget"] == "idle" and "build_skeleton" not in after["rebuild_s"], after
         assert tree.control("switch", slot="standby")["slot"] == "standby"
         assert complete() == expected
+        grown = engine_health(tree, "standby")  # switched in: its first request took the full budget
+        assert (grown["kv_budget"], grown["kv_cache_bytes"]) == ("full", cuda_configs.KV_CACHE_MIB * MiB), grown
         assert main.stop() == 0
         main = tree.start_engine(timeout=600)
         assert tree.control("switch", slot="main")["slot"] == "main"

@@ -619,6 +619,8 @@ def test_the_warm_standby_reloads_under_load_and_takes_over_a_killed_engine(host
         assert standby["slot"] == "standby" and standby["tensors_outside_shared"] == 0, standby
         assert standby["weights_pid"] == main_pid(host, WEIGHTS)
         assert standby["engine_config"] == engine_health(host)["engine_config"]
+        # Idle, the standby holds reload.standby_kv_mib (256 MiB by default) of KV, not its full budget (issue 34).
+        assert standby["kv_budget"] == "idle" and standby["kv_cache_bytes"] <= 256 * MiB, standby
         if gpu is not None:
             weights = gpu.of_process(host_pid(host, main_pid(host, WEIGHTS)))
             engines = {u: gpu.of_process(host_pid(host, main_pid(host, u))) for u in (ENGINE, STANDBY)}
@@ -629,6 +631,7 @@ def test_the_warm_standby_reloads_under_load_and_takes_over_a_killed_engine(host
             assert weights is not None and weights >= host.weights_mib  # the one copy: the daemon's
             for unit, mib in engines.items():  # each engine: its context, workspace and KV cache, no copy
                 assert mib is not None and mib - kv[unit] / MiB < host.weights_mib / 2, (unit, mib, kv[unit])
+            assert engines[STANDBY] < engines[ENGINE], engines  # the idle standby: no full KV budget of its own
             assert gpu.used() - host.gpu_baseline - sum(kv.values()) / MiB < host.weights_mib + 3 * 8192
 
         # A standby reload through hostctl, under load.
@@ -677,6 +680,8 @@ def test_the_warm_standby_reloads_under_load_and_takes_over_a_killed_engine(host
             main_back_s = round(time.monotonic() - t0, 1)
         counts = outcome_counts(run)
         figures["failover"] = {"answered_again_s": answered_s, "main_back_s": main_back_s, **counts}
+        grown = standby_answers(host) or {}  # switched in (it keeps the full budget for 10 s after its last request)
+        figures["failover"]["standby_kv"] = {k: grown.get(k) for k in ("kv_budget", "kv_cache_bytes", "grow_s")}
         results["standby"] = figures
         # Streams running on the killed engine were cut (as without a
         # standby); no new request was answered 503.

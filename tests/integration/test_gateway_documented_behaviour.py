@@ -10,7 +10,6 @@ answers, the gateway's log."""
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hostd.gateway import control
 from harness.local import Daemon, ModelTree, wait_for
@@ -57,11 +57,12 @@ def metrics(tree: ModelTree) -> str:
 
 
 def sample(text: str, name: str, **labels: str) -> float:
-    """The value of series NAME{LABELS} in a Prometheus exposition (0 when absent)."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = rf"^{re.escape(name)}{re.escape('{' + wanted + '}') if wanted else ''} ([0-9.e+-]+)$"
-    match = re.search(pattern, text, re.M)
-    return float(match.group(1)) if match else 0.0
+    """The value of series NAME with LABELS (among others: every series has
+    its model label) in a Prometheus exposition (0 when absent)."""
+    found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) <= 1, f"{name}{labels}: {found}"
+    return found[0] if found else 0.0
 
 
 def health(tree: ModelTree) -> tuple[int, dict]:
