@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does this interpreter satisfy hostd's own requirement specifiers?
 
-    python3 packaging/check-requirements.py [--extra test]
+    python3 packaging/check-requirements.py [--extra builtin] [--extra test]
 
 Reads pyproject.toml beside this file (the dependencies, and with --extra
 the packages of that extra that EXTRA_NEEDED names) and walks what they
@@ -25,7 +25,8 @@ from packaging.version import InvalidVersion, Version
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 # Of the test extra, what the GPU tiers run (the rest serve the CPU tiers).
-EXTRA_NEEDED = {"test": {"pytest", "openai", "httpx"}}
+# The builtin extra (torch, transformers) runs the builtin engine the GPU tiers test.
+EXTRA_NEEDED = {"builtin": {"torch", "transformers"}, "test": {"pytest", "openai", "httpx"}}
 
 
 def problems(requirements: list[tuple[Requirement, str]]) -> list[str]:

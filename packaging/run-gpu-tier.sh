@@ -30,7 +30,7 @@ $py -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-ve
     > "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 2; }
 # The project's own specifiers, met by what is installed now (one line per
 # problem, before anything boots: not a TypeError in the engine's journal).
-$py packaging/check-requirements.py --extra test || exit 2
+$py packaging/check-requirements.py --extra builtin --extra test || exit 2
 $py -c 'import hostd.main, msgspec, dbus_fast, sdnotify, openai, pynvml, torch; print("python:", torch.__version__, "cuda", torch.cuda.is_available())' || exit 2
 say "installed hostd and the wheels"
 

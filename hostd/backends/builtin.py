@@ -1,4 +1,10 @@
-"""The builtin backend: hostd's own weight daemon and engine (torch + transformers)."""
+"""The builtin backend: hostd's own weight daemon and engine (torch + transformers).
+
+torch and transformers are the `builtin` extra, not hostd's dependencies: this
+module never imports them (the manager and hostctl import it), and a host
+without them refuses a builtin model before anything starts
+(hostd/engine/rules.py's builtin_install_problem).
+"""
 
 from __future__ import annotations
 
@@ -47,6 +53,11 @@ class BuiltinBackend(Backend):
             )
         return problems
 
+    def install_refusals(self, cfg) -> list[str]:
+        """torch or transformers missing from hostd's environment (the
+        `builtin` extra): the units refuse before importing either."""
+        return self._install()
+
     def engine_refusals(self, cfg, model_config: dict) -> list[str]:
         """What this engine refuses once it has read the model's config.json:
         the config-time rules (start_refusals) and a max_model_len past the
@@ -62,8 +73,12 @@ class BuiltinBackend(Backend):
         return problems
 
     def start_refusals(self, cfg) -> list[str]:
-        """hostd/engine/rules.py's refusals: the batched engine's transformers
-        and its KV budget against one request of max_model_len."""
+        """hostd/engine/rules.py's refusals: torch and transformers installed
+        (the `builtin` extra), the batched engine's transformers and its KV
+        budget against one request of max_model_len."""
+        missing = self._install()
+        if missing:
+            return missing
         try:
             model_config = json.loads((Path(cfg.model) / "config.json").read_text())
         except (OSError, ValueError):
@@ -71,9 +86,18 @@ class BuiltinBackend(Backend):
         return self._rules(cfg, model_config) if isinstance(model_config, dict) else []
 
     @staticmethod
+    def _install() -> list[str]:
+        from hostd.engine import rules  # no torch: the manager and hostctl import it
+
+        problem = rules.builtin_install_problem(rules.missing_builtin_packages())
+        return [problem] if problem else []
+
+    @staticmethod
     def _rules(cfg, model_config: dict) -> list[str]:
         from hostd.engine import rules  # no torch: the manager and hostctl import it
 
+        if rules.missing_builtin_packages():
+            return []  # install_refusals() and start_refusals() say it, once
         return rules.start_problems(cfg, model_config, rules.installed_transformers())
 
     def engine_kv_bytes(self, cfg, device_total):

@@ -135,6 +135,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hostd.engine import rules  # no torch
+
+    missing = rules.missing_builtin_packages()
+    if missing:
+        print(rules.builtin_install_hint("hostd convert-gguf", missing), file=sys.stderr)
+        return 1
     try:
         gguf = args.gguf or smollm2_gguf()
         if is_converted(args.out, gguf):

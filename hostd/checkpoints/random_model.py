@@ -16,6 +16,7 @@ on a built-in corpus.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 # Shapes of real checkpoints (Qwen2.5 family) and tiny ones for tests.
@@ -177,6 +178,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hostd.engine import rules  # no torch
+
+    missing = rules.missing_builtin_packages()
+    if missing:
+        print(rules.builtin_install_hint("hostd make-checkpoint", missing), file=sys.stderr)
+        return 1
     out = write_checkpoint(args.out, args.size, args.seed, args.dtype)
     print(f"wrote a random {args.size} Qwen2 checkpoint to {out}")
     return 0

@@ -62,7 +62,7 @@ them) are the engine's limits: `systemctl reload model@NAME` or
 NOTES = {
     schema.BuiltinModel: """\
 Why `standby` is named so and is off by default: it is the "warm standby" of
-DESIGN.md and of NVIDIA Dynamo's shadow engine, one per model, so a boolean.
+docs/design.md and of NVIDIA Dynamo's shadow engine, one per model, so a boolean.
 It is opt-in because it holds a second engine's memory all the time (on CPU the
 engine's anonymous memory beyond the shared weights, on a GPU its CUDA context
 and activations; docs/benchmarks.md measures both), while the default overlap

@@ -394,11 +394,19 @@ class SglangEngine(_Strict):
 
 # ---------------------------------------------------------------- the model
 
+# An integer is a port: YAML reads `listen: 8000` as one, and a bare port
+# (8000 or '8000') means 127.0.0.1:PORT, the default's host and what the
+# gateway binds by hand; ModelConfig.__post_init__ writes it out, so every
+# reader (the generator's ListenStream=, the gateway, the manager) gets a
+# string. Without that, systemd would read a bare ListenStream=PORT as every
+# address, IPv4 and IPv6, and the units would serve where the gateway run by
+# hand does not.
 ListenAddress = Annotated[
-    str,
+    Union[str, int],
     _doc(
-        "Public address of the model's OpenAI endpoint: 'PORT', 'HOST:PORT', "
-        "'[IPv6]:PORT' or an absolute Unix socket path."
+        "Public address of the model's OpenAI endpoint: PORT (an integer or a string: "
+        "127.0.0.1:PORT), 'HOST:PORT' ('0.0.0.0:PORT' for every IPv4 address), '[IPv6]:PORT' "
+        "or an absolute Unix socket path."
     ),
 ]
 
@@ -433,6 +441,8 @@ class _ModelBase(_Strict):
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.listen, int):
+            self.listen = str(self.listen)
         strings = [("model", self.model), ("listen", self.listen)]
         if self.served_model_name is not None:
             strings.append(("served_model_name", self.served_model_name))
@@ -447,6 +457,8 @@ class _ModelBase(_Strict):
         problem = listen_address_problem(self.listen)
         if problem:
             raise ValueError(f"listen: {problem}")
+        if self.listen.isdigit():
+            self.listen = f"127.0.0.1:{self.listen}"
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"env: {key!r} is not a valid variable name")

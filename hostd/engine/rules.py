@@ -10,6 +10,10 @@ needs the model built or the device (a max_model_len past the positions the
 model was built with is the engine's own to say: a reload rolls back when
 it does) stays the engine's.
 
+- the builtin backend runs on torch and transformers, which only the
+  ``builtin`` extra installs (``pip install 'hostd[builtin]'``): a host
+  that serves vLLM or SGLang models has neither, and a builtin model there
+  is refused naming that command;
 - the batched engine (``engine.batching: continuous``) runs only on the
   transformers minor hostd/engine/batch.py is tested with, since it replaces
   internals of transformers' continuous batching: another version is
@@ -25,7 +29,9 @@ is read for positive integers only (budget.py).
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import math
+import sys
 from typing import Optional
 
 from packaging.specifiers import SpecifierSet
@@ -36,6 +42,44 @@ from hostd.engine import budget
 # The transformers releases batch.py is tested with (pyproject.toml pins the
 # same: tests/unit/test_batch_runner.py keeps the two in step).
 TESTED_TRANSFORMERS = SpecifierSet(">=5.24,<5.25")
+
+
+# What the builtin backend imports to run a model, and the extra that
+# installs them (pyproject.toml): hostd's own dependencies leave them out so
+# that a vLLM or SGLang host carries no second multi-GB torch beside upstream's.
+BUILTIN_PACKAGES = ("torch", "transformers")
+BUILTIN_INSTALL = "pip install 'hostd[builtin]'"
+
+
+def missing_builtin_packages() -> list[str]:
+    """Which of BUILTIN_PACKAGES this interpreter (and so the builtin engine
+    and weight daemon, which run it) cannot import; found without importing
+    them (torch takes seconds)."""
+    missing = []
+    for package in BUILTIN_PACKAGES:
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):  # blocked, or a module without a spec in sys.modules
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def builtin_install_hint(who: str, missing: list[str]) -> str:
+    """WHO (a setting or a command) cannot run without MISSING (missing_builtin_packages()): the
+    sentence that says so and names the command that installs them."""
+    return (f"{who} needs torch and transformers (hostd's `builtin` extra), and hostd's environment "
+            f"{sys.prefix} lacks {' and '.join(missing)}: install them with `{sys.executable} -m {BUILTIN_INSTALL}` "
+            "(a CUDA build of torch first for GPUs)")
+
+
+def builtin_install_problem(missing: list[str]) -> Optional[str]:
+    """Why the builtin backend cannot run with MISSING (missing_builtin_packages()) not
+    importable, or None when nothing is missing."""
+    if not missing:
+        return None
+    return builtin_install_hint("backend: builtin", missing) + ", or serve this model with backend: vllm or sglang"
 
 
 def installed_transformers() -> Optional[str]:

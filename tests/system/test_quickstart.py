@@ -7,6 +7,11 @@ from a wheel built from the checkout. Two substitutions only, both stated
 here: the wheel's path for `/path/to/hostd-checkout`, and, when port 8000 is
 taken on this machine (the container shares its network), a port held for the run.
 
+Then, in the same container, the page's other install: the same wheel without
+the `builtin` extra (a vLLM or SGLang host's), into a second environment,
+where `import torch` fails, a vllm model passes `hostctl config --check` and a
+builtin model is refused naming `pip install 'hostd[builtin]'`.
+
 pip in the container finds packages as this machine's pip does: its
 configuration, local wheel directories, CA certificates and download cache are
 bound in (read-only, except the cache).
@@ -84,3 +89,23 @@ def test_quickstart_page_runs_as_written_in_a_fresh_container(make_systemd_conta
         "/usr/local/bin/hostd", "/usr/local/bin/hostctl"]
     assert container.run(["systemctl", "is-active", "hostd.service"]).stdout.strip() == "active"  # activated
     assert "max_num_seqs: 8" in container.run(["hostctl", "config", "tiny"]).stdout
+
+    # The install without the builtin extra: pip's cache already holds every
+    # wheel it needs (the page's install fetched them), so this takes seconds.
+    lean = container.run(["bash", "-e", "-c", f"""
+        python3 -m venv /opt/hostd-lean
+        /opt/hostd-lean/bin/pip install -q /wheels/{wheel.name}
+        mkdir -p /tmp/lean/models
+        printf 'backend: vllm\\nmodel: /var/lib/hostd/checkpoints/tiny\\nlisten: 127.0.0.1:18002\\n' \\
+            > /tmp/lean/models/lean-vllm.yaml
+        /opt/hostd-lean/bin/hostctl --config-dir /tmp/lean config --check
+        printf 'backend: builtin\\nmodel: /var/lib/hostd/checkpoints/tiny\\nlisten: 127.0.0.1:18003\\n' \\
+            > /tmp/lean/models/lean-builtin.yaml
+        if /opt/hostd-lean/bin/hostctl --config-dir /tmp/lean config --check; then exit 1; fi
+        if /opt/hostd-lean/bin/python -c 'import torch'; then exit 1; fi
+    """], check=False, timeout=600, env=env)
+    assert lean.returncode == 0, lean.stdout + lean.stderr
+    assert "No module named 'torch'" in lean.stderr, lean.stderr
+    assert "lean-vllm.yaml" not in lean.stdout + lean.stderr
+    # hostctl config --check writes its problems to stderr.
+    assert "lean-builtin.yaml" in lean.stderr and "-m pip install 'hostd[builtin]'" in lean.stderr, lean.stderr

@@ -64,7 +64,7 @@ def test_dropins_merge_deeply_in_lexical_order_over_defaults(root: Path):
     assert engine.max_num_seqs == 8  # 20-b wins over 10-a, which won over tiny.yaml
     assert engine.max_model_len == 64  # 10-a's value survives 20-b (deep merge)
     assert engine.shutdown_timeout == 5  # from hostd.yaml defaults, beneath all
-    assert loaded.config.listen == "9000"
+    assert loaded.config.listen == "127.0.0.1:9000"  # a bare port is loopback's
     assert loaded.config.gpus == [3]  # lists are replaced, not appended
     assert loaded.merged.files == [
         str(root / "hostd.yaml"),
@@ -385,3 +385,32 @@ def test_a_dropin_is_validated_over_the_files_before_it_not_over_the_main_file_a
     loaded = config.load_model("tiny", root)
     assert loaded.config.engine.max_num_batched_tokens == 512 and loaded.config.engine.max_num_seqs == 8
     assert config.check(root, ["tiny"]) == []
+
+
+@pytest.mark.parametrize("listen, expected", [
+    ("8000", "127.0.0.1:8000"),     # YAML's integer: docs/configuration.md's PORT, typed as admins type it
+    ("'8000'", "127.0.0.1:8000"),   # the same port as a string
+    ("0.0.0.0:8000", "0.0.0.0:8000"),
+    ("'[::1]:8000'", "[::1]:8000"),
+    ("/run/tiny.sock", "/run/tiny.sock"),
+])
+def test_listen_takes_a_bare_port_as_an_integer_or_a_string_and_means_loopback(root: Path, listen, expected):
+    write(root, "models/tiny.d/10.yaml", f"listen: {listen}\n")
+    cfg = config.load_model("tiny", root).config
+    assert cfg.listen == expected
+    from hostd import generator
+
+    socket_unit = next(text for path, text in generator.dropins("tiny", cfg).items() if ".socket.d/" in path)
+    assert f"ListenStream={expected}\n" in socket_unit
+
+
+@pytest.mark.parametrize("listen, expected", [
+    ("99999", "no port from 1 to 65535"),
+    ("0", "no port from 1 to 65535"),
+    ("true", "expected `int | str`, got `bool`"),
+])
+def test_listen_refuses_an_integer_that_is_no_port(root: Path, listen, expected):
+    bad = write(root, "models/tiny.d/10.yaml", f"listen: {listen}\n")
+    [problem] = problems_of(root)
+    assert (problem.file, problem.key) == (str(bad), "listen")
+    assert expected in problem.message, problem.message

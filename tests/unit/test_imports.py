@@ -1,7 +1,9 @@
 """Which processes load torch. Only those that map weights need it (the
 builtin engine and weight daemon); the root manager, the gateway and the
 vLLM/SGLang supervisors only ask the weight daemon for its status, and torch
-there costs a second of start and 200 MB (docs/benchmarks.md)."""
+there costs a second of start and 200 MB (docs/benchmarks.md). Where torch
+and transformers are not installed at all (hostd without its `builtin`
+extra), all of those run and a builtin model is refused naming the fix."""
 
 from __future__ import annotations
 
@@ -80,3 +82,82 @@ def test_hostd_engine_and_weights_of_an_upstream_model_never_import_torch(backen
     loaded = json.loads(report.read_text())
     assert supervisor in loaded
     assert [m for m in loaded if m in ("torch", "transformers")] == [], f"hostd {role} ({backend}) imports them"
+
+
+# Run first in a subprocess: torch and transformers cannot be imported (as on
+# a host where hostd was installed without its `builtin` extra), whatever is
+# installed here. find_spec raising is what importlib does for a blocked name.
+WITHOUT_TORCH = textwrap.dedent("""
+    import sys
+    class WithoutTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in ("torch", "transformers"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    sys.meta_path.insert(0, WithoutTorch())
+""")
+
+
+def run_without_torch(code: str, tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "LISTEN_", "JOURNAL_STREAM"))}
+    env.update(HOSTD_RUNTIME_DIR=str(tmp_path / "run"), HOSTD_STATE_DIR=str(tmp_path / "state"))
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH + textwrap.dedent(code), *argv], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def models_without_torch(tmp_path: Path) -> Path:
+    """A config root with a builtin model `b` and a vllm model `v` on one checkpoint."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    models = tmp_path / "etc" / "models"
+    models.mkdir(parents=True)
+    (models / "b.yaml").write_text(f"backend: builtin\nmodel: {checkpoint}\nlisten: 127.0.0.1:18001\n")
+    (models / "v.yaml").write_text(f"backend: vllm\nmodel: {checkpoint}\nlisten: 127.0.0.1:18002\n")
+    return tmp_path / "etc"
+
+
+def test_without_the_builtin_extra_every_daemon_but_the_builtin_ones_imports_and_a_builtin_model_is_refused(
+        tmp_path: Path):
+    """pyproject.toml's `builtin` extra (issue 38): a vLLM/SGLang host
+    installs hostd without torch and transformers. The manager, gateway,
+    hostctl, generator, config checks and the upstream backends import
+    there; a vllm model passes `hostctl config --check`; a builtin model is
+    refused by it, by the manager's reload validation and by its engine's and
+    weights' start, each in one sentence naming the command that fixes it."""
+    root = models_without_torch(tmp_path)
+    fix = "-m pip install 'hostd[builtin]'"
+    imports = run_without_torch(f"""
+        import json
+        import hostd.manager.service, hostd.gateway.server, hostd.hostctl, hostd.generator, hostd.dispatch
+        import hostd.backends.vllm, hostd.backends.sglang
+        from hostd import backends, config
+        from hostd.manager.reload import model_backend_refusals
+        root = {str(root)!r}
+        problems = {{name: [str(p) for p in config.check(root, [name], backends.for_config)] for name in ("b", "v")}}
+        print(json.dumps({{"check": problems,
+                           "reload": {{name: model_backend_refusals(config.load_model(name, root).config)
+                                      for name in ("b", "v")}},
+                           "loaded": [m for m in ("torch", "transformers") if m in sys.modules]}}))
+    """, tmp_path)
+    assert imports.returncode == 0, imports.stderr
+    found = json.loads(imports.stdout)
+    assert found["loaded"] == []
+    assert found["check"]["v"] == [] and found["reload"]["v"] == []
+    for refused in (found["check"]["b"], found["reload"]["b"]):
+        [sentence] = refused
+        assert "torch and transformers" in sentence and fix in sentence and "lacks torch and transformers" in sentence
+
+    hostctl = run_without_torch("from hostd.hostctl import main; sys.exit(main(sys.argv[1:]))", tmp_path,
+                                "--config-dir", str(root), "config", "--check")
+    assert hostctl.returncode != 0 and fix in hostctl.stdout + hostctl.stderr, hostctl.stdout + hostctl.stderr
+    assert "v.yaml" not in hostctl.stdout + hostctl.stderr
+    for role in ("engine", "weights"):
+        start = run_without_torch("from hostd.main import main; sys.exit(main(sys.argv[1:]))", tmp_path,
+                                  "--config-dir", str(root), role, "b")
+        assert start.returncode == 1 and "cannot serve b: backend: builtin needs" in start.stderr, start.stderr
+        assert fix in start.stderr and "Traceback" not in start.stderr, start.stderr
+    checkpoint = run_without_torch("from hostd.main import main; sys.exit(main(sys.argv[1:]))", tmp_path,
+                                   "make-checkpoint", str(tmp_path / "random"))
+    assert checkpoint.returncode == 1 and "hostd make-checkpoint needs torch" in checkpoint.stderr, checkpoint.stderr
+    assert fix in checkpoint.stderr and not (tmp_path / "random").exists()
