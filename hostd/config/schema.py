@@ -32,6 +32,7 @@ from hostd.config.values import (  # noqa: E402,F401
     MODEL_NAME_RULE,
     control_character_problem,
     listen_address_problem,
+    metrics_listen_problem,
     model_name_problem,
     refuse_control_characters,
 )
@@ -157,12 +158,25 @@ class GatewayConfig(_Strict):
             "`systemctl reload model@NAME` gives a running gateway the file's new keys."
         ),
     ] = None
+    metrics_listen: Annotated[
+        Optional[str],
+        _doc(
+            "A second address on which the gateway serves only GET /metrics (the public /metrics' content), "
+            "with no API key: '127.0.0.1:PORT', '[::1]:PORT' or an absolute Unix socket path (whose directory "
+            "must exist, writable by the model's user). Only loopback: it has no key check. Bound by the "
+            "gateway itself at its start; unset: none (the public /metrics, behind the keys, stays)."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.api_keys is not None and not self.api_keys.startswith("/"):
             raise ValueError(f"api_keys: {self.api_keys!r} is not an absolute path to a keys file")
-        # It reaches a unit file (LoadCredential=).
-        refuse_control_characters([("api_keys", self.api_keys)] if self.api_keys else [])
+        # Both reach a unit file (LoadCredential=, ReadWritePaths=).
+        refuse_control_characters([(key, value) for key, value in (
+            ("api_keys", self.api_keys), ("metrics_listen", self.metrics_listen)) if value])
+        problem = metrics_listen_problem(self.metrics_listen) if self.metrics_listen is not None else None
+        if problem:
+            raise ValueError(f"metrics_listen: {problem}")
 
 
 class ReloadConfig(_Strict):
@@ -459,6 +473,11 @@ class _ModelBase(_Strict):
             raise ValueError(f"listen: {problem}")
         if self.listen.isdigit():
             self.listen = f"127.0.0.1:{self.listen}"
+        metrics = self.gateway.metrics_listen
+        if metrics is not None and not metrics.startswith("/") and not self.listen.startswith("/") \
+                and metrics.rpartition(":")[2] == self.listen.rpartition(":")[2]:
+            raise ValueError(f"gateway: metrics_listen {metrics!r} has the port of listen: {self.listen!r}; "
+                             "give the metrics listener a port of its own")
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"env: {key!r} is not a valid variable name")

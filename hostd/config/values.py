@@ -82,3 +82,27 @@ def listen_address_problem(listen: str) -> Optional[str]:
     if host.startswith("[") != host.endswith("]"):
         return f"{listen!r}: an IPv6 host must be written in brackets, [::1]:PORT"
     return None
+
+
+# The hosts gateway.metrics_listen may name: it serves /metrics with no key
+# check, so anything a remote client can reach is refused (a name such as
+# localhost is refused too: what it resolves to is /etc/hosts', not ours).
+LOOPBACK_HOSTS = ("127.0.0.1", "[::1]")
+
+
+def metrics_listen_problem(listen: str) -> Optional[str]:
+    """Why LISTEN cannot be gateway.metrics_listen (a Unix socket path or a
+    loopback HOST:PORT), or None."""
+    if listen.startswith("/"):
+        if any(c.isspace() or c in "\"'\\" for c in listen):
+            # The generator names its directory in ReadWritePaths=, a list split at spaces.
+            return f"{listen!r}: a Unix socket path here may hold no space, quote or backslash"
+        return listen_address_problem(listen)
+    host, _, port = listen.rpartition(":")
+    choices = " or ".join(f"'{h}:PORT'" for h in LOOPBACK_HOSTS) + " or an absolute Unix socket path"
+    if host not in LOOPBACK_HOSTS:
+        return (f"{listen!r} is not a loopback address: the metrics listener has no API key check, so it "
+                f"listens only on {choices}; let a remote Prometheus scrape the public /metrics with a key")
+    if listen_address_problem(listen):
+        return f"{listen!r} has no port from 1 to 65535; use {choices}"
+    return None

@@ -14,6 +14,8 @@ metrics.py.
   forwarded as normalized. Anything else is 404 (405 for a known path with
   another method) in OpenAI's error shape; the engine's internal endpoints
   are unreachable under any spelling.
+- gateway.metrics_listen: a second, loopback-only address serving GET
+  /metrics alone, with no key (metrics_listener.py).
 - With gateway.api_keys set, every request but GET /health needs
   `Authorization: Bearer KEY` (401 otherwise); the key stops here. Root
   replaces the keys through the control socket (`systemctl reload`: keys.py).
@@ -71,7 +73,7 @@ from hostd import backends, forward, logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.engine import health as engine_health
 from hostd.engine.health import EngineHealth
-from hostd.gateway import control, keys, limits, retry, routes
+from hostd.gateway import control, keys, limits, metrics_listener, retry, routes
 from hostd.gateway.controller import Controller
 from hostd.gateway.metrics import FirstToken, Metrics, ModelFacts, engine_families, numeric_fields
 from hostd.gateway.slots import Slots
@@ -406,7 +408,8 @@ def listener_from_config(listen: str) -> socket.socket:
     return socket.create_server((host, int(port)), family=family, backlog=1024)
 
 
-async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) -> None:
+async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float,
+                metrics: Optional[socket.socket] = None) -> None:
     # auto_decompress off: request bodies are never inflated (proxy() answers
     # an encoded one 415); a client's protocol errors log one line (logs.py).
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
@@ -436,6 +439,9 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
     public = await asyncio.get_running_loop().create_server(gateway.connections, sock=listener, backlog=1024)
     ctl_listener = sockets.bind_private(gateway.control_socket)
     ctl = await control.serve(ctl_listener, gateway.controller)
+    scrape = metrics_listener.MetricsListener(gateway.name, gateway.prometheus, g, log)
+    if metrics is not None:  # gateway.metrics_listen: GET /metrics with no key
+        await scrape.start(metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -452,9 +458,12 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float) 
     if not result.drained:
         log.warning("stopping with %d request(s) still running", result.remaining)
     ctl.close()
+    await scrape.close()
     await runner.cleanup()
     sockets.release(ctl_listener)
     sockets.release(listener)
+    if metrics is not None:
+        sockets.release(metrics)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -474,10 +483,17 @@ def run(args: argparse.Namespace) -> int:
         engine_sockets["standby"] = main.with_name(paths.ENGINE_SOCKETS["standby"])
     control_socket = Path(args.control) if args.control else paths.control_socket(args.name)
     listener = sockets.acquire(args.listen or cfg.listen, bind=listener_from_config)
+    try:
+        metrics = (metrics_listener.bind(cfg.gateway.metrics_listen, listener_from_config)
+                   if cfg.gateway.metrics_listen else None)
+    except metrics_listener.MetricsListenError as exc:
+        log.error("%s; refusing to serve model %s", exc, args.name)
+        systemd.status(f"failed: {exc}")
+        return 1
     gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys)
     # Leave a margin inside the unit's stop timeout for the process to exit.
     stop_timeout = max(1.0, cfg.timeouts.stop - 10.0)
-    asyncio.run(serve(gateway, listener, stop_timeout))
+    asyncio.run(serve(gateway, listener, stop_timeout, metrics))
     return 0
 
 

@@ -466,6 +466,48 @@ def test_a_model_with_keys_it_cannot_read_does_not_start(tmp_path: Path, content
     assert words in daemon.log() and "refusing to serve model tiny without its keys" in daemon.log()
 
 
+# ---------------------------------------------------------------- the metrics listener
+
+
+def test_the_metrics_listener_serves_metrics_without_a_key_and_nothing_else(tmp_path: Path):
+    """gateway.metrics_listen: Prometheus scrapes with no key there, while the
+    public /metrics still wants one, and the listener reaches nothing else."""
+    metrics_port = free_port()
+    metrics_socket = tmp_path / "scrape" / "tiny.sock"
+    with front_door(tmp_path, keys="sk-first\n", metrics_listen=f"127.0.0.1:{metrics_port}") as door:
+        scrape = f"http://127.0.0.1:{metrics_port}"
+        assert httpx.get(door.base_url + "/metrics", timeout=10).status_code == 401
+        response = httpx.get(scrape + "/metrics", timeout=10)
+        assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+        assert 'hostd_gateway_in_flight{model="tiny"}' in response.text
+        assert 'hostd_gateway_refused_total{model="tiny",status="401"} 1.0' in response.text  # the public one's
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health"),
+                             ("GET", "/v1/../metrics/x")):
+            refused = httpx.request(method, scrape + path, json=COMPLETION, timeout=10)
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found", (method, path)
+        assert httpx.post(scrape + "/metrics", timeout=10).status_code == 405
+        assert {r["path"] for r in door.engine_saw()} <= {"/health", "/metrics"}  # the gateway's own asks
+    # A Unix socket path serves the same, and goes away with the gateway.
+    (tmp_path / "unix").mkdir()
+    with front_door(tmp_path / "unix", metrics_listen=str(metrics_socket)) as door:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(metrics_socket))) as client:
+            assert "hostd_gateway_in_flight" in client.get("http://metrics/metrics", timeout=10).text
+    assert not metrics_socket.exists()
+
+
+def test_a_metrics_listener_that_cannot_listen_stops_the_gateway_naming_the_key(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        tree = ModelTree(tmp_path)
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        tree.write_config(tmp_path / "no-checkpoint", fixed={
+            "listen": f"127.0.0.1:{free_port()}", "gateway": {"metrics_listen": address}})
+        daemon = tree._spawn("gateway")
+        assert daemon.proc.wait(60) == 1
+    assert f"gateway.metrics_listen '{address}': cannot listen there" in daemon.log()
+
+
 def test_streams_through_the_gateway_arrive_chunk_by_chunk(door: FrontDoor):
     body = {**COMPLETION, "stream": True, "max_tokens": 5, "chunk_delay": 0.2}
     arrivals = []

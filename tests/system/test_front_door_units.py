@@ -2,7 +2,9 @@
 keys passed as a systemd credential (LoadCredential= from hostd-generator) is
 reloaded with `systemctl reload` while an authorized stream runs; the stream
 finishes, the reload is done, the keys keep working and the manager's checks
-(which carry no key) never went through the public port."""
+(which carry no key) never went through the public port. Its metrics
+listener (gateway.metrics_listen, bound by the gateway inside the unit's
+sandbox) answers curl without a key."""
 
 from __future__ import annotations
 
@@ -27,9 +29,12 @@ def host(systemd_container: SystemdContainer):
     container = systemd_container
     container.write_file("/etc/hostd/keys/tiny", f"# keys of model tiny\n{KEY}\n", mode=0o600)
     # The default strategy (overlap): nothing here depends on which one runs.
-    prepare_model(container, port, timeouts="{start: 120, stop: 60}", gateway="{api_keys: /etc/hostd/keys/tiny}")
+    metrics_port = reserved_port()
+    prepare_model(container, port, timeouts="{start: 120, stop: 60}",
+                  gateway=f"{{api_keys: /etc/hostd/keys/tiny, metrics_listen: '127.0.0.1:{metrics_port}'}}")
     container.base_url = f"http://127.0.0.1:{port}"
     container.port = port
+    container.metrics_url = f"http://127.0.0.1:{metrics_port}"
     container.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
     wait_for(lambda: httpx.get(container.base_url + "/health", timeout=10).status_code == 200,
              timeout=120, what="serving")
@@ -83,3 +88,20 @@ def test_key_protected_model_reloads_under_an_authorized_stream(host: SystemdCon
             answer += chunk
     assert b"weights_pid" not in answer and b'"state": "serving"' in answer
     host.run(["rm", "-f", "/etc/hostd/models/tiny.d/50-admin.yaml"])
+
+
+def test_the_metrics_listener_answers_curl_without_a_key_inside_the_units_sandbox(host: SystemdContainer):
+    def curl(url: str, *args: str) -> tuple[str, str]:
+        out = host.run(["curl", "-s", "-w", "\n%{http_code}", *args, url]).stdout
+        body, _, status = out.rpartition("\n")
+        return status, body
+
+    status, body = curl(host.metrics_url + "/metrics")
+    assert status == "200" and 'hostd_gateway_state{model="tiny",state="serving"} 1.0' in body, (status, body[:300])
+    assert 'hostd_engine_max_num_seqs{model="tiny"}' in body  # the engine's own, as on the public page
+    assert curl(host.base_url + "/metrics")[0] == "401"  # the public one still wants the key
+    status, body = curl(host.metrics_url + "/v1/completions", "-H", "Content-Type: application/json",
+                        "-d", '{"model": "tiny", "prompt": "Hi", "max_tokens": 2}')
+    assert status == "404" and '"not_found"' in body
+    # Loopback TCP needs no opening of the sandbox (a Unix socket's directory would: ReadWritePaths=-DIR).
+    assert "ReadWritePaths=-" not in host.systemctl("cat", "model@tiny.service").stdout

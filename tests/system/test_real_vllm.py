@@ -7,7 +7,8 @@ engine on reload.bridge_kv_mib carries them while the main engine restarts:
 none answered 503, none lost), a reload to a value vLLM refuses
 (max_model_len beyond the model's positions) rolled back at the bridge with
 vLLM's own error and the main engine untouched, and a bridge that does not
-fit (set through config) falling back to restart with the reason.
+fit (set through config) falling back to restart with the reason; and
+every vllm:* series the monitoring dashboard queries is on its live /metrics.
 
 The quickstart's blocks run in this module's container rather than in one of
 their own (as tests/system/test_quickstart.py runs docs/quickstart.md's), and
@@ -49,6 +50,7 @@ from test_quickstart import shell_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "upstream"))
 from upstream_envs import VLLM_ENV, VLLM_VERSION, require  # noqa: E402
+from tests.promql_names import dashboard_exprs, exposed_names, names_in, rule_exprs, upstream_kind  # noqa: E402
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PAGE = CHECKOUT / "docs" / "vllm.md"
@@ -244,6 +246,26 @@ def test_the_front_door_passes_vllms_user_routes_and_metrics_and_hides_its_admin
     for path in ("/health", "/v1/../health", "/v1/%2e%2e/health", "/v1/%2E%2E/health"):
         status, body = http(host, "GET", path)
         assert "upstream_pid" not in body and "engine_config" not in body, (path, body)
+
+
+def test_the_dashboards_vllm_row_reads_series_the_running_vllm_exposes(host):
+    """Issue 38: every vllm:* series the dashboard (and the alert rules) query
+    is on this running vLLM's /metrics through the gateway, as a sample name
+    (a histogram's _bucket/_sum/_count, a counter's _total), the names read as
+    tests/upstream/test_dashboard_names.py reads them against vLLM's source.
+    One completion first, so that nothing is missing only for want of a request."""
+    status, body = http(host, "POST", "/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 4})
+    assert status == 200, body
+    status, metrics = http(host, "GET", "/metrics")
+    assert status == 200, metrics[:500]
+    exposed = exposed_names(metrics)
+    exprs = {**{f"rule {k}": v for k, v in rule_exprs().items()}, **dashboard_exprs()}
+    named = {where: {n for n in names_in(expr) if upstream_kind(n) == "vllm"} for where, expr in exprs.items()}
+    assert any(named.values()), "the dashboard reads nothing of vLLM's"
+    missing = {where: sorted(names - exposed) for where, names in named.items() if names - exposed}
+    assert not missing, f"not on vLLM {VLLM_VERSION}'s /metrics: {missing}"
+    vllm_lines = [line for line in metrics.splitlines() if line.startswith("vllm:")]
+    assert vllm_lines and all(f'model="{NAME}"' in line for line in vllm_lines)  # the gateway's label on each
 
 
 class Prober:

@@ -162,6 +162,37 @@ def test_out_of_range_value_names_file_key_and_range(root: Path, text, key, expe
     assert expected in problem.message
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:9101", "[::1]:9101", "/run/hostd-metrics/tiny.sock"])
+def test_the_metrics_listener_takes_a_loopback_address_or_a_unix_socket(root: Path, address):
+    write(root, "models/tiny.d/10.yaml", f"gateway: {{metrics_listen: '{address}'}}\n")
+    assert config.load_model("tiny", root).config.gateway.metrics_listen == address
+
+
+@pytest.mark.parametrize(
+    "address, expected",
+    [
+        ("0.0.0.0:9101", "is not a loopback address: the metrics listener has no API key check"),
+        ("[::]:9101", "is not a loopback address"),
+        ("192.168.1.5:9101", "is not a loopback address"),
+        ("localhost:9101", "is not a loopback address"),
+        ("9101", "is not a loopback address"),  # a bare port listens on every address
+        ("127.0.0.1:0", "has no port from 1 to 65535; use '127.0.0.1:PORT' or '[::1]:PORT'"),
+        ("/" + "x" * 120, "is longer than"),
+    ],
+)
+def test_a_metrics_listener_anyone_could_reach_is_refused_naming_the_key(root: Path, address, expected):
+    bad = write(root, "models/tiny.d/10.yaml", f"gateway: {{metrics_listen: '{address}'}}\n")
+    [problem] = problems_of(root)
+    assert (problem.file, problem.key) == (str(bad), "gateway.metrics_listen")
+    assert expected in problem.message
+
+
+def test_a_metrics_listener_on_the_public_port_is_refused(root: Path):
+    write(root, "models/tiny.d/10.yaml", "listen: '8000'\ngateway: {metrics_listen: '127.0.0.1:8000'}\n")
+    [problem] = problems_of(root)
+    assert problem.key == "gateway" and "metrics_listen '127.0.0.1:8000' has the port of listen:" in problem.message
+
+
 def test_sglang_chunked_prefill_size_zero_is_refused(tmp_path: Path):
     write(tmp_path, "models/s.yaml", "backend: sglang\nmodel: /m\nengine: {chunked_prefill_size: 0}\n")
     [problem] = problems_of(tmp_path, "s")

@@ -408,3 +408,17 @@ def test_a_standby_removed_from_the_yaml_is_stopped_by_the_next_restart_of_the_m
     assert not (out / "model@warm.service.d/50-hostd-standby.conf").exists()
     off = (out / "model-engine-standby@warm.service.d/50-hostd-standby.conf").read_text()
     assert "ExecCondition=/bin/false" in off and "SourcePath=" in off
+
+
+def test_a_unix_metrics_listener_gets_its_directory_writable_in_the_gateways_sandbox(tmp_path: Path):
+    """gateway.metrics_listen is bound by the gateway, inside ProtectSystem=strict:
+    a Unix socket's directory is opened with ReadWritePaths= ('-': a missing one
+    fails the bind, naming the key); a loopback port needs no setting."""
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "unix", "backend: builtin\nmodel: /m\ngateway: {metrics_listen: /run/hostd-metrics/unix.sock}\n")
+    model(etc, "tcp", "backend: builtin\nmodel: /m\ngateway: {metrics_listen: '127.0.0.1:9101'}\n")
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["tcp", "unix"]
+    assert "ReadWritePaths=-/run/hostd-metrics\n" in (out / "model@unix.service.d/50-hostd.conf").read_text()
+    assert "ReadWritePaths" not in (out / "model@tcp.service.d/50-hostd.conf").read_text()
+    assert not any("9101" in p.read_text() or "hostd-metrics" in p.read_text()
+                   for p in out.rglob("*.socket.d/*.conf"))  # systemd does not listen there
