@@ -21,9 +21,12 @@ the warm-up has passed again), each strategy doing what the manager does:
   requests end (`settle`), it restarts on the new config, the gateway
   switches back.
 
-restart and overlap run on a stack without a standby, standby on a second
+restart and overlap run on a stack without a standby, standby on another
 stack that has one (so the first one's gateway has no standby to fail over
-to). Each reload changes the config (max_num_seqs alternates between
+to); the standby's stack runs first. SIGTERM (as `timeout` sends it) stops
+the run under way and prints the tables of the runs that ended, then exits 1:
+on the H200 the three strategies with 5 reloads each and --kills 2 take
+longer than the 10 minutes a device call may run (2026-12-02). Each reload changes the config (max_num_seqs alternates between
 --max-num-seqs and one less, written to the model's YAML as the manager's
 drop-in would be), so "new config serves" is real: the seconds from the
 reload's start until the first token of a probe request (streaming, one
@@ -819,31 +822,52 @@ def main() -> int:
     runs: list[Run] = []
     standby_costs: list[dict] = []
     standby_idle: list[dict] = []
-    # Without a standby (restart, overlap), then with one: one stack each, so
-    # that the first one's gateway has no standby to fail over to. A failover
-    # run (--kills) follows each stack's strategies.
-    for standby, wanted in ((False, [s for s in args.strategies if s != "standby"]),
-                            (True, [s for s in args.strategies if s == "standby"])):
-        if not wanted and not (args.kills and not standby):
-            continue
-        tree = ModelTree(Path(tempfile.mkdtemp(prefix="tree-", dir=workdir)), name="bench")
-        stack = Stack(tree, free_port(), checkpoint, args, standby=standby)
-        try:
-            started = time.monotonic()
-            stack.start(gpu)
-            print(f"# the model{' with a standby' if standby else ''} serves after "
-                  f"{time.monotonic() - started:.1f} s", file=sys.stderr)
-            if standby:
-                standby_costs.append(stack.standby_cost)
-                standby_idle.append(stack.standby_idle)
-            for strategy in wanted:
-                runs.append(run_strategy(stack, strategy, args, gpu))
-            if args.kills:
-                runs.append(run_failover(stack, args))
-        finally:
-            tree.stop_all()
+    # With a standby, then without one (restart, overlap): one stack each, so
+    # that the second one's gateway has no standby to fail over to. A
+    # failover run (--kills) follows each stack's strategies. The standby's
+    # stack runs first: a run cut short (SIGTERM, as `timeout` sends) still
+    # prints the rows of every run that ended.
+    signal.signal(signal.SIGTERM, _interrupt)
+    interrupted = False
+    try:
+        for standby, wanted in ((True, [s for s in args.strategies if s == "standby"]),
+                                (False, [s for s in args.strategies if s != "standby"])):
+            if not wanted and not (args.kills and not standby):
+                continue
+            tree = ModelTree(Path(tempfile.mkdtemp(prefix="tree-", dir=workdir)), name="bench")
+            stack = Stack(tree, free_port(), checkpoint, args, standby=standby)
+            try:
+                started = time.monotonic()
+                stack.start(gpu)
+                print(f"# the model{' with a standby' if standby else ''} serves after "
+                      f"{time.monotonic() - started:.1f} s", file=sys.stderr)
+                if standby:
+                    standby_costs.append(stack.standby_cost)
+                    standby_idle.append(stack.standby_idle)
+                for strategy in wanted:
+                    runs.append(run_strategy(stack, strategy, args, gpu))
+                if args.kills:
+                    runs.append(run_failover(stack, args))
+            finally:
+                tree.stop_all()
+    except Interrupted:
+        interrupted = True
+    runs.sort(key=lambda run: (run.failover, STRATEGIES.index(run.strategy) if not run.failover else
+                               run.strategy != "no standby"))
     report(runs, args, standby_costs, standby_idle)
+    if interrupted:
+        print(f"\nInterrupted (SIGTERM) before every run ended: the rows above are the {len(runs)} run(s) that did.")
+        return 1
     return 0
+
+
+class Interrupted(Exception):
+    """SIGTERM: stop the run under way, report the ones that ended."""
+
+
+def _interrupt(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process
+    raise Interrupted()
 
 
 if __name__ == "__main__":
