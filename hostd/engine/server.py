@@ -204,6 +204,13 @@ async def _serve(model, tokenizer, limits: Limits, *, served_name, socket_path: 
             log.exception("the engine cannot serve with batching=%s: %s", limits.batching, logs.one_line(error))
             return 1
         engine = serving.engine
+        if engine.standby_kv is not None:  # the warm standby: its first full cache costs the start, not a failover
+            try:
+                await engine.standby_kv.prime()
+            except Exception as error:
+                log.exception("the standby cannot hold its full KV budget: %s", logs.one_line(error))
+                await serving.runner.cleanup()
+                return 1
         try:
             listener = sockets.acquire(socket_path, bind=functools.partial(sockets.bind_private, backlog=socket.SOMAXCONN))
         except (sockets.UnsafePath, OSError) as error:

@@ -163,3 +163,19 @@ def test_the_shrink_delay_comes_from_the_environment(monkeypatch):
     assert idle_seconds() == 1.5
     monkeypatch.setenv(IDLE_ENV, "soon")
     assert idle_seconds() == SHRINK_IDLE_S
+
+
+def test_priming_grows_and_shrinks_once_and_counts_as_no_grow(caplog):
+    # What a process pays for its first full cache is paid at the start (issue 34).
+    async def scenario():
+        engine, kv, made = standby(idle_s=0.1)
+        await kv.prime()
+        assert [runner.kv_cache_bytes for runner in made] == [FULL, IDLE] and engine.runner is made[1]
+        assert kv.facts() == {"kv_budget": "idle", "kv_cache_bytes_full": FULL, "grow_s": None}
+        assert made[0].cancelled and made[0].joined
+        await asyncio.sleep(0.3)  # no shrink watch was left behind by the priming grow
+        assert len(made) == 2
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    assert sum("priming it at start" in r.getMessage() for r in caplog.records) == 2
