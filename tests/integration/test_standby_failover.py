@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from hostd import paths
+from hostd.gateway import watch
 from harness.local import ModelTree, wait_for
 from test_overlap import free_port
 from test_standby import start_standby
@@ -122,6 +123,10 @@ def test_a_chat_completion_with_tools_is_not_sent_twice_when_its_engine_dies(tre
 
 def test_with_no_traffic_kill_9_of_main_moves_the_gateway_to_the_standby_without_a_request(tree):
     assert tree.control("status")["slot"] == "main"
+    # The watch holds its connection within RETRY (0.5 s) of the gateway's
+    # start; killed before that, only the health monitor would see the
+    # death (seen once on the loaded CI machine: the watch's line was absent).
+    time.sleep(2 * watch.RETRY)
     tree.main.stop(signal.SIGKILL)
     # Seen from the gateway's connection to the engine, not a request: none is sent.
     wait_for(lambda: (tree.control("status")["slot"], tree.control("status")["failed_over"]) == ("standby", "main"),
