@@ -157,12 +157,20 @@ def compute(
     tensor_parallel_size: int = 1,
     cache_dir: Optional[Path] = None,
     digest: Optional[str] = None,
+    library_versions: Optional[tuple[str, str]] = None,
 ) -> Fingerprint:
     """The fingerprint of CHECKPOINT as configured; DIGEST when the caller
-    already has the content digest (the daemon computes it while loading)."""
-    import torch
-    import transformers
+    already has the content digest (the daemon computes it while loading).
+    LIBRARY_VERSIONS: the (torch, transformers) versions that serve these
+    weights; None means this interpreter's, imported here (the builtin
+    backend's daemon and engine load with them). An upstream backend's
+    supervisor hands its own in: upstream's torch lives in upstream's
+    environment, and hostd's may have none (no `builtin` extra)."""
+    if library_versions is None:
+        import torch
+        import transformers
 
+        library_versions = (str(torch.__version__), str(transformers.__version__))
     checkpoint = checkpoint.resolve()
     return Fingerprint(
         model_path=str(checkpoint),
@@ -172,8 +180,8 @@ def compute(
         device=device,
         tensor_parallel_size=tensor_parallel_size,
         backend=backend,
-        torch_version=str(torch.__version__),
-        transformers_version=str(transformers.__version__),
+        torch_version=library_versions[0],
+        transformers_version=library_versions[1],
     )
 
 

@@ -41,6 +41,12 @@ from hostd.weights import listener as listener_mod
 
 log = logging.getLogger("hostd.weights")
 
+# The fingerprint's (torch, transformers) versions: unknown to this process.
+# Upstream's torch is in upstream's environment, and hostd's own may have none
+# (installed without its `builtin` extra), so importing it here would fail the
+# weights unit of every vllm and sglang model on such a host.
+UPSTREAM_LIBRARIES = ("", "")
+
 def upstream_sockets(directory: Path) -> dict[str, int]:
     """{socket file name: inode} of the Unix sockets in DIRECTORY."""
     found = {}
@@ -163,6 +169,7 @@ class Supervisor:
                 backend=self.cfg.backend,
                 tensor_parallel_size=self.cfg.tensor_parallel_size,
                 cache_dir=self.state_dir,
+                library_versions=UPSTREAM_LIBRARIES,
             )
         except (OSError, ValueError) as exc:  # e.g. a .bin checkpoint: no safetensors to hash
             log.warning("no content digest for %s: %s", self.cfg.model, exc)
@@ -170,7 +177,7 @@ class Supervisor:
                 model_path=str(Path(self.cfg.model).resolve()), content_digest="",
                 architecture="unknown", dtype=self.cfg.dtype, device=device,
                 tensor_parallel_size=self.cfg.tensor_parallel_size, backend=self.cfg.backend,
-                torch_version="", transformers_version="",
+                torch_version=UPSTREAM_LIBRARIES[0], transformers_version=UPSTREAM_LIBRARIES[1],
             )
 
     def status(self) -> protocol.Status:

