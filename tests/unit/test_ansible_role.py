@@ -51,7 +51,7 @@ def test_model_files_are_written_for_root_and_the_models_user_only(monkeypatch):
     from hostd.config import host_check
 
     defaults = yaml.safe_load((ANSIBLE / "roles/hostd/defaults/main.yml").read_text())
-    copies = [task["ansible.builtin.copy"] for task in role_tasks("model.yml") if "ansible.builtin.copy" in task]
+    copies = [task["ansible.builtin.copy"] for task in role_tasks("model-present.yml") if "ansible.builtin.copy" in task]
     assert len(copies) == 2  # NAME.yaml and the drop-ins
     for copy in copies:
         assert (copy.get("owner"), copy.get("group"), copy.get("mode")) == \
@@ -116,7 +116,7 @@ def test_a_typo_in_hostd_models_is_refused_by_the_roles_argument_spec(tmp_path: 
     assert done.returncode != 0, out
     assert "Validation of arguments failed" in out, out
     assert "hostd_models.dropin. Supported parameters include: config, dropins" in out, out
-    assert "value of state must be one of: started, stopped, got: stoped" in out, out
+    assert "value of state must be one of: started, stopped, absent, got: stoped" in out, out
     assert "Install the hostd package" not in out, out
 
 
