@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,11 @@ ANSIBLE = CHECKOUT / "packaging" / "ansible"
 HOSTS = ("host-a", "host-b", "host-c")
 REFUSING = "host-b"  # its checkpoint has 256 positions, the others 512
 CHECKPOINT = "/var/lib/hostd/checkpoints/tiny"
+# The roll to a new checkpoint (rolling-restart.yml): a second directory on
+# each host; host-b's lacks config.json, which `hostctl config --check`
+# does not read and the weights daemon needs at start: its restart fails.
+CHECKPOINT_V2 = "/var/lib/hostd/checkpoints/tiny-v2"
+BROKEN = "host-b"
 NEW_LIMITS = {"max_model_len": 384}
 
 
@@ -49,12 +55,12 @@ def playbook_command() -> str:
     return str(command)
 
 
-def models(max_num_seqs: int = 4) -> list[dict]:
+def models(max_num_seqs: int = 4, *, checkpoint: str = CHECKPOINT, dropins: dict | None = None) -> list[dict]:
     """hostd_models: the YAML and one drop-in, as an operator writes them."""
     return [{
         "name": "tiny",
-        "config": {"backend": "builtin", "model": CHECKPOINT, "listen": "127.0.0.1:{{ hostd_port }}"},
-        "dropins": {"50-limits.yaml": {"engine": {"max_num_seqs": max_num_seqs}}},
+        "config": {"backend": "builtin", "model": checkpoint, "listen": "127.0.0.1:{{ hostd_port }}"},
+        "dropins": dropins if dropins is not None else {"50-limits.yaml": {"engine": {"max_num_seqs": max_num_seqs}}},
     }]
 
 
@@ -90,6 +96,13 @@ class Fleet:
     def dropin(self, name: str) -> str:
         return self.hosts[name].read_file("/etc/hostd/models/tiny.d/50-limits.yaml")
 
+    def files(self, name: str) -> list[str]:
+        return self.hosts[name].sh("cd /etc/hostd/models && find tiny.yaml tiny.d -type f 2>/dev/null | sort || true",
+                                   check=False).stdout.split()
+
+    def is_active(self, name: str) -> int:
+        return self.hosts[name].run(["hostctl", "is-active", "tiny"], check=False).returncode
+
 
 def recap(output: str) -> dict[str, dict[str, int]]:
     """PLAY RECAP's counters per host."""
@@ -109,12 +122,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     makers = [subprocess.Popen([*python, str(workdir / "ckpt-512")], stdout=subprocess.DEVNULL),
               subprocess.Popen([*python, "--size", "tiny-vllm", str(workdir / "ckpt-256")], stdout=subprocess.DEVNULL)]
     assert [maker.wait(timeout=300) for maker in makers] == [0, 0]
+    shutil.copytree(workdir / "ckpt-512", workdir / "ckpt-v2")
+    shutil.copytree(workdir / "ckpt-512", workdir / "ckpt-v2-broken", ignore=shutil.ignore_patterns("config.json"))
     containers = _Containers(tmp_path_factory)
     try:
         hosts = {}
         for name in HOSTS:
             checkpoint = workdir / ("ckpt-256" if name == REFUSING else "ckpt-512")
-            hosts[name] = containers(binds=[Bind(checkpoint, Path(CHECKPOINT))])
+            v2 = workdir / ("ckpt-v2-broken" if name == BROKEN else "ckpt-v2")
+            hosts[name] = containers(binds=[Bind(checkpoint, Path(CHECKPOINT)), Bind(v2, Path(CHECKPOINT_V2))])
             hosts[name].sh("chmod o+x /root")  # the bound Python installation, for the models' users
         yield Fleet(hosts, {name: reserved_port() for name in HOSTS}, workdir)
     finally:
@@ -187,3 +203,56 @@ def test_rolling_reload_stops_at_the_host_that_rolls_back_and_every_host_keeps_s
     for name in HOSTS:
         assert fleet.http_status(name) == 200, name
         assert fleet.status(name)["state"] == "serving", name
+
+
+def test_site_prunes_the_roles_drop_in_no_longer_listed_and_keeps_an_admins_own(fleet):
+    host = fleet.hosts["host-a"]
+    host.write_file("/etc/hostd/models/tiny.d/40-admin.yaml", "engine:\n  max_num_seqs: 3\n")  # no marker line
+    play = fleet.play("site.yml", "--limit", "host-a",
+                      extra={"hostd_models": models(dropins={"60-seqs.yaml": {"engine": {"max_num_seqs": 5}}})})
+    assert play.returncode == 0, play.stdout + play.stderr + host.run(["journalctl", "-n", "60", "--no-pager"]).stdout
+    assert "tiny.d/50-limits.yaml" in play.stdout, play.stdout  # the prune's line
+    # 50-limits.yaml was the role's (its marker line): gone; the admin's and the manager's stay.
+    assert fleet.files("host-a") == ["tiny.d/40-admin.yaml", "tiny.d/60-seqs.yaml", "tiny.d/90-reload.yaml", "tiny.yaml"], \
+        fleet.files("host-a")
+    status = fleet.status("host-a")
+    assert status["engine"]["max_num_seqs"] == 5 and status["last_operation"]["State"] == "done", status
+
+
+def test_site_refuses_a_fixed_key_change_on_a_serving_host_and_writes_nothing(fleet):
+    before = fleet.hosts["host-c"].read_file("/etc/hostd/models/tiny.yaml")
+    play = fleet.play("site.yml", "--limit", "host-c", extra={"hostd_models": models(checkpoint=CHECKPOINT_V2)})
+    assert play.returncode != 0
+    assert "tiny: fixed key(s) model of /etc/hostd/models/tiny.yaml change" in play.stdout, play.stdout
+    assert "rolling-restart.yml" in play.stdout
+    assert fleet.hosts["host-c"].read_file("/etc/hostd/models/tiny.yaml") == before
+    assert fleet.http_status("host-c") == 200
+
+
+def test_rolling_restart_to_a_new_checkpoint_stops_at_the_host_whose_restart_fails(fleet):
+    roll = fleet.play("rolling-restart.yml", extra={"hostd_models": models(checkpoint=CHECKPOINT_V2)})
+    assert roll.returncode != 0
+    counts = recap(roll.stdout)
+    assert counts["host-a"]["failed"] == 0 and counts["host-a"]["changed"] > 0, counts
+    assert counts[BROKEN]["failed"] == 1, counts
+    assert "host-c" not in counts and "host-c" not in roll.stdout, roll.stdout  # never reached
+
+    # host-a serves the new checkpoint; host-b's restart failed (no config.json) and it does not serve.
+    assert f"model: {CHECKPOINT_V2}" in fleet.hosts["host-a"].read_file("/etc/hostd/models/tiny.yaml")
+    assert fleet.is_active("host-a") == 0 and fleet.http_status("host-a") == 200
+    assert fleet.is_active(BROKEN) != 0
+    # host-c: untouched, the old checkpoint, serving.
+    assert f"model: {CHECKPOINT}\n" in fleet.hosts["host-c"].read_file("/etc/hostd/models/tiny.yaml")
+    assert fleet.is_active("host-c") == 0 and fleet.http_status("host-c") == 200
+
+
+def test_state_absent_stops_the_model_and_removes_the_roles_files(fleet):
+    play = fleet.play("site.yml", "--limit", "host-c",
+                      extra={"hostd_models": [{"name": "tiny", "state": "absent", "config": {}}]})
+    assert play.returncode == 0, play.stdout + play.stderr
+    host = fleet.hosts["host-c"]
+    assert host.systemctl("is-active", "model@tiny.service", check=False).stdout.strip() == "inactive"
+    assert host.systemctl("is-active", "model@tiny.socket", check=False).stdout.strip() == "inactive"
+    assert fleet.files("host-c") == [], fleet.files("host-c")
+    with pytest.raises(httpx.TransportError):
+        fleet.http_status("host-c")

@@ -136,3 +136,18 @@ def test_an_empty_set_is_refused(tmp_path, hostctl):
     result = run_module(tmp_path, hostctl, set={})
     assert result["failed"] is True and "set: give at least one engine key" in result["msg"], result
     assert hostctl.calls() == []
+
+
+def test_ansible_doc_reads_the_modules_documentation_examples_and_return(tmp_path):
+    """`ansible-doc -M LIBRARY hostd_reload` is how an operator reads the
+    module; DOCUMENTATION, EXAMPLES and RETURN must be YAML it parses (an
+    unquoted `engine:` inside a description once made it refuse the module)."""
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(tmp_path), "ANSIBLE_HOME": str(tmp_path / "ah")}
+    done = subprocess.run([str(Path(sys.executable).parent / "ansible-doc"), "--json", "-M", str(MODULE.parent),
+                           "hostd_reload"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)["hostd_reload"]
+    assert set(doc["doc"]["options"]) == {"name", "set", "hostctl"}, doc["doc"]["options"]
+    assert doc["doc"]["options"]["set"]["type"] == "dict" and doc["doc"]["options"]["name"]["required"] is True
+    assert "hostd_reload:" in doc["examples"]
+    assert {"msg", "state", "strategy", "error", "changes"} <= set(doc["return"]), doc["return"]

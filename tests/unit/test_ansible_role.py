@@ -51,7 +51,7 @@ def test_model_files_are_written_for_root_and_the_models_user_only(monkeypatch):
     from hostd.config import host_check
 
     defaults = yaml.safe_load((ANSIBLE / "roles/hostd/defaults/main.yml").read_text())
-    copies = [task["ansible.builtin.copy"] for task in role_tasks("model.yml") if "ansible.builtin.copy" in task]
+    copies = [task["ansible.builtin.copy"] for task in role_tasks("model-present.yml") if "ansible.builtin.copy" in task]
     assert len(copies) == 2  # NAME.yaml and the drop-ins
     for copy in copies:
         assert (copy.get("owner"), copy.get("group"), copy.get("mode")) == \
@@ -89,3 +89,52 @@ def test_the_role_refuses_a_model_name_hostd_refuses_before_using_it_in_a_path(t
     assert "model name '../../../tmp/evil' is not allowed" in out, out
     assert "is it running now" not in out and "/etc/hostd/models" not in out, out
     assert not (tmp_path / "etc").exists()
+
+
+def play_locally(tmp_path: Path, tasks: list[dict], extra: dict, *, check: bool = True) -> subprocess.CompletedProcess:
+    """ansible-playbook on localhost (-c local) with the folder's ansible.cfg."""
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
+    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": str(tmp_path),
+           "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_HOME": str(tmp_path / "ansible-home"), "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp")}
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-c", "local", "-i", "localhost,",
+            "-e", json.dumps({"ansible_python_interpreter": sys.executable, **extra}), str(playbook)]
+    return subprocess.run(argv + (["--check"] if check else []), cwd=ANSIBLE, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_typo_in_hostd_models_is_refused_by_the_roles_argument_spec(tmp_path: Path):
+    """`dropin:` for `dropins:` (or `state: stoped`) used to be ignored, the
+    drop-in never written; meta/argument_specs.yml makes Ansible refuse it
+    before the role's first task."""
+    model = {"name": "tiny", "config": {"backend": "builtin", "model": "/x"},
+             "dropin": {"50-limits.yaml": {"engine": {"max_num_seqs": 4}}}, "state": "stoped"}
+    done = play_locally(tmp_path, [{"ansible.builtin.include_role": {"name": "hostd"}}],
+                        {"hostd_models": [model], "hostd_python": "/bin/false"})
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "Validation of arguments failed" in out, out
+    assert "hostd_models.dropin. Supported parameters include: config, dropins" in out, out
+    assert "value of state must be one of: started, stopped, absent, got: stoped" in out, out
+    assert "Install the hostd package" not in out, out
+
+
+def test_every_role_variable_has_an_argument_spec():
+    """What defaults/main.yml defines, meta/argument_specs.yml types."""
+    defaults = yaml.safe_load((ANSIBLE / "roles/hostd/defaults/main.yml").read_text())
+    specs = yaml.safe_load((ANSIBLE / "roles/hostd/meta/argument_specs.yml").read_text())["argument_specs"]
+    specified = set(specs["main"]["options"]) | set(specs["reload"]["options"])
+    assert set(defaults) <= specified, set(defaults) - specified
+
+
+def test_ansible_lint_production_profile_is_clean(tmp_path: Path):
+    """`ansible-lint --profile production` over the role and the playbooks,
+    offline (no collection is fetched): what Ansible's own linter asks of a
+    role others run on their hosts."""
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(tmp_path),
+           "ANSIBLE_HOME": str(tmp_path / "ansible-home"), "NO_COLOR": "1"}
+    done = subprocess.run([str(Path(sys.executable).parent / "ansible-lint"), "--offline", "--nocolor",
+                           "--profile", "production", "."], cwd=ANSIBLE, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -26,6 +26,14 @@ options:
     vars:
       - name: inventory_hostname
       - name: ansible_host
+  remote_user:
+    description:
+      - The user commands run as inside, root always (nsenter keeps the
+        controller's root). Declared so that a play's become (root) is seen
+        as the user already running, and no sudo (which the containers do
+        not have) is put in front of the commands.
+    type: str
+    default: root
 """
 
 import os

@@ -16,29 +16,91 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 module: hostd_reload
 short_description: reload a hostd model's editable limits (hostctl reload)
+author: hostd
 description:
-  - Runs hostctl reload NAME KEY=VALUE and waits for the reload's end.
+  - Runs C(hostctl reload NAME KEY=VALUE) and waits for the reload's end.
     Changed when it ends C(done); ok when it ends C(unchanged) (the engine
     runs these limits already); failed for every other end (C(rolled-back),
     C(failed), C(cancelled)), a refusal, or a model that does not serve.
-  - Check mode runs hostctl reload --check (validation and preflight by the
+  - Check mode runs C(hostctl reload --check) (validation and preflight by the
     manager, nothing changed) and reports the keys that would change, with
     their values now and then, and the strategy that would run (a diff with
-    --diff); a reload the manager would refuse fails the task.
+    C(--diff)); a reload the manager would refuse fails the task.
 options:
   name:
-    description: the model (/etc/hostd/models/NAME.yaml)
+    description: The model (C(/etc/hostd/models/NAME.yaml)).
     required: true
     type: str
   set:
-    description: editable keys under engine: and their new values
+    description: "Editable keys under C(engine:) and their new values, typed (C(384), not C(\"384\"))."
     required: true
     type: dict
   hostctl:
-    description: the hostctl command on the host
+    description: The hostctl command on the host.
     default: hostctl
     type: str
+notes:
+  - Needs root or a member of C(hostd-admin) on the host (C(become)).
+  - The values land in the host's C(NAME.d/90-reload.yaml), the manager's file.
 """
+
+EXAMPLES = r"""
+- name: New engine limits for tiny
+  hostd_reload:
+    name: tiny
+    set:
+      max_model_len: 384
+      max_num_seqs: 8
+  become: true
+
+- name: One host of a rolling reload (rolling-reload.yml runs it with serial 1)
+  hostd_reload:
+    name: "{{ hostd_reload_model }}"
+    set: "{{ hostd_reload_set }}"
+    hostctl: /usr/local/bin/hostctl
+  become: true
+"""
+
+RETURN = r"""
+msg:
+  description: One line, the model and the reload's end (or, in check mode, the keys that would change).
+  returned: always
+  type: str
+  sample: "tiny: reload done (strategy overlap)"
+state:
+  description: >-
+    The reload's end (done, unchanged, rolled-back, failed, cancelled), refused,
+    or in check mode would-reload or unchanged.
+  returned: when the model serves
+  type: str
+  sample: done
+strategy:
+  description: The strategy the manager ran or would run (overlap, standby, in-place ...).
+  returned: when a reload ran or would run
+  type: str
+  sample: overlap
+error:
+  description: The manager's words when the reload did not end done or unchanged.
+  returned: when a reload ran
+  type: str
+  sample: "cannot serve tiny: engine.max_model_len: 384 exceeds the model's max_position_embeddings (256)"
+notes:
+  description: The manager's notes on the reload.
+  returned: when a reload ran or would run
+  type: list
+  elements: str
+operation:
+  description: The reload's D-Bus object path.
+  returned: when a reload ran
+  type: str
+  sample: /org/hostd1/operation/1
+changes:
+  description: Check mode; each key that would change, with its value now and then.
+  returned: in check mode
+  type: dict
+  sample: {"max_model_len": {"now": null, "then": 384}}
+"""
+
 
 import json
 
