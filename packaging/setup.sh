@@ -7,6 +7,9 @@
 #   apt: systemd-container (systemd-nspawn: the real-systemd tier and the demo),
 #        dbus (the system bus inside those containers),
 #        polkitd (the manager asks it before mutating methods; tested there too),
+#        sudo (tests/system/test_ansible.py's deploy user becomes root through
+#        it inside a container, which sees the host's /usr; the test copies
+#        the /etc files of sudo and its PAM stack in),
 #        prometheus (for its promtool: the alert rules' checks and unit tests,
 #        packaging/monitoring; Debian 12 has no separate promtool package).
 #        Installed without its recommends (node exporter) and with service
@@ -21,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
-apt_packages=(systemd-container dbus polkitd)
+apt_packages=(systemd-container dbus polkitd sudo)
 if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
     apt_packages+=(python3-venv)
 fi
