@@ -18,6 +18,8 @@ description:
   - Enters every namespace of the process named by ansible_host (the
     container's PID 1) with nsenter -t PID -a and runs the command there.
     Files are copied in and out through cat on the container's side.
+  - As root unless remote_user names another user, whom every command and
+    copy then runs as (setpriv), so that become is exercised as over ssh.
   - Test-only transport for hostd's system tests; real hosts use ssh.
 options:
   remote_addr:
@@ -28,12 +30,27 @@ options:
       - name: ansible_host
   remote_user:
     description:
-      - The user commands run as inside, root always (nsenter keeps the
-        controller's root). Declared so that a play's become (root) is seen
-        as the user already running, and no sudo (which the containers do
-        not have) is put in front of the commands.
+      - The user commands run as inside, as ssh would log in as it. root
+        (the default, nsenter keeps the controller's root) runs them as
+        they are, and a play's become (root) is then seen as the user
+        already running, and no sudo is put in front of them.
+      - Any other user (-u, ansible_user, the remote_user keyword) must
+        exist in the container (getent passwd); each command, and the cat of
+        each file copied in or out, runs as that user (setpriv --reuid
+        --regid --init-groups, HOME its home), so files land with its rights
+        as over ssh and scp, and become (sudo inside the container) is what
+        makes root's work possible.
     type: str
     default: root
+    ini:
+      - section: defaults
+        key: remote_user
+    env:
+      - name: ANSIBLE_REMOTE_USER
+    vars:
+      - name: ansible_user
+    keyword:
+      - name: remote_user
 """
 
 import os
@@ -61,16 +78,44 @@ class Connection(ConnectionBase):
     # temporary directory, copy, run, remove): a task costs one process start.
     always_pipeline_modules = True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._accounts: dict[str, list[str]] = {}  # remote_user -> its setpriv and env prefix
+
     def _pid(self) -> str:
         pid = str(self.get_option("remote_addr"))
         if not pid.isdigit() or not os.path.isdir(f"/proc/{pid}"):
             raise AnsibleConnectionFailure(f"hostd_nsenter: ansible_host {pid!r} is not a running process's PID")
         return pid
 
-    def _inside(self, argv: list[str], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+    def _enter(self, argv: list[str], stdin: bytes | None) -> tuple[int, bytes, bytes]:
         command = ["nsenter", "-t", self._pid(), "-a", "--", *argv]
         proc = subprocess.run(command, input=stdin or b"", capture_output=True, env=INSIDE_ENV)
         return proc.returncode, proc.stdout, proc.stderr
+
+    def _as_user(self) -> list[str]:
+        """What goes before a command so that it runs as remote_user: nothing
+        for root; for another user, setpriv with its uid, primary gid and
+        groups and env with its HOME, read from the container's passwd once."""
+        user = self.get_option("remote_user") or "root"
+        if user == "root":
+            return []
+        if user not in self._accounts:
+            rc, out, err = self._enter(["getent", "passwd", user], None)
+            if rc != 0:
+                raise AnsibleConnectionFailure(
+                    f"hostd_nsenter: remote user {user!r} has no entry in the container's passwd (getent passwd exit {rc}"
+                    f"{': ' + err.decode(errors='replace').strip() if err.strip() else ''}); create it there first, "
+                    "or leave ansible_user unset to run as root")
+            fields = out.decode().strip().split(":")
+            self._accounts[user] = [
+                "setpriv", f"--reuid={fields[2]}", f"--regid={fields[3]}", "--init-groups",
+                "env", f"HOME={fields[5]}", f"USER={user}", f"LOGNAME={user}",
+            ]
+        return self._accounts[user]
+
+    def _inside(self, argv: list[str], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        return self._enter([*self._as_user(), *argv], stdin)
 
     def _connect(self):
         self._pid()
@@ -79,7 +124,8 @@ class Connection(ConnectionBase):
 
     def exec_command(self, cmd, in_data=None, sudoable=True):
         super().exec_command(cmd, in_data=in_data, sudoable=sudoable)
-        self._display.vvv(f"EXEC (nsenter -t {self._pid()}) {cmd}", host=self._play_context.remote_addr)
+        self._display.vvv(f"EXEC (nsenter -t {self._pid()} as {self.get_option('remote_user') or 'root'}) {cmd}",
+                          host=self._play_context.remote_addr)
         return self._inside(["/bin/sh", "-c", cmd], in_data)
 
     def put_file(self, in_path, out_path):
