@@ -11,6 +11,10 @@ a fleet-wide `max_model_len: 384` is what its engine refuses: its reload rolls
 back, and the roll must stop there, leaving host-c untouched, every host
 serving.
 
+Last, host-c is reached as a deploy user with sudo (as real hosts are, over
+ssh): the plugin runs every command and copy as that user, so root's work is
+done through become or not at all.
+
 What a user of the playbooks observes is asserted: ansible-playbook's exit
 code and its per-host lines, the files on each host, the limits each engine
 runs (hostctl status --json) and HTTP 200 from each model's public address.
@@ -256,3 +260,42 @@ def test_state_absent_stops_the_model_and_removes_the_roles_files(fleet):
     assert fleet.files("host-c") == [], fleet.files("host-c")
     with pytest.raises(httpx.TransportError):
         fleet.http_status("host-c")
+
+
+# What Debian's sudo package puts in /etc (with the PAM files /etc/pam.d/sudo
+# includes and pam_limits' table): --volatile=yes boots each container with an
+# /etc of its own, which has none of the host's; packaging/setup.sh installs sudo.
+SUDO_ETC = ("/etc/sudoers", "/etc/pam.d/sudo", "/etc/pam.d/common-auth", "/etc/pam.d/common-account",
+            "/etc/pam.d/common-session-noninteractive", "/etc/security/limits.conf")
+
+
+def add_sudo_user(host: SystemdContainer, user: str) -> None:
+    """USER as a real host's deploy account: a login of its own and root
+    through sudo without a password (a sudoers.d file, 0440)."""
+    for path in SUDO_ETC:
+        assert Path(path).is_file(), f"{path} missing on this machine: packaging/setup.sh installs sudo"
+        host.write_file(path, Path(path).read_text(), mode=0o440 if path == "/etc/sudoers" else 0o644)
+    host.run(["useradd", "--create-home", "--shell", "/bin/sh", user])
+    host.write_file(f"/etc/sudoers.d/{user}", f"{user} ALL=(root) NOPASSWD: ALL\n", mode=0o440)
+    host.run(["visudo", "--check"])
+
+
+def test_a_deploy_user_gets_root_through_sudo_and_without_become_writes_nothing(fleet):
+    # host-c: model tiny absent (the test above), the role's files gone.
+    host = fleet.hosts["host-c"]
+    add_sudo_user(host, "deploy")
+    as_deploy = ("--limit", "host-c", "-u", "deploy")
+
+    refused = fleet.play("site.yml", *as_deploy, "-e", "ansible_become=false", extra={"hostd_models": models()})
+    assert refused.returncode != 0
+    assert "Destination /etc/hostd/models not writable" in refused.stdout, refused.stdout
+    assert fleet.files("host-c") == [], fleet.files("host-c")
+
+    play = fleet.play("site.yml", *as_deploy, extra={"hostd_models": models()})
+    assert play.returncode == 0, play.stdout + play.stderr
+    modes = host.run(["stat", "-c", "%a %U %G", "/etc/hostd/models/tiny.yaml",
+                      "/etc/hostd/models/tiny.d/50-limits.yaml"]).stdout.split("\n")
+    assert modes[:2] == ["640 root hostd-tiny"] * 2, modes
+    # The copies went through deploy's own temporary directory, as over ssh and scp.
+    assert host.run(["stat", "-c", "%U", "/home/deploy/.ansible"]).stdout.strip() == "deploy"
+    assert fleet.http_status("host-c") == 200
