@@ -112,7 +112,7 @@ def demo(host: Host, port: int) -> None:
 
     host.run(["systemctl", "status", "--no-pager", "--lines=0", f"model@{MODEL}.service",
               f"model-engine@{MODEL}.service", f"model-weights@{MODEL}.service"], check=False)
-    host.run(["journalctl", f"HOSTD_MODEL={MODEL}", "--no-pager", "-n", "15", "-o", "short"])
+    host.run(["journalctl", f"HOSTD_MODEL={MODEL}", "--no-pager", "-n", "30", "-o", "short"])
     host.run(["systemctl", "stop", f"model@{MODEL}.service"])
 
 

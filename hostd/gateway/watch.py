@@ -64,7 +64,9 @@ class EngineWatch:
                 self.held[slot] = False
                 if armed:
                     armed = False
-                    log.warning("the %s engine's socket %s takes no connection: its engine is gone", slot, path)
+                    # INFO: a stop the manager made (an overlap's retire) ends the same way;
+                    # what it means for the traffic (a failover, engine-down) the gateway logs.
+                    log.info("the %s engine's socket %s takes no connection: its engine is gone", slot, path)
                     await self._call(self.on_lost, slot)
                 await asyncio.sleep(RETRY)
                 continue
