@@ -76,7 +76,10 @@ def post_completion(tree: ModelTree) -> httpx.Response:
 
 
 def test_drain_during_32_streams_loses_nothing(served: ModelTree):
-    max_tokens = 48
+    # Long enough that the first streams still run when the 32nd is admitted
+    # on a loaded 2-core machine (at 48 tokens a full local run, beside other
+    # test runs, saw in_flight never reach 32: the first ones had ended).
+    max_tokens = 160
     with ThreadPoolExecutor(32) as pool, ThreadPoolExecutor(1) as admin:
         streams = [pool.submit(stream_chat, served, max_tokens) for _ in range(32)]
         wait_for(lambda: served.control("status")["in_flight"] == 32, 60, "32 streams in flight")
