@@ -334,8 +334,13 @@ class _Rebuilder:
                 return self.answer(409, {"error": "the engine is shutting down; not rebuilding"})
             mark = time.monotonic()
             # The application around a built runner costs nothing beside its warm-up generation.
-            new = await _application(rebuilt.model, self.tokenizer, rebuilt.limits, self.served_name,
-                                     rebuilt.health_info, log, self.status, self, runner=runner)
+            try:
+                new = await _application(rebuilt.model, self.tokenizer, rebuilt.limits, self.served_name,
+                                         rebuilt.health_info, log, self.status, self, runner=runner)
+            except BaseException:  # no application took the runner (or its cleanup stopped it: idempotent)
+                runner.cancel_all()
+                await asyncio.to_thread(runner.join)
+                raise
             phases["warm_up"] = round(time.monotonic() - mark, 4)
         except RebuildRefused as error:
             log.error("rebuild refused, the old runner keeps serving: %s", error)

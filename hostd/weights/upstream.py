@@ -47,6 +47,7 @@ log = logging.getLogger("hostd.weights")
 # weights unit of every vllm and sglang model on such a host.
 UPSTREAM_LIBRARIES = ("", "")
 
+
 def upstream_sockets(directory: Path) -> dict[str, int]:
     """{socket file name: inode} of the Unix sockets in DIRECTORY."""
     found = {}
