@@ -80,6 +80,7 @@ class Limits:
     # continuous, the standby slot: the budget its runner holds while no request
     # comes (reload.standby_kv_mib; standby_kv.py grows it to kv_cache_bytes)
     kv_cache_bytes_idle: int | None = None
+    cuda_graphs: bool = False  # continuous on CUDA: batch.CUDA_GRAPHS (engine.enforce_eager false, not the standby)
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "none"):
@@ -432,7 +433,7 @@ def make_runner(model, tokenizer, limits: Limits, *, full: bool = False) -> Runn
     idle = limits.kv_cache_bytes_idle is not None and not full
     return batch.BatchRunner(model, tokenizer, limits.max_num_seqs, max_model_len=limits.max_model_len,
                              kv_cache_bytes=limits.kv_cache_bytes_idle if idle else full_kv_bytes(model, limits),
-                             idle=idle)
+                             idle=idle, cuda_graphs=batch.CUDA_GRAPHS if limits.cuda_graphs else None)
 
 
 def build_app(

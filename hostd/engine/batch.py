@@ -12,16 +12,20 @@ preallocated paged cache of ``kv_cache_bytes`` (hostd/engine/budget.py).
 
 What hostd adds to the library, and why:
 
-- **Per-request sampling** (``_Sampler``). The library samples one way for the
-  whole batch (greedy or not, one global seed). hostd's requests each choose:
-  greedy at temperature 0, else temperature, top_p and a seed of their own.
-  ``_Sampler`` is a continuous-batching logits processor that picks each row's
-  token with generate.pick_token -- the very function of the one-request path,
-  with the request's own torch.Generator -- and hands the library a score row
-  whose only finite entry is that token, so the library's argmax takes it.
-  Greedy output therefore equals generate.Runner's token for token (the
-  tests pin it), and a seeded request repeats itself whatever it was batched
-  with.
+- **Per-request sampling** (``_Sampling``). The library samples one way for
+  the whole batch (greedy or not, one global seed). hostd's requests each
+  choose: greedy at temperature 0, else temperature, top_p and a seed of their
+  own. ``_Sampling`` is the manager's logits-processor list: each step it
+  writes every row's temperature, top_p and one uniform draw from the
+  request's own generator into the library's argument rows, and picks the
+  tokens on the device with generate.choose_tokens -- the very function of
+  the one-request path -- handing the library a score row whose only finite
+  entry is that token, so the library's argmax takes it. Greedy output
+  therefore equals generate.Runner's token for token (the tests pin it), a
+  seeded request repeats itself whatever it was batched with, and nothing in
+  a step reads the device from the host, so the step can be a CUDA graph.
+- **CUDA graphs** (``CUDA_GRAPHS``, engine.enforce_eager false on CUDA): the
+  library's use_cuda_graph with padding intervals chosen here.
 - **Delivery to asyncio** (``_Router``). Each step's outputs reach the event
   loop in one ``call_soon_threadsafe``; outputs for a request that has gone
   (cancelled, stopped by a stop string) are dropped rather than queued
@@ -32,15 +36,15 @@ What hostd adds to the library, and why:
 
 What it relies on in transformers (5.24, where it is tested): the manager's
 ``logit_processor`` and ``output_router`` attributes, replaced before its
-batch processor exists; ``ContinuousBatchingLogitsProcessor``'s
-``prepare_tensor_args`` / ``__call__`` protocol; ``batch_processor.cache``
+batch processor exists; ``ContinuousBatchingLogitsProcessorList``'s
+``fill_defaults`` / ``prepare_tensor_args`` / ``__call__`` protocol and its
+``tensors_required`` argument rows; ``batch_processor.cache``
 (num_blocks, compute_free_capacity) and ``.scheduler.waiting_requests`` for
 the metrics. ``check_supported`` refuses, at start, a transformers without
 them, saying to set ``engine.batching: none``.
 
-Not done here (docs/builtin.md): CUDA graphs and torch.compile (the sampler
-reads its rows on the host), prefix caching, async double-buffering,
-speculative decoding.
+Not done here (docs/builtin.md): torch.compile, prefix caching, async
+double-buffering, speculative decoding.
 
 Trust: as generate.py -- inputs validated by app.py, model and tokenizer from
 the process that built them.
@@ -67,8 +71,9 @@ from hostd.engine.generate import (
     Runner,
     SamplingParams,
     eos_token_ids,
+    choose_tokens,
+    draw,
     model_device,
-    pick_token,
     request_generator,
 )
 
@@ -78,6 +83,16 @@ log = logging.getLogger("hostd.engine")
 # vLLM's max_num_batched_tokens. Bounds the activations of a step; a longer
 # prompt is prefilled in chunks.
 MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+# CUDA graphs (engine.enforce_eager false): each step is padded to a whole
+# number of 16 query tokens and 256 cached tokens (one page) and replayed from
+# the graph captured for that shape, the first time it is seen. Measured on
+# the H200 with a 7B model (docs/benchmarks.md, benchmarks/engine_step.py):
+# one stream 9-10 ms a token against 31-43 ms eager; the library's own
+# intervals (64 and 16384 tokens) pad the masked SDPA attention to 16384 keys
+# a step and reached only 25 ms.
+CUDA_GRAPHS = {"q_padding_interval_size": 16, "kv_padding_interval_size": 256}
 
 
 class BatchingUnsupported(RuntimeError):
@@ -112,45 +127,66 @@ def check_supported() -> None:
         )
 
 
-def _sampler_class():
-    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+def _sampling_class():
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessorList,
+    )
+    from transformers.generation.logits_process import LogitsProcessorList
 
-    class _Sampler(ContinuousBatchingLogitsProcessor):
+    class _Sampling(ContinuousBatchingLogitsProcessorList):
         """Picks each row's token as the one-request path would (module docstring).
 
-        Each request carries its sequence number (``hostd_seq``) as a
-        logits-processor argument; ``samplers`` maps it to the request's
-        parameters and generator. Written on the event loop, read on the
-        generation thread: single dict operations, atomic under the GIL; a row
-        whose request has gone is picked greedily and then dropped."""
+        Three argument rows per step, float32 stored in the library's int32
+        rows: each request's temperature, top_p and this token's uniform
+        draw (-1: greedy), filled on the host from the request's parameters
+        and generator (``samplers``: its hostd_seq -> (params, generator);
+        written on the event loop, read on the generation thread, single dict
+        operations). ``__call__`` is generate.choose_tokens on the device with
+        no host read, so it can run inside a captured CUDA graph (``static``:
+        then it always runs; otherwise an all-greedy step returns the scores
+        as they are, and the library's argmax is generate.pick_token's)."""
 
-        supported_kwargs = {"hostd_seq": int}
-        ignored_kwargs = ()
-
-        def __init__(self, samplers: dict) -> None:
+        def __init__(self, samplers: dict, static: bool) -> None:
+            super().__init__(LogitsProcessorList())
             self.samplers = samplers
+            self.static = static
+            self.tensors_required = 3
+            self.do_processing = True
+            self.supported_keys = {"hostd_seq": int}
+            self.ignored_keys = set()
+            self._any_sampled = False
 
         def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
-            int32_tensor.fill_(-1)
+            greedy = torch.tensor([[1.0], [1.0], [-1.0]], dtype=torch.float32).view(torch.int32)
+            int32_tensor.copy_(greedy.to(int32_tensor.device).expand_as(int32_tensor))
 
-        def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
-            return torch.tensor([r.state.logit_processor_kwargs.get("hostd_seq", -1) for r in requests_with_new_token],
-                                dtype=torch.int32, device="cpu")
+        def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
+            values = []
+            for request in requests_in_batch:
+                if not request.has_new_token:
+                    continue  # as the library: arguments for the rows that get a token
+                entry = self.samplers.get(request.state.logit_processor_kwargs.get("hostd_seq", -1))
+                if entry is None or entry[0].temperature == 0:
+                    values.append((1.0, 1.0, -1.0))  # greedy, or a request gone: picked greedily, then dropped
+                else:
+                    params, generator = entry
+                    values.append((params.temperature, params.top_p, draw(params, generator)))
+            self._any_sampled = any(v[2] >= 0 for v in values)
+            if values:
+                rows = torch.tensor(values, dtype=torch.float32).t().contiguous().view(torch.int32)
+                arg_storage[:3, : len(values)] = rows.to(arg_storage.device)
+            return arg_storage
 
-        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-            rows = tensor_arg[: scores.size(0)].tolist()
-            sampled = [(row, entry) for row, seq in enumerate(rows)
-                       if (entry := self.samplers.get(seq)) is not None and entry[0].temperature != 0]
-            if not sampled:
-                return scores  # all greedy: the library's argmax is generate.pick_token's
-            picks = torch.argmax(scores, dim=-1)
-            for row, (params, generator) in sampled:
-                picks[row] = pick_token(scores[row], params, generator)
+        def __call__(self, input_ids, scores: torch.Tensor, arguments: torch.Tensor) -> torch.Tensor:
+            if not self.static and not self._any_sampled:
+                return scores
+            rows = scores.size(0)
+            values = arguments[:3, :rows].contiguous().view(torch.float32)
+            tokens = choose_tokens(scores, values[0], values[1], values[2])
             chosen = torch.full_like(scores, -math.inf)
-            chosen.scatter_(1, picks.unsqueeze(1), 0.0)
-            return chosen
+            return chosen.scatter_(1, tokens.unsqueeze(1), 0.0)
 
-    return _Sampler
+    return _Sampling
 
 
 def _router_class():
@@ -210,17 +246,17 @@ class BatchRunner(Runner):
     max_model_len: int = 2048
     kv_cache_bytes: int = 0
     idle: bool = False
+    # CUDA only: capture each step shape's model forward and sampling in a
+    # CUDA graph (transformers' use_cuda_graph), with these
+    # ContinuousBatchingConfig overrides (q/kv padding intervals); None: eager.
+    cuda_graphs: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         check_supported()
         from transformers import ContinuousBatchingConfig, GenerationConfig
-        from transformers.generation.continuous_batching.cb_logits_processors import (
-            ContinuousBatchingLogitsProcessorList,
-        )
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-        from transformers.generation.logits_process import LogitsProcessorList
 
         self.model.eval()
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
@@ -242,6 +278,7 @@ class BatchRunner(Runner):
                                        max_model_len=self.max_model_len, device=kind)
         if problem:  # the engine's start checked it from the config (rules.py); this is the built model's word
             raise ValueError(problem)
+        graphs = dict(self.cuda_graphs) if self.cuda_graphs is not None and kind == "cuda" else None
         cb_config = ContinuousBatchingConfig(
             page_size=page,
             num_blocks=num_blocks,
@@ -250,10 +287,11 @@ class BatchRunner(Runner):
             max_blocks_per_request=0,  # no flash decode fast path: it needs flash_attn_with_kvcache
             allow_block_sharing=False,  # no prefix caching: blocks used = blocks the requests hold
             use_async_batching=False,
-            use_cuda_graph=False,  # the sampler reads its rows on the host between kernels
+            use_cuda_graph=graphs is not None,
             auto_switch_to_flash=kind == "cuda",
             max_memory_percent=1.0,  # the budget is ours (kv_cache_bytes), not a share of what is free
             scheduler_type="fifo",
+            **(graphs or {}),
         )
         generation = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=self.max_model_len)
         self._samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
@@ -265,9 +303,7 @@ class BatchRunner(Runner):
         self._cancels: set = set()  # Runner's; unused here
         self._device = device
         manager = ContinuousBatchingManager(self.model, generation, cb_config)
-        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([_sampler_class()(self._samplers)]))
-        processors.tensors_required = 1  # one int32 row: each request's hostd_seq
-        manager.logit_processor = processors
+        manager.logit_processor = _sampling_class()(self._samplers, static=graphs is not None)
         manager.output_router = _router_class()(self)
         manager.warmup()  # builds the batch processor and allocates the cache now, so that errors stop the start
         self.cache = manager.batch_processor.cache
@@ -340,7 +376,7 @@ class BatchRunner(Runner):
         self._loop = asyncio.get_running_loop()
         seq = next(self._seq)
         request_id = f"hostd-{seq}"
-        generator = request_generator(params, self._device)
+        generator = request_generator(params)
         request = _Request(asyncio.Queue())
         self._requests[request_id] = request
         self._samplers[seq] = (params, generator)

@@ -115,19 +115,52 @@ def _new_cache(model: torch.nn.Module):
         return DynamicCache()
 
 
+def choose_tokens(scores: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  draws: torch.Tensor) -> torch.Tensor:
+    """The next token of each row of SCORES [rows, vocab], on the scores' device
+    with no host synchronisation (batch.py runs it inside a captured CUDA graph).
+
+    Row i is greedy (argmax of its scores) where DRAWS[i] < 0, else sampled
+    from softmax(scores / TEMPERATURE[i]) restricted to the smallest set of
+    tokens whose mass reaches TOP_P[i] (the most likely always stays; no
+    restriction at 1.0), by inverse transform: the first token whose
+    cumulative probability, in vocabulary order, exceeds DRAWS[i] times the
+    kept mass. DRAWS are uniform in [0, 1) from the request's own generator,
+    one per token, so a seeded request repeats itself whatever it is batched
+    with and whichever runner serves it (pick_token is this on one row)."""
+    greedy = draws < 0
+    logits = scores.float()
+    safe_t = torch.where(greedy | (temperature <= 0), torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits / safe_t.unsqueeze(1), dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # Outside the nucleus: the mass before a token already reaches top_p.
+    outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+    outside &= (top_p < 1.0).unsqueeze(1)
+    kept = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
+    cumulative = torch.cumsum(kept, dim=-1)
+    target = draws.clamp(min=0.0).unsqueeze(1) * cumulative[:, -1:]
+    sampled = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    sampled = torch.minimum(sampled, torch.full_like(sampled, scores.size(-1) - 1))
+    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+
+def draw(params: SamplingParams, generator: torch.Generator | None) -> float:
+    """This token's uniform draw for choose_tokens: -1.0 (greedy) at temperature 0."""
+    if params.temperature == 0 or generator is None:
+        return -1.0
+    return float(torch.rand((), generator=generator))
+
+
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Choose the next token from the last position's logits (batch.py's sampler uses it too)."""
+    """Choose the next token from the last position's logits: choose_tokens on one row."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest set of tokens whose mass reaches top_p (the first always stays).
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    device = logits.device
+    token = choose_tokens(logits.reshape(1, -1),
+                          torch.tensor([params.temperature], dtype=torch.float32, device=device),
+                          torch.tensor([params.top_p], dtype=torch.float32, device=device),
+                          torch.tensor([draw(params, generator)], dtype=torch.float32, device=device))
+    return int(token[0])
 
 
 def generate_tokens(
@@ -171,12 +204,14 @@ def warm_up(model: torch.nn.Module, tokenizer) -> None:
         pass
 
 
-def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """The request's own random generator on DEVICE (both runners): None when
-    greedy, else seeded by params.seed, or at random without one."""
+def request_generator(params: SamplingParams, device: torch.device | None = None) -> torch.Generator | None:
+    """The request's own random generator (both runners): None when greedy,
+    else seeded by params.seed, or at random without one. On the host
+    whatever the model's device: it gives one uniform draw per token
+    (``draw``), which the sampler reads as a number, not a device tensor."""
     if params.temperature == 0:
         return None
-    generator = torch.Generator(device=device)
+    generator = torch.Generator(device="cpu")
     if params.seed is None:
         generator.seed()
     else:

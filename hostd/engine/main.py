@@ -155,6 +155,8 @@ def limits_for(cfg, model, standby: bool = False):
         batching=cfg.engine.batching,
         kv_cache_bytes=kv_cache_bytes,
         kv_cache_bytes_idle=min(cfg.reload.standby_kv_mib << 20, kv_cache_bytes) if standby and kv_cache_bytes else None,
+        cuda_graphs=cfg.device == "cuda" and cfg.engine.batching == "continuous" and not cfg.engine.enforce_eager
+        and not standby,
     )
 
 

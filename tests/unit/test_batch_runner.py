@@ -130,6 +130,33 @@ def test_seeded_and_greedy_requests_batched_together_each_get_their_own_answer(t
     assert run(with_runner(batch_runner(tiny), body)) == expected
 
 
+def test_the_sampler_as_captured_in_a_cuda_graph_gives_the_same_answers(tiny):
+    """Under CUDA graphs (engine.enforce_eager false) the sampler runs the
+    device path every step, greedy rows included (no host-side shortcut can be
+    captured). On CPU that path is forced here: the same mix of seeded and
+    greedy requests must get exactly what the one-request path gives each."""
+    def params_for(i):
+        if i % 3 == 0:
+            return SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=24, temperature=0.7 + 0.1 * i, top_p=0.6 + 0.05 * i, seed=7 * i,
+                              ignore_eos=True)
+
+    expected = one_request_path(tiny, params_for)
+    model, tokenizer = tiny
+    make = batch_runner(tiny)
+
+    def static_runner():
+        runner = make()
+        runner._manager.logit_processor.static = True
+        return runner
+
+    async def body(runner):
+        return await asyncio.gather(*(collect(runner, tokenizer.encode(p), params_for(i))
+                                      for i, p in enumerate(PROMPTS)))
+
+    assert run(with_runner(static_runner, body)) == expected
+
+
 def test_stop_strings_and_max_tokens_end_their_own_request_only(tiny):
     model, tokenizer = tiny
     free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

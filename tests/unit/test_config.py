@@ -100,7 +100,7 @@ def test_a_mapping_replaced_by_a_scalar_forgets_the_old_origins(root: Path):
 
 def test_each_backend_has_its_own_editable_fields():
     assert schema.editable_fields("builtin") == (
-        "max_num_seqs", "max_model_len", "batching", "kv_cache_mib", "shutdown_timeout")
+        "max_num_seqs", "max_model_len", "batching", "kv_cache_mib", "shutdown_timeout", "enforce_eager")
     assert "gpu_memory_utilization" in schema.editable_fields("vllm")
     assert "mem_fraction_static" in schema.editable_fields("sglang")
     assert "max_num_seqs" not in schema.editable_fields("sglang")
