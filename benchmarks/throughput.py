@@ -29,7 +29,8 @@ N times that (``--bandwidth-gbs``, the H200's 4,800 GB/s by default).
 With ``--reference``, once hostd's daemons (and vLLM) have stopped, this
 process loads the same checkpoint as a library user would
 (``AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map=device)``,
-the default attention implementation, ``HF_HUB_OFFLINE=1`` unless set: a
+the default attention implementation with cuDNN's SDPA off on CUDA as in
+hostd's engine (``--reference-cudnn`` leaves it on), ``HF_HUB_OFFLINE=1`` unless set: a
 local directory, nothing downloads; no tokenizer: token ids go in) and runs
 transformers' own generation on the same prompt token ids, greedy, with
 ``eos_token_id=-1`` (no stop) and ``max_new_tokens`` = ``--output-tokens``:
@@ -270,6 +271,12 @@ def run_reference(checkpoint: Path, args, vocab: int) -> list[Row]:
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.streamers import BaseStreamer
 
+    if args.device == "cuda" and not args.reference_cudnn:
+        # The attention backends hostd's engine runs with (hostd/engine/main.py):
+        # with cuDNN's SDPA, torch 2.11's default, transformers' generate took
+        # 92 ms a token on the H200 instead of 18 (docs/benchmarks.md), a
+        # reference hostd would beat for the wrong reason.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     started = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", device_map=args.device)
     model.eval()
@@ -430,6 +437,8 @@ def main() -> int:
     parser.add_argument("--reference", action="store_true",
                         help="also run transformers' own generate / generate_batch on the same checkpoint and "
                              "prompts, in this process, after hostd's engines")
+    parser.add_argument("--reference-cudnn", action="store_true",
+                        help="--reference on CUDA: leave cuDNN's SDPA on (torch's default; the engine turns it off)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", default="tiny-llama",
                         help="tiny-llama (head_dim 64, which vLLM's CPU attention takes) or a hostd "
