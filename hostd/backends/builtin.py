@@ -112,7 +112,7 @@ class BuiltinBackend(Backend):
             return budget.for_checkpoint(
                 Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
                 max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
-                device_total=device_total)
+                device_total=device_total, device=cfg.device)
         except (OSError, ValueError):
             return None
 

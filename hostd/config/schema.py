@@ -309,7 +309,8 @@ class BuiltinEngine(_Strict):
             "pages of 16 tokens on cpu and 256 on cuda: `hostctl config --check`, "
             "`hostctl reload --check` and a reload refuse one that does not, "
             "naming the numbers, as the engine would at start. Unset: "
-            "max_num_seqs requests of max_model_len tokens, capped at 20 % of "
+            "max_num_seqs requests of max_model_len tokens, each in whole "
+            "pages, capped at 20 % of "
             "the device's memory so that a second engine fits beside it for an "
             "overlap reload (hostd/engine/budget.py)."
         ),

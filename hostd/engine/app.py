@@ -416,10 +416,14 @@ def full_kv_bytes(model, limits: Limits) -> int:
         return limits.kv_cache_bytes
     from hostd.engine import budget
 
+    from hostd.engine.generate import model_device
+
     config = model.config.get_text_config().to_dict()
     per_token = budget.bytes_per_token(config, str(model.dtype).removeprefix("torch."))
+    kind = "cuda" if model_device(model).type == "cuda" else "cpu"
     return budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=limits.max_num_seqs,
-                                 max_model_len=limits.max_model_len, per_token=per_token, device_total=None)
+                                 max_model_len=limits.max_model_len, per_token=per_token, device_total=None,
+                                 page=budget.PAGE_SIZE[kind])
 
 
 def make_runner(model, tokenizer, limits: Limits, *, full: bool = False) -> Runner:

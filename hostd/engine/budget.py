@@ -10,7 +10,9 @@ two can never disagree.
   head_dim * dtype bytes`` (Qwen2.5-7B in bf16: 56 KiB; the tiny test model:
   256 B).
 - the budget: ``engine.kv_cache_mib`` when set; unset, what every one of
-  ``max_num_seqs`` requests needs at ``max_model_len`` tokens, capped at
+  ``max_num_seqs`` requests needs at ``max_model_len`` tokens in whole
+  blocks of the device's PAGE_SIZE (a request holds whole blocks: 64
+  requests of 128 tokens take 64 blocks of 256 on CUDA, not 32), capped at
   DEFAULT_SHARE of the device's memory (the GPU's total, or the host's
   MemTotal on CPU), so that a second engine of the same config fits beside
   it for an overlap reload or a standby (two budgets and the shared weights
@@ -71,15 +73,17 @@ def bytes_per_token(config: dict, dtype: str) -> int:
 
 
 def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_len: int, per_token: int,
-                   device_total: Optional[int]) -> int:
-    """The KV budget in bytes (see the module docstring). DEVICE_TOTAL None
-    (unknown): the unset budget is what the batch needs, uncapped."""
+                   device_total: Optional[int], page: int = 1) -> int:
+    """The KV budget in bytes (see the module docstring), for blocks of PAGE
+    tokens. DEVICE_TOTAL None (unknown): the unset budget is what the batch
+    needs, uncapped."""
     if kv_cache_mib is not None:
         return kv_cache_mib << 20
-    need = max_num_seqs * max_model_len * per_token
+    one = -(-max_model_len // page) * page * per_token  # one request, in whole blocks
+    need = max_num_seqs * one
     if device_total is None:
         return need
-    return max(min(need, int(DEFAULT_SHARE * device_total)), per_token * max_model_len)
+    return max(min(need, int(DEFAULT_SHARE * device_total)), one)
 
 
 def resolve_dtype(config: dict, dtype: str) -> str:
@@ -97,10 +101,12 @@ def positions(config: dict) -> int:
 
 
 def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int], max_num_seqs: int,
-                   max_model_len: Optional[int], device_total: Optional[int]) -> int:
-    """kv_cache_bytes for the checkpoint directory CHECKPOINT (its config.json):
-    DTYPE 'auto' is the checkpoint's own, max_model_len None its max_position_embeddings."""
+                   max_model_len: Optional[int], device_total: Optional[int], device: str) -> int:
+    """kv_cache_bytes for the checkpoint directory CHECKPOINT (its config.json) on
+    DEVICE ('cpu' or 'cuda': its PAGE_SIZE): DTYPE 'auto' is the checkpoint's
+    own, max_model_len None its max_position_embeddings."""
     config = json.loads((checkpoint / "config.json").read_text())
     return kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len or positions(config),
-                          per_token=bytes_per_token(config, resolve_dtype(config, dtype)), device_total=device_total)
+                          per_token=bytes_per_token(config, resolve_dtype(config, dtype)), device_total=device_total,
+                          page=PAGE_SIZE[device])

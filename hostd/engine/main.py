@@ -147,7 +147,7 @@ def limits_for(cfg, model, standby: bool = False):
         kv_cache_bytes = budget.for_checkpoint(
             Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
             max_num_seqs=cfg.engine.max_num_seqs, max_model_len=max_model_len,
-            device_total=device_memory(cfg.device))
+            device_total=device_memory(cfg.device), device=cfg.device)
     return server.Limits(
         max_num_seqs=cfg.engine.max_num_seqs,
         max_model_len=max_model_len,

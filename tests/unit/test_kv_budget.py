@@ -40,6 +40,24 @@ def test_the_unset_budget_fits_the_batch_and_is_capped_at_a_share_of_the_device(
                                  device_total=141 << 30) == 300 * MiB
 
 
+def test_the_unset_budget_counts_each_request_in_whole_blocks():
+    """A request holds whole blocks: on CUDA (256 tokens a block) 64 requests
+    of 128 tokens need 64 blocks. Counted in tokens (32 blocks) half of them
+    waited for the other half (benchmarks/throughput.py at 64 streams on the
+    H200, 2026-12-02), and one request of 128 tokens got no block at all."""
+    per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
+    page = budget.PAGE_SIZE["cuda"]
+    batch = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=64, max_model_len=128, per_token=per_token,
+                                  device_total=141 << 30, page=page)
+    assert batch // (per_token * page) == 64
+    one = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=1, max_model_len=128, per_token=per_token,
+                                device_total=141 << 30, page=page)
+    assert one // (per_token * page) == 1
+    # a whole number of blocks already: unchanged
+    assert budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=8, max_model_len=4096, per_token=per_token,
+                                 device_total=141 << 30, page=page) == 8 * 4096 * per_token
+
+
 def write_model(root: Path, engine: str) -> object:
     checkpoint = root / "ckpt"
     checkpoint.mkdir()
