@@ -88,7 +88,7 @@ class Preflight:
             status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
         except (OSError, weights_client.WeightsRefused):
             pass
-        held = sum(v for k, v in (status.bytes_by_device if status else {}).items() if k.startswith("cuda"))
+        held = daemon_bytes_per_gpu(status.bytes_by_device if status else {}, list(cfg.gpus))
         # In a thread: NVML takes milliseconds per GPU, and this is root's only loop.
         return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held, standby_pid)
 
@@ -193,14 +193,38 @@ def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
     return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
 
 
-def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: int, standby_pid: int = 0) -> list["GpuMemory"]:
-    """Preflight.gpu_memory's NVML reading of GPUS (blocking: run it in a thread)."""
+def daemon_bytes_per_gpu(bytes_by_device: dict[str, int], gpus: list[int]) -> dict[int, int]:
+    """The weight daemon's bytes on each of GPUS (the config's `gpus:`, host
+    indices), from its status's bytes_by_device. The daemon counts its own
+    CUDA devices: its "cuda:N" is the Nth GPU of GPUS (CUDA_VISIBLE_DEVICES
+    lists them in that order), so a model on `gpus: [1]` holds its weights on
+    GPU 1, and a daemon that holds everything on its first GPU charges
+    nothing to the second. A CUDA key without an ordinal is spread evenly
+    over GPUS (what every key was before)."""
+    out = dict.fromkeys(gpus, 0)
+    for key, size in bytes_by_device.items():
+        kind, _, ordinal = key.partition(":")
+        if kind != "cuda":
+            continue
+        if ordinal.isdigit() and int(ordinal) < len(gpus):
+            out[gpus[int(ordinal)]] += size
+        else:
+            for gpu in gpus:
+                out[gpu] += size // max(1, len(gpus))
+    return out
+
+
+def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: dict[int, int],
+                     standby_pid: int = 0) -> list["GpuMemory"]:
+    """Preflight.gpu_memory's NVML reading of GPUS, and of no other GPU
+    (blocking: run it in a thread). HELD: the weight daemon's bytes on each
+    of them (daemon_bytes_per_gpu)."""
     with nvml.session() as pynvml:
         out = []
         for index in gpus:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            daemon = held // max(1, len(gpus))
+            daemon = held.get(index, 0)
             processes = {p.pid: p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
             engine = processes.get(engine_pid)
             if engine is None:

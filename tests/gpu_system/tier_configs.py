@@ -13,13 +13,13 @@ from __future__ import annotations
 SIZE = {"cuda": "7b", "cpu": "tiny"}
 
 
-def model_yaml(model_dir: str, device: str, port: int) -> str:
+def model_yaml(model_dir: str, device: str, port: int, gpus: tuple[int, ...] = (0,)) -> str:
     """/etc/hostd/models/qwen.yaml: the builtin backend on MODEL_DIR. The
     batched engine's default KV budget (unset kv_cache_mib: every one of the
     8 requests at the checkpoint's 32768 positions, capped at a fifth of the
     GPU) leaves room for a second engine beside it (overlap, standby)."""
-    gpus = "gpus: [0]\n" if device == "cuda" else ""
-    return (f"backend: builtin\nmodel: {model_dir}\ndevice: {device}\n{gpus}"
+    gpus_line = f"gpus: {list(gpus)}\n" if device == "cuda" else ""
+    return (f"backend: builtin\nmodel: {model_dir}\ndevice: {device}\n{gpus_line}"
             f"listen: 127.0.0.1:{port}\nengine:\n  max_num_seqs: 8\n"
             "timeouts: {start: 900, stop: 120}\n")
 
@@ -39,3 +39,14 @@ def strategy_dropin(name: str) -> str:
 def files(model_dir: str, device: str, port: int) -> dict[str, str]:
     return {"qwen.yaml": model_yaml(model_dir, device, port), "qwen.d/30-standby.yaml": STANDBY_DROPIN,
             "qwen.d/40-strategy.yaml": strategy_dropin("overlap")}
+
+
+#: test_two_gpus.py (issue 39): two models pinned apart, and one across both
+#: GPUs, each on the 7B checkpoint: model name -> its `gpus:`.
+TWO_GPU_MODELS = {"left": (0,), "right": (1,), "split": (0, 1)}
+
+
+def two_gpu_files(model_dir: str, ports: dict[str, int]) -> dict[str, str]:
+    """/etc/hostd/models/NAME.yaml of each TWO_GPU_MODELS model, on PORTS[NAME]."""
+    return {f"{name}.yaml": model_yaml(model_dir, "cuda", ports[name], gpus)
+            for name, gpus in TWO_GPU_MODELS.items()}

@@ -422,3 +422,37 @@ def test_a_unix_metrics_listener_gets_its_directory_writable_in_the_gateways_san
     assert "ReadWritePaths" not in (out / "model@tcp.service.d/50-hostd.conf").read_text()
     assert not any("9101" in p.read_text() or "hostd-metrics" in p.read_text()
                    for p in out.rglob("*.socket.d/*.conf"))  # systemd does not listen there
+
+
+def test_models_pinned_to_different_gpus_each_allow_only_their_own_gpus_minor(tmp_path: Path, monkeypatch):
+    """Two models on one host, `gpus: [0]` and `gpus: [1]`: every unit of one
+    (weights, engine, next, standby) may open its own GPU's /dev node and
+    not the other's. NVML's minors are not the indices here (GPU 0 is
+    /dev/nvidia1, GPU 1 is /dev/nvidia0), as on hosts whose driver probed
+    the cards in another order."""
+    minors = {0: 1, 1: 0}
+
+    class TwoGpus:
+        nvmlDeviceGetCount = staticmethod(lambda: 2)
+        nvmlDeviceGetHandleByIndex = staticmethod(lambda index: ("handle", index))
+        nvmlDeviceGetMinorNumber = staticmethod(lambda handle: minors[handle[1]])
+
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(TwoGpus))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "left", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [0]\nlisten: 127.0.0.1:8001\n")
+    model(etc, "right", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [1]\nlisten: 127.0.0.1:8002\n")
+
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["left", "right"]
+
+    for name, index, own, other in (("left", 0, 1, 0), ("right", 1, 0, 1)):
+        for unit in (f"model-weights@{name}", f"model-engine@{name}", f"model-engine-next@{name}",
+                     f"model-engine-standby@{name}"):
+            text = (out / f"{unit}.service.d/50-hostd.conf").read_text()
+            nodes = [line for line in text.splitlines() if line.startswith("DeviceAllow=/dev/nvidia")
+                     and line.split()[0].removeprefix("DeviceAllow=/dev/nvidia").isdigit()]
+            assert nodes == [f"DeviceAllow=/dev/nvidia{own} rw"], (unit, text)
+            assert f"DeviceAllow=/dev/nvidia{other} rw" not in text, (unit, text)
+            assert "char-nvidia-frontend" not in text, (unit, text)  # never every GPU
+            assert f"Environment=CUDA_VISIBLE_DEVICES={index}\n" in text, (unit, text)
+        # The gateway opens no GPU at all.
+        assert "DeviceAllow" not in (out / f"model@{name}.service.d/50-hostd.conf").read_text()

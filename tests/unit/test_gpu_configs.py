@@ -75,3 +75,19 @@ def test_the_check_refuses_what_the_h200_refused_a_small_kv_budget_under_all_pos
     [problem] = start_refusals(root, "gpu")
     assert problem.startswith("engine.kv_cache_mib: the KV budget of 134217728 bytes holds 5376 tokens "
                               "(24576 bytes each), fewer than one request of max_model_len=32768"), problem
+
+
+def test_the_two_gpu_tiers_files_pass_the_engines_start_checks(tmp_path: Path):
+    """tests/gpu_system/test_two_gpus.py's models (issue 39; not yet run on hardware)."""
+    checkpoint = config_json(tmp_path / "qwen", random_model.SIZES[tier_configs.SIZE["cuda"]])
+    root = tmp_path / "etc"
+    ports = {name: 8130 + i for i, name in enumerate(tier_configs.TWO_GPU_MODELS)}
+    for relative, text in tier_configs.two_gpu_files(str(checkpoint), ports).items():
+        path = root / "models" / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    names = sorted(tier_configs.TWO_GPU_MODELS)
+    assert config.check(root, names) == []
+    for name in names:
+        assert start_refusals(root, name) == []
+        assert list(config.load_model(name, root).config.gpus) == list(tier_configs.TWO_GPU_MODELS[name])

@@ -310,9 +310,9 @@ def test_nvml_gives_the_standby_its_own_share_and_none_where_it_does_not_list_it
     fake_nvml(monkeypatch, total=80 * GiB, free=40 * GiB, engine_pid=11, engine_bytes=20 * GiB)
     listed = pynvml.nvmlDeviceGetComputeRunningProcesses("gpu0") + [SimpleNamespace(pid=12, usedGpuMemory=GiB)]
     monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", lambda handle: listed)
-    [gpu] = preflight._nvml_gpu_memory([0], 11, 15 * GiB, standby_pid=12)
+    [gpu] = preflight._nvml_gpu_memory([0], 11, {0: 15 * GiB}, standby_pid=12)
     assert (gpu.engine, gpu.daemon, gpu.standby) == (20 * GiB, 15 * GiB, GiB)
-    [gpu] = preflight._nvml_gpu_memory([0], 11, 15 * GiB, standby_pid=99)  # another PID namespace
+    [gpu] = preflight._nvml_gpu_memory([0], 11, {0: 15 * GiB}, standby_pid=99)  # another PID namespace
     assert gpu.standby is None
-    [gpu] = preflight._nvml_gpu_memory([0], 11, 15 * GiB)  # no standby
+    [gpu] = preflight._nvml_gpu_memory([0], 11, {0: 15 * GiB})  # no standby
     assert gpu.standby is None

@@ -161,6 +161,22 @@ def test_every_case_has_a_bridge_command_line_with_its_kv_budget(tmp_path):
     assert ("vllm", False, 1, "cuda") in seen  # weight_cache: off, and gptq from disk
 
 
+def test_the_tensor_parallel_cases_give_the_parsers_tp_2_in_every_command(tmp_path):
+    """What the real parsers are given for `tensor_parallel_size: 2` (issue
+    39): the weight cache, the engine and the overlap reload's bridge each
+    carry TP 2 as the one value of upstream's flag. Only parsed here: no TP 2
+    engine has run (docs/vllm.md, Tensor parallel)."""
+    ckpt = checkpoint(tmp_path)
+    for case, flag in (("vllm-tensor-parallel-2", "--tensor-parallel-size"), ("sglang-tensor-parallel-2", "--tp-size")):
+        backend, config = CONFIGS[case]
+        cfg = msgspec.convert({"backend": backend, "model": ckpt, **config}, schema.MODEL_TYPES[backend])
+        built = dict(commands(cfg))
+        assert set(built) == {"weights", "engine", "bridge"}, case
+        for what, argv in built.items():
+            values = [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
+            assert values == ["2"], (case, what, argv)
+
+
 def upstream_request(backend: str, what: str, argv: list[str]):
     if backend == "vllm":
         return argv
