@@ -36,8 +36,11 @@ ENGINE_SOCKET = "engine.sock"
 ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock", "standby": "engine-standby.sock"}
 CONTROL_SOCKET = "control.sock"
 # Where each slot's `vllm serve --uds` listens, behind hostd's engine socket of
-# that slot: two engines of one model (an overlap reload) never share one.
-VLLM_ENGINE_SOCKETS = {"main": "vllm-engine.sock", "next": "vllm-engine-next.sock"}
+# that slot: two engines of one model (an overlap reload, a standby) never share
+# one. "standby" is named for the vLLM standby's command line (issue 35), which
+# no unit runs yet.
+VLLM_ENGINE_SOCKETS = {"main": "vllm-engine.sock", "next": "vllm-engine-next.sock",
+                       "standby": "vllm-engine-standby.sock"}
 VLLM_SOCKET_DIR = "vllm"
 SGLANG_SOCKET_DIR = "sglang"
 _LONGEST_UPSTREAM_SOCKET = (

@@ -483,7 +483,8 @@ class UpstreamBackend(Backend):
                        bridge: Optional[Bridge] = None) -> Command:
         """What hostd's engine supervisor of SLOT runs as its child; PORT is
         the private loopback port it picked when engine_socket() is None.
-        With BRIDGE (the next slot) the engine runs on that budget."""
+        With BRIDGE (the next slot; the standby's, standby_command) the engine
+        runs on that budget."""
 
     # ------------------------------------------------------------ the bridge
 
@@ -517,5 +518,20 @@ class UpstreamBackend(Backend):
         """What the bridge runs with, for the Operation's notes and the journal."""
         return " ".join([*self.bridge_args(cfg, bridge), *(f"-u {name}" for name in self.bridge_cleared_env),
                          *(f"{name}={value}" for name, value in sorted(self.bridge_env(cfg).items()))])
+
+    # ------------------------------------------------------------ the standby
+
+    def standby_command(self, model: str, cfg, budget: Bridge, port: int = 0) -> Command:
+        """The warm standby's engine (slot "standby", issue 35): the main
+        engine's command on an upstream socket or PORT of its own, attached to
+        the same weight cache daemon as the main engine and the bridge, on the
+        bridge's small KV budget. BUDGET is the bridge's (bridge(cfg):
+        reload.bridge_kv_mib), not a key of its own: a vLLM or SGLang engine
+        cannot grow its KV pool without a restart, so the budget the standby
+        waits on is the one it serves a failover or a reload with, which is the
+        bridge's job and the room bridge_need() already weighs. A building
+        block only: no unit, manager or gateway runs it yet (docs/vllm.md,
+        The standby)."""
+        return self.engine_command(model, cfg, port=port, slot="standby", bridge=budget)
 
 

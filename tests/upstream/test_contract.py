@@ -4,8 +4,9 @@ For a matrix of model configs (every editable field, extra_args and
 engine_extra_args with frontend flags, quantization in and out of the weight
 cache's allowlist, tensor parallel > 1, CPU), each command hostd builds —
 `vllm preload`, `vllm serve`, SGLang's weight cache daemon and SGLang's
-server, and the overlap reload's bridge (the server in the next slot on its
-own KV budget) — is parsed by the real vLLM 0.32.0 / SGLang 0.5.23 parser (vLLM's
+server, the overlap reload's bridge (the server in the next slot on its
+own KV budget) and the standby (issue 35: the bridge's budget in the standby
+slot, a command line no unit runs yet) — is parsed by the real vLLM 0.32.0 / SGLang 0.5.23 parser (vLLM's
 subcommand validate() too) and must be accepted. Every flag hostd refuses,
 owns or keeps editable, in every spelling upstream accepts ('_' for '-',
 '=value', short aliases, prefixes), is accepted by upstream's parser and
@@ -135,6 +136,10 @@ def commands(cfg) -> list[tuple[str, list[str]]]:
     argv = b.engine_command("m", cfg, port=31001, slot="next", bridge=bridge_of(cfg)).argv
     assert set(b.bridge_args(cfg, bridge_of(cfg))) <= set(argv), "the bridge's own budget is on its command line"
     out.append(("bridge", argv[1:] if cfg.backend == "vllm" else argv[3:]))
+    argv = b.standby_command("m", cfg, bridge_of(cfg), port=31002).argv
+    assert argv[-len(b.bridge_args(cfg, bridge_of(cfg))):] == b.bridge_args(cfg, bridge_of(cfg)), \
+        "the standby's budget comes last, where the parser keeps it"
+    out.append(("standby", argv[1:] if cfg.backend == "vllm" else argv[3:]))
     return out
 
 
@@ -163,18 +168,43 @@ def test_every_case_has_a_bridge_command_line_with_its_kv_budget(tmp_path):
 
 def test_the_tensor_parallel_cases_give_the_parsers_tp_2_in_every_command(tmp_path):
     """What the real parsers are given for `tensor_parallel_size: 2` (issue
-    39): the weight cache, the engine and the overlap reload's bridge each
-    carry TP 2 as the one value of upstream's flag. Only parsed here: no TP 2
+    39): the weight cache, the engine, the overlap reload's bridge and the
+    standby (issue 35) each carry TP 2 as the one value of upstream's flag. Only parsed here: no TP 2
     engine has run (docs/vllm.md, Tensor parallel)."""
     ckpt = checkpoint(tmp_path)
     for case, flag in (("vllm-tensor-parallel-2", "--tensor-parallel-size"), ("sglang-tensor-parallel-2", "--tp-size")):
         backend, config = CONFIGS[case]
         cfg = msgspec.convert({"backend": backend, "model": ckpt, **config}, schema.MODEL_TYPES[backend])
         built = dict(commands(cfg))
-        assert set(built) == {"weights", "engine", "bridge"}, case
+        assert set(built) == {"weights", "engine", "bridge", "standby"}, case
         for what, argv in built.items():
             values = [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
             assert values == ["2"], (case, what, argv)
+
+
+def test_every_case_has_a_standby_command_line_with_the_bridges_budget(tmp_path):
+    """The matrix covers the standby with and without the weight cache, TP 1
+    and 2; each standby has the main engine's weight-cache attach, the
+    bridge's KV flag and an upstream socket or port of its own."""
+    ckpt = checkpoint(tmp_path)
+    seen = set()
+    for case, (backend, config) in CONFIGS.items():
+        cfg = msgspec.convert({"backend": backend, "model": ckpt, **config}, schema.MODEL_TYPES[backend])
+        b = backends.for_config(cfg)
+        lines = dict(commands(cfg))
+        standby, engine = lines["standby"], lines["engine"]
+        assert ("--kv-cache-memory-bytes" if backend == "vllm" else "--max-total-tokens") in standby, case
+        attach = ("--load-format", "--model-loader-extra-config") if backend == "vllm" else ("--weight-cache-mode",)
+        for flag in attach:
+            assert (flag in standby) == (flag in engine) == b.retains_weights(cfg), (case, flag)
+            if flag in engine:
+                assert standby[standby.index(flag) + 1] == engine[engine.index(flag) + 1], (case, flag)
+        own = "--uds" if backend == "vllm" else "--port"
+        assert len({line[line.index(own) + 1] for line in lines.values() if own in line}) == len(
+            [line for line in lines.values() if own in line]), case
+        seen.add((backend, b.retains_weights(cfg), cfg.tensor_parallel_size))
+    for backend in ("vllm", "sglang"):
+        assert {(backend, True, 1), (backend, True, 2), (backend, False, 1)} <= seen
 
 
 def upstream_request(backend: str, what: str, argv: list[str]):
@@ -213,6 +243,16 @@ def test_every_command_hostd_runs_is_accepted_by_upstreams_parser(case, answers)
     assert mine, case
     for (_, what, argv), answer in mine.items():
         assert answer["ok"], f"{case} {what}: upstream refuses {' '.join(argv)}: {answer}"
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_every_standby_command_line_is_accepted_by_upstreams_parser(case, answers):
+    """The standby's own lines, selectable with `-k standby`: vLLM 0.32's
+    parser and validate(), SGLang 0.5.23's server parser."""
+    mine = {k: v for k, v in answers["answers"].items() if k[0] == case and k[1] == "standby"}
+    assert len(mine) == 1, case
+    for (_, _, argv), answer in mine.items():
+        assert answer["ok"], f"{case} standby: upstream refuses {' '.join(argv)}: {answer}"
 
 
 @pytest.mark.parametrize(("backend", "flag", "value"), CHECKED, ids=[f"{b}{f}" for b, f, _ in CHECKED])
