@@ -393,6 +393,8 @@ class _Rebuilder:
         # The old engine and its runner refer to each other (on_change), and
         # the engine sits in cycles of its own (its metrics, its standby KV):
         # let go of the runner so that it is freed now, without a collection.
+        for _ in range(2):  # its last outputs' deliveries, queued on this loop, run (they hold it)
+            await asyncio.sleep(0)
         engine = old.engine
         gone = weakref.ref(engine.runner)
         engine.runner.on_change = None

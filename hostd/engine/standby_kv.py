@@ -75,6 +75,15 @@ def return_freed_memory(gone: "weakref.ref | None" = None) -> None:
         torch.cuda.empty_cache()  # so that NVML, and the manager's preflight through it, sees the memory returned
 
 
+def join_and_drop(box: list) -> None:
+    """Join the runner that BOX holds (blocking: run it in a thread) and let
+    go of it. asyncio.to_thread(runner.join) would leave the runner
+    referenced by the executor's work item for a moment after the await
+    returns (the worker thread drops it after it sets the result), long
+    enough for return_freed_memory to find it alive and collect."""
+    box.pop().join()
+
+
 class StandbyKV:
     """ENGINE's (app.py's Engine) runner swap. MAKE_RUNNER(full=...) builds a
     runner on the full or the idle budget (app.py's make_runner; blocking);
@@ -168,10 +177,12 @@ class StandbyKV:
                       priming: bool = False) -> None:
         """The swapped-out runner stopped and its memory returned; then the swap's journal line."""
         old.cancel_all()  # nothing runs on it: requests wait in full(), and a shrink needs none in flight
-        await asyncio.to_thread(old.join)
         old.on_change = None
-        gone = weakref.ref(old)
+        gone, box = weakref.ref(old), [old]
         del old
+        await asyncio.to_thread(join_and_drop, box)
+        for _ in range(2):  # its last outputs' deliveries, queued on this loop, run (they hold it)
+            await asyncio.sleep(0)
         await asyncio.to_thread(return_freed_memory, gone)
         phases["free_old"] = round(time.monotonic() - started - phases["swap"], 4)
         if budget == "full" and not priming:
