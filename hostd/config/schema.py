@@ -329,7 +329,7 @@ class BuiltinEngine(_Strict):
             "device cuda, batching continuous: true runs every step eagerly, "
             "one kernel launch at a time from Python; false (the default) "
             "captures each step shape in a CUDA graph and replays it, which "
-            "on a 7B model takes a one-stream step from 20-40 ms to about 9 ms "
+            "on a 7B model took a one-stream step from 21-44 ms to about 9 ms "
             "(docs/benchmarks.md) and adds 0.3-2 s of graph capture to the "
             "engine's start. vLLM's name and meaning. The warm standby's "
             "runners are always eager (its switch-in must not wait for a "
