@@ -6,7 +6,8 @@
 # On that machine (no systemd, no network; the image's python3 with torch):
 # installs the carried wheels (.gpu/wheels, from packaging/fetch-gpu-tier.sh)
 # and hostd itself from this checkout into that python3, writes the random
-# Qwen2.5-7B-shaped checkpoint (`hostd make-checkpoint --size 7b`) while the
+# Qwen2.5-7B-shaped checkpoint (`hostd make-checkpoint --size 7b`; one an
+# earlier command on the same machine finished is reused) while the
 # container boots, prepares what systemd-nspawn needs of the host, and runs
 # the tier, which unpacks .gpu/debs, boots Debian 12's systemd 252 and drives
 # hostd there. Results (results.json, journal.txt, pytest.log) go to

@@ -415,7 +415,6 @@ def full_kv_bytes(model, limits: Limits) -> int:
     if limits.kv_cache_bytes is not None:
         return limits.kv_cache_bytes
     from hostd.engine import budget
-
     from hostd.engine.generate import model_device
 
     config = model.config.get_text_config().to_dict()

@@ -73,7 +73,7 @@ def bytes_per_token(config: dict, dtype: str) -> int:
 
 
 def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_len: int, per_token: int,
-                   device_total: Optional[int], page: int = 1) -> int:
+                   device_total: Optional[int], page: int) -> int:
     """The KV budget in bytes (see the module docstring), for blocks of PAGE
     tokens. DEVICE_TOTAL None (unknown): the unset budget is what the batch
     needs, uncapped."""

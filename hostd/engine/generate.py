@@ -140,7 +140,7 @@ def choose_tokens(scores: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     cumulative = torch.cumsum(kept, dim=-1)
     target = draws.clamp(min=0.0).unsqueeze(1) * cumulative[:, -1:]
     sampled = torch.searchsorted(cumulative, target, right=True).squeeze(1)
-    sampled = torch.minimum(sampled, torch.full_like(sampled, scores.size(-1) - 1))
+    sampled = sampled.clamp(max=scores.size(-1) - 1)  # a draw at the kept mass's rounding edge
     return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
 
 
@@ -182,7 +182,7 @@ def generate_tokens(
     eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
     device = model_device(model)
     cache_keyword = _cache_keyword(model)
-    generator = request_generator(params, device)
+    generator = request_generator(params)
     cache = _new_cache(model)
     inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for _ in range(params.max_tokens):
@@ -204,7 +204,7 @@ def warm_up(model: torch.nn.Module, tokenizer) -> None:
         pass
 
 
-def request_generator(params: SamplingParams, device: torch.device | None = None) -> torch.Generator | None:
+def request_generator(params: SamplingParams) -> torch.Generator | None:
     """The request's own random generator (both runners): None when greedy,
     else seeded by params.seed, or at random without one. On the host
     whatever the model's device: it gives one uniform draw per token

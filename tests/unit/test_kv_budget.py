@@ -31,13 +31,13 @@ def test_bytes_per_token_is_keys_and_values_of_every_layer():
 def test_the_unset_budget_fits_the_batch_and_is_capped_at_a_share_of_the_device():
     per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
     small = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=8, max_model_len=4096, per_token=per_token,
-                                  device_total=141 << 30)
+                                  device_total=141 << 30, page=budget.PAGE_SIZE["cuda"])
     assert small == 8 * 4096 * per_token
     capped = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=64, max_model_len=32768, per_token=per_token,
-                                   device_total=141 << 30)
+                                   device_total=141 << 30, page=budget.PAGE_SIZE["cuda"])
     assert capped == int(budget.DEFAULT_SHARE * (141 << 30))
     assert budget.kv_cache_bytes(kv_cache_mib=300, max_num_seqs=64, max_model_len=32768, per_token=per_token,
-                                 device_total=141 << 30) == 300 * MiB
+                                 device_total=141 << 30, page=budget.PAGE_SIZE["cuda"]) == 300 * MiB
 
 
 def test_the_unset_budget_counts_each_request_in_whole_blocks():
