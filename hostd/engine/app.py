@@ -59,7 +59,7 @@ from hostd.engine.openai_api import (
     token_usage,
 )
 from hostd.engine.prepare import Preparer
-from hostd.engine.standby_kv import StandbyKV
+from hostd.engine.standby_kv import StandbyKV, join_and_drop
 
 CLIENT_MAX_SIZE = 64 * 1024 * 1024  # request bodies: long contexts need more than aiohttp's 1 MiB
 STATUS_CLIENT_CLOSED = "499"  # requests_total status for a client that left before the end (nginx's code)
@@ -489,9 +489,8 @@ def build_app(
         if app[ENGINE].standby_kv is not None:
             await app[ENGINE].standby_kv.close()  # a grow or shrink under way ends first
         app[ENGINE].close()
-        runner = app[ENGINE].runner
-        runner.cancel_all()
-        await asyncio.to_thread(runner.join)
+        app[ENGINE].runner.cancel_all()
+        await asyncio.to_thread(join_and_drop, [app[ENGINE].runner])
 
     app.on_cleanup.append(stop_workers)
     return app

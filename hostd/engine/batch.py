@@ -57,6 +57,7 @@ import collections
 import itertools
 import logging
 import math
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -193,21 +194,28 @@ def _router_class():
     from transformers.generation.continuous_batching.continuous_api import OutputRouter
 
     class _Router(OutputRouter):
-        """Hands each step's outputs to the event loop in one call; BatchRunner drops those of requests gone."""
+        """Hands each step's outputs to the event loop in one call; BatchRunner drops those of requests gone.
+
+        It holds its runner weakly: runner -> manager -> router -> runner
+        would be a reference cycle, which only a full garbage collection
+        frees, and that takes 0.3-0.8 s of the interpreter's lock in a
+        process holding torch and transformers (standby_kv.py frees a
+        swapped-out runner right when a request arrives)."""
 
         def __init__(self, runner: "BatchRunner") -> None:
             super().__init__()
-            self._runner = runner
+            self._runner = weakref.ref(runner)
 
         def deliver(self, output) -> None:
             self.deliver_batch([output])
 
         def deliver_batch(self, outputs) -> None:
-            loop = self._runner._loop
+            runner = self._runner()
+            loop = runner._loop if runner is not None else None
             if loop is None:
-                return  # nothing was ever streamed: only the warm-up's outputs, read nowhere
+                return  # nothing was ever streamed (only the warm-up's outputs, read nowhere), or the runner is gone
             try:
-                loop.call_soon_threadsafe(self._runner._arrived, list(outputs))
+                loop.call_soon_threadsafe(runner._arrived, list(outputs))
             except RuntimeError:  # the loop is closed: nobody listens any more
                 pass
 

@@ -42,6 +42,7 @@ import os
 import signal
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,7 +390,17 @@ class _Rebuilder:
         await old.runner.cleanup()
         # The old model's runner and its KV cache are garbage now: so that
         # NVML (and the manager's preflight through it) sees them returned.
-        await asyncio.to_thread(return_freed_memory)
+        # The old engine and its runner refer to each other (on_change), and
+        # the engine sits in cycles of its own (its metrics, its standby KV):
+        # let go of the runner so that it is freed now, without a collection.
+        for _ in range(2):  # its last outputs' deliveries, queued on this loop, run (they hold it)
+            await asyncio.sleep(0)
+        engine = old.engine
+        gone = weakref.ref(engine.runner)
+        engine.runner.on_change = None
+        engine.runner = None
+        del engine, old
+        await asyncio.to_thread(return_freed_memory, gone)
 
 
 async def _wait_idle(engine: Engine, timeout: float, hurry: asyncio.Event) -> bool:

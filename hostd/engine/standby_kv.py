@@ -18,9 +18,9 @@ The new runner is built before the old one stops, so that a failed
 allocation leaves the old one serving: for a moment the two caches are
 held together (the idle one is the small one). The requests that waited
 for a grow run as soon as the new runner is in; the old one is stopped and
-its memory returned after that, in the background (a collection and
-torch.cuda.empty_cache take tens of milliseconds that no first token
-should wait for), and the next swap waits for it.
+its memory returned after that, in the background (torch.cuda.empty_cache,
+and a full collection only where a reference cycle still holds the runner:
+return_freed_memory), and the next swap waits for it.
 
 Trust: as app.py; nothing here reads a request.
 """
@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -59,11 +60,28 @@ def idle_seconds() -> float:
     return SHRINK_IDLE_S
 
 
-def return_freed_memory() -> None:
-    """Hand a stopped runner's memory back: to the host, and on CUDA to the driver."""
-    gc.collect()  # the batching manager and its output router refer to each other: only a collection frees them
+def return_freed_memory(gone: "weakref.ref | None" = None) -> None:
+    """Hand a stopped runner's memory back: to the host, and on CUDA to the
+    driver. GONE, a weak reference to that runner: when it is dead the
+    runner was freed when its last reference went (batch.py's router holds
+    it weakly), so no collection is needed; a full one holds the
+    interpreter's lock for 0.3-0.8 s with torch and transformers loaded,
+    which a request arriving just then (the standby's verification after a
+    rebuild, its first token after a grow) would wait for. Otherwise, or
+    without GONE, a collection frees what a reference cycle still holds."""
+    if gone is None or gone() is not None:
+        gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # so that NVML, and the manager's preflight through it, sees the memory returned
+
+
+def join_and_drop(box: list) -> None:
+    """Join the runner that BOX holds (blocking: run it in a thread) and let
+    go of it. asyncio.to_thread(runner.join) would leave the runner
+    referenced by the executor's work item for a moment after the await
+    returns (the worker thread drops it after it sets the result), long
+    enough for return_freed_memory to find it alive and collect."""
+    box.pop().join()
 
 
 class StandbyKV:
@@ -159,9 +177,13 @@ class StandbyKV:
                       priming: bool = False) -> None:
         """The swapped-out runner stopped and its memory returned; then the swap's journal line."""
         old.cancel_all()  # nothing runs on it: requests wait in full(), and a shrink needs none in flight
-        await asyncio.to_thread(old.join)
+        old.on_change = None
+        gone, box = weakref.ref(old), [old]
         del old
-        await asyncio.to_thread(return_freed_memory)
+        await asyncio.to_thread(join_and_drop, box)
+        for _ in range(2):  # its last outputs' deliveries, queued on this loop, run (they hold it)
+            await asyncio.sleep(0)
+        await asyncio.to_thread(return_freed_memory, gone)
         phases["free_old"] = round(time.monotonic() - started - phases["swap"], 4)
         if budget == "full" and not priming:
             self.grow_s = phases  # /health's, once complete

@@ -322,3 +322,38 @@ def test_an_idle_runner_needs_one_block_not_one_request_of_max_model_len(tiny):
         return runner.kv_blocks_total
 
     assert run(with_runner(batch_runner(tiny, kv_cache_bytes=block, idle=True), body)) == 1
+
+
+def test_a_stopped_runner_is_freed_without_a_garbage_collection(tiny):
+    """standby_kv.py frees a swapped-out runner (and its KV cache) right when
+    a request may arrive: with no reference cycle through the runner its last
+    reference frees it, and return_freed_memory skips the full collection
+    (0.3-0.8 s of the interpreter's lock with torch loaded)."""
+    import gc
+    import weakref
+
+    from hostd.engine import standby_kv
+
+    runner = batch_runner(tiny)()
+    run(collect(runner, tiny[1].encode("Hello"), SamplingParams(max_tokens=4, temperature=0.8, seed=1)))
+    runner.cancel_all()
+    runner.join()
+    gone, cache = weakref.ref(runner), weakref.ref(runner.cache)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del runner
+        assert gone() is None and cache() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+    collections = []
+    real = gc.collect
+    try:
+        gc.collect = lambda *a: collections.append(a) or 0
+        standby_kv.return_freed_memory(gone)
+        assert collections == []  # freed already: no collection
+        standby_kv.return_freed_memory(None)
+        assert len(collections) == 1  # unknown: collect
+    finally:
+        gc.collect = real
