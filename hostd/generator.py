@@ -10,7 +10,8 @@ For each valid model it writes, into NORMAL_DIR:
 - model@NAME.socket.d/50-hostd.conf: ListenStream= from `listen:`
 - model@NAME.service.d, model-engine@NAME.service.d, model-engine-next@NAME.service.d
   (the overlap reload's second engine), model-engine-standby@NAME.service.d
-  (the warm standby), model-weights@NAME.service.d
+  (the warm standby), model-weights@NAME.service.d, and a checkpoint swap's
+  model-weights-next@NAME.service.d and model-engine-swap@NAME.service.d
   /50-hostd.conf: start/stop timeouts from `timeouts:`; the engines and the
   weights daemon run as the model's own user; for CUDA models the
   GPUs (CUDA_VISIBLE_DEVICES, counted in PCI bus order) and DeviceAllow= for
@@ -183,11 +184,12 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
     timeouts = [f"TimeoutStartSec={cfg.timeouts.start}", f"TimeoutStopSec={cfg.timeouts.stop}"]
     files = {
         f"{units.socket(name)}.d/{DROPIN}": header + socket_text(name, cfg.listen if listen is None else listen),
-        f"{units.weights_socket(name)}.d/{DROPIN}": header + "[Socket]\n"
-        + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n",
+        **{f"{units.weights_socket(name, slot)}.d/{DROPIN}": header + "[Socket]\n"
+           + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n" for slot in ("main", "next")},
         f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg) + metrics_listen_lines(cfg)) + "\n",
     }
-    for unit in (units.engine(name), units.engine(name, "next"), units.engine(name, "standby"), units.weights(name)):
+    for unit in (units.engine(name), units.engine(name, "next"), units.engine(name, "standby"), units.swap_engine(name),
+                 units.weights(name), units.weights(name, "next")):
         body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg))
         files[f"{unit}.d/{DROPIN}"] = header + "[Service]\n" + body + "\n"
     if getattr(cfg, "standby", False):

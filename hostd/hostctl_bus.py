@@ -289,6 +289,10 @@ def model_summary(hostd, name: str) -> dict:
         "standby": props.get("Standby", False), "standby_state": props.get("StandbyState", ""),
         "standby_pid": props.get("StandbyPID", 0), "start_problem": props.get("StartProblem", ""),
         "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
+        # The checkpoint the engine was last verified on (a swap commits the
+        # new one), else the one the config names.
+        "checkpoint": (props.get("RunningConfig") or {}).get("fixed", {}).get("model")
+        or props["Config"].get("model", ""),
         "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
                                                           "WeightsReused", "CreatedUSec", "FinishedUSec",
                                                           "Stages", "Cancellable")},
@@ -339,6 +343,7 @@ def print_detail(m: dict) -> None:
         ("Units", "\n".join(f"{u}" + (f" (PID {pids[i]})" if pids.get(i) else "") for i, u in enumerate(units_))),
         ("Weights", f"retained by PID {m['weights_pid']}" if m["weights_retained"] else
          f"not retained ({m['weights_not_retained_reason']})" if m["weights_not_retained_reason"] else "not retained"),
+        ("Checkpoint", m.get("checkpoint") or "-"),
         ("Engine", m["engine_status"] or "-"),
         ("Standby", (f"{m['standby_state'] or 'unknown'}" + (f" (PID {m['standby_pid']})" if m.get("standby_pid") else ""))
          if m.get("standby") else "none (standby: false)"),

@@ -29,6 +29,9 @@ SUN_PATH_MAX = 107  # bytes, without the terminating NUL
 # Socket files inside /run/hostd/NAME. vLLM names its sockets itself, after the
 # GPU's UUID ("GPU-" + 36 characters), inside the socket directory we give it.
 WEIGHTS_SOCKET = "weights.sock"
+# The weight daemons of a model: "main" at all times; "next" only during a
+# checkpoint swap, loading the new checkpoint beside main (units.WEIGHTS_NEXT).
+WEIGHTS_SOCKETS = {"main": WEIGHTS_SOCKET, "next": "weights-next.sock"}
 ENGINE_SOCKET = "engine.sock"
 # The engine slots of a model (units.py names their units): "main" serves at
 # rest; "next" runs only during an overlap reload, beside main; "standby" runs
@@ -57,8 +60,8 @@ def runtime_dir(name: str) -> Path:
     return runtime_root() / name
 
 
-def weights_socket(name: str) -> Path:
-    return runtime_dir(name) / WEIGHTS_SOCKET
+def weights_socket(name: str, slot: str = "main") -> Path:
+    return runtime_dir(name) / WEIGHTS_SOCKETS[slot]
 
 
 def engine_socket(name: str, slot: str = "main") -> Path:

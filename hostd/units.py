@@ -24,6 +24,12 @@ ENGINE_STANDBY = "model-engine-standby@.service"
 ENGINES = {"main": ENGINE, "next": ENGINE_NEXT, "standby": ENGINE_STANDBY}
 WEIGHTS = "model-weights@.service"
 WEIGHTS_SOCKET = "model-weights@.socket"
+# A checkpoint swap (a reload that changes `model:`): a second weight cache
+# daemon loads the new checkpoint beside WEIGHTS, and an engine on it serves in
+# the second slot while the main pair restarts on it (docs/operations.md).
+WEIGHTS_NEXT = "model-weights-next@.service"
+WEIGHTS_NEXT_SOCKET = "model-weights-next@.socket"
+ENGINE_SWAP = "model-engine-swap@.service"
 MANAGER = "hostd.service"
 
 
@@ -91,12 +97,18 @@ def engine(name: str, slot: str = "main") -> str:
     return instance(ENGINES[slot], name)
 
 
-def weights(name: str) -> str:
-    return instance(WEIGHTS, name)
+def weights(name: str, slot: str = "main") -> str:
+    """The weight cache daemon of SLOT: main, or next (a checkpoint swap's)."""
+    return instance(WEIGHTS_NEXT if slot == "next" else WEIGHTS, name)
 
 
-def weights_socket(name: str) -> str:
-    return instance(WEIGHTS_SOCKET, name)
+def weights_socket(name: str, slot: str = "main") -> str:
+    return instance(WEIGHTS_NEXT_SOCKET if slot == "next" else WEIGHTS_SOCKET, name)
+
+
+def swap_engine(name: str) -> str:
+    """The checkpoint swap's engine: the second slot, on the next weights."""
+    return instance(ENGINE_SWAP, name)
 
 
 def journal_units(name: str) -> list[str]:
@@ -106,5 +118,5 @@ def journal_units(name: str) -> list[str]:
     (`logger --journald`, systemd-cat): a reader of one model's journal
     (hostctl logs, the Cockpit page) matches both, so a line a local user
     forged with HOSTD_MODEL=NAME is not shown as the model's."""
-    return [umbrella(name), socket(name), *(engine(name, slot) for slot in ENGINES), weights(name),
-            weights_socket(name), MANAGER]
+    return [umbrella(name), socket(name), *(engine(name, slot) for slot in ENGINES), swap_engine(name),
+            weights(name), weights_socket(name), weights(name, "next"), weights_socket(name, "next"), MANAGER]

@@ -51,7 +51,10 @@ daemons.
 
 **Fixed** keys (everything outside `engine:`) describe the weights and how the
 units run: changing one needs `systemctl restart model@NAME`, which loads the
-weights again. **Editable** keys (under `engine:`, named as the backend names
+weights again. One exception: on the builtin backend a reload may change
+`model:` (the checkpoint), which it applies by a checkpoint swap under
+traffic (docs/operations.md, "Swapping the checkpoint"); every other fixed
+key, `dtype:` included, still needs the restart. **Editable** keys (under `engine:`, named as the backend names
 them) are the engine's limits: `systemctl reload model@NAME` or
 `hostctl reload NAME KEY=VALUE` applies them while the weights stay resident.
 """

@@ -445,7 +445,10 @@ class _ModelBase(_Strict):
     backend: Annotated[Backend, _doc("builtin, vllm or sglang.")]
     model: Annotated[
         str,
-        _doc("Absolute path of the checkpoint directory (config.json, *.safetensors)."),
+        _doc("Absolute path of the checkpoint directory (config.json, *.safetensors). builtin: a reload "
+             "that changes it (or the directory a symlink here points to) swaps the checkpoint under "
+             "traffic (docs/operations.md, \"Swapping the checkpoint\"); vllm, sglang: "
+             "`systemctl restart model@NAME`."),
     ]
     served_model_name: Annotated[
         Optional[str], _doc("Name clients pass as 'model'; unset: the model's NAME.")
@@ -636,6 +639,20 @@ ENGINE_TYPES: dict[str, type] = {
 def editable_fields(backend: str) -> tuple[str, ...]:
     """The keys a reload may change for BACKEND: the fields of its engine."""
     return ENGINE_TYPES[backend].__struct_fields__
+
+
+# Fixed keys a reload may change all the same, by a checkpoint swap: a second
+# weight cache daemon loads the new value beside the serving one
+# (manager/strategies.py, Swap). builtin only: vLLM's and SGLang's weight
+# caches get theirs in a later round (docs/operations.md). dtype does not
+# ride it yet: 'auto' resolves inside the daemon from the checkpoint, so the
+# manager cannot tell a changed dtype from an unchanged one without it.
+SWAPPABLE = {"builtin": ("model",), "vllm": (), "sglang": ()}
+
+
+def swappable_fields(backend: str) -> tuple[str, ...]:
+    """The fixed keys a reload of BACKEND may change by a checkpoint swap."""
+    return SWAPPABLE[backend]
 
 
 def editable_schema(backend: str) -> dict:

@@ -320,10 +320,19 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(engine: Engine) -> dict:
-    return {
+    """/v1/models' entry: the served name; `root`, the checkpoint directory
+    (as vLLM names it), and its content digest, so that a client sees a
+    checkpoint swap (docs/operations.md)."""
+    health = engine.health()
+    card = {
         "id": engine.served_name, "object": "model", "created": engine.created, "owned_by": "hostd",
         "max_model_len": engine.limits.max_model_len,
     }
+    if health.checkpoint:
+        card["root"] = health.checkpoint
+    if health.content_digest:
+        card["hostd_content_digest"] = health.content_digest
+    return card
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -61,6 +61,7 @@ class EngineHealth(msgspec.Struct, kw_only=True):
     kv_blocks_total: Union[int, UnsetType] = UNSET
     kv_block_tokens: Union[int, UnsetType] = UNSET
     content_digest: Union[str, UnsetType] = UNSET  # the attached weights' fingerprint digest
+    checkpoint: Union[str, UnsetType] = UNSET  # the checkpoint directory it serves (resolved)
     shared_ptr: Union[int, UnsetType] = UNSET  # the daemon's allocation, and how many tensors lie outside it
     shared_bytes: Union[int, UnsetType] = UNSET
     tensors_total: Union[int, UnsetType] = UNSET

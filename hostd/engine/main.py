@@ -91,7 +91,7 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
     if args.from_disk:
         skeleton = checkpoint.build_skeleton(model_dir, dtype, meta_buffers=False)
         tensors = checkpoint.load_tensors(model_dir, skeleton, device)
-        info = {"weights": "disk"}
+        info = {"weights": "disk", "checkpoint": str(model_dir.resolve())}
     else:
         state = Path(args.state_dir) if args.state_dir else paths.state_dir(name)
         expected = expected_fingerprint(cfg, device, state if state.is_dir() else None)
@@ -104,6 +104,7 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
             "weights_pid": attached.status.pid,
             "weights_socket_inode": attached.status.socket_inode,
             "content_digest": attached.status.fingerprint.content_digest,
+            "checkpoint": attached.status.fingerprint.model_path,
             "shared_ptr": attached.block.data_ptr(),
             "shared_bytes": attached.block.numel(),
         }

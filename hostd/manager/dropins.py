@@ -58,15 +58,18 @@ def restore_file(path: Path, content: Optional[str]) -> None:
         write_atomic(path, content)
 
 
-def merge_patch(dropin: Path, patch: dict) -> dict:
+def merge_patch(dropin: Path, patch: dict, top_level: tuple[str, ...] = ()) -> dict:
     """What DROPIN (90-reload.yaml) holds once PATCH is merged into its engine
-    section: the one place a patch meets the file, parsed by the config loader."""
+    section (its TOP_LEVEL keys, schema.swappable_fields, at the top): the one
+    place a patch meets the file, parsed by the config loader."""
     try:
         data = yaml_files.read_yaml(dropin).data if dropin.exists() else {}
     except hostd_config.ConfigError as exc:
         raise errors.InvalidValue(f"{RELOAD_DROPIN} cannot be merged with the patch:\n{exc}") from None
     engine = data.get("engine")
-    return {**data, "engine": {**(engine if isinstance(engine, dict) else {}), **patch}}
+    limits = {k: v for k, v in patch.items() if k not in top_level}
+    top = {k: v for k, v in patch.items() if k in top_level}
+    return {**data, **top, "engine": {**(engine if isinstance(engine, dict) else {}), **limits}}
 
 
 RELOAD_HEADER = "# Written by hostd's manager on reload; hostctl config NAME shows the effect.\n"

@@ -49,14 +49,15 @@ class Stage(str, enum.Enum):
     PREFLIGHT = "preflight"
     RECORD = "record"
     DRAIN = "drain"  # restart: the gateway holds new requests, the running ones end
-    START_NEXT = "start-next"  # overlap: the second engine starts and is verified
+    LOAD_NEXT = "load-next"  # swap: a second weight daemon loads the new checkpoint
+    START_NEXT = "start-next"  # overlap, swap: the second engine starts and is verified
     REBUILD = "rebuild"  # standby: the standby rebuilds on the target config and is verified
     SWITCH = "switch"  # overlap, standby: the gateway sends new requests to the second engine
     SETTLE = "settle"  # overlap, standby: the requests running on the main engine finish there
     RESTART = "restart"
     VERIFY = "verify"
     RESUME = "resume"
-    RETIRE = "retire"  # overlap: the second engine stops
+    RETIRE = "retire"  # overlap, swap: the second engine (swap: and its weight daemon) stops
     COMMIT = "commit"
     ROLLBACK = "rollback"
     RESTORE = "restore"  # a failure before the main engine's restart: the strategy puts things back

@@ -92,7 +92,8 @@ class Preflight:
         # In a thread: NVML takes milliseconds per GPU, and this is root's only loop.
         return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held, standby_pid)
 
-    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory") -> Optional[str]:
+    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory",
+                        weights: int = 0) -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
         HEALTH is the serving engine's /health answer (the one validate read),
         MEMORY the preflight's reading (read_memory): nothing is asked again.
@@ -106,17 +107,19 @@ class Preflight:
         the host's MemAvailable, both as the engine reports them on /health
         (hostd/memory.py: this sandbox cannot read them). GPU: NVML's per-process figure for
         the engine (device used - the daemon's share where NVML cannot see our
-        PIDs), against each GPU's free memory."""
+        PIDs), against each GPU's free memory. WEIGHTS: bytes of a second
+        copy of the weights that must fit as well (a checkpoint swap's new
+        checkpoint, on each GPU and on the host), 0 otherwise."""
         backend = backends.for_config(cfg)
         refusal = backend.overlap_refusal(cfg)
         if refusal:
             return refusal
-        reserve = cfg.reload.overlap_reserve_mib << 20
+        reserve = (cfg.reload.overlap_reserve_mib << 20) + weights
         bridge = backend.bridge_need(cfg)
         if bridge is not None:
             return self._bridge_problem(cfg, backend.uses_gpu(cfg), bridge, health, memory, reserve)
         if backend.uses_gpu(cfg):
-            return self._overlap_gpu(cfg, memory, reserve, backend, health)
+            return self._overlap_gpu(cfg, memory, reserve, backend, health, weights)
         reported = (health.memory if health is not None else None) or {}
         if "anonymous" not in reported or "host_available" not in reported:
             return "the engine does not report its memory on /health (hostd/memory.py)"
@@ -126,8 +129,7 @@ class Preflight:
             return (
                 f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
                 f"the shared weights{_kv_words(cfg, backend, reported.get('host_total'))}) and "
-                f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} "
-                f"must stay free, but MemAvailable is {available >> 20} MiB"
+                f"{_reserve_words(cfg, weights)} must stay free, but MemAvailable is {available >> 20} MiB"
             )
         return None
 
@@ -158,7 +160,8 @@ class Preflight:
         return None
 
     @staticmethod
-    def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[EngineHealth]) -> Optional[str]:
+    def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[EngineHealth],
+                     weights: int = 0) -> Optional[str]:
         if memory.unreadable:
             return f"cannot read GPU memory: {memory.unreadable}"
         for gpu in memory.gpus or ():
@@ -168,7 +171,7 @@ class Preflight:
                 return (
                     f"GPU {gpu.index}: a second engine needs about {need >> 20} MiB"
                     f"{' (' + kv.removeprefix(', ') + ')' if kv else ''} and "
-                    f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free, "
+                    f"{_reserve_words(cfg, weights)} must stay free, "
                     f"but {gpu.free >> 20} MiB are free"
                 )
         return None
@@ -186,6 +189,11 @@ def _second_engine(cfg, backend, health: Optional[EngineHealth], serving: int, d
     held = health.kv_cache_bytes if health is not None else None
     held = held if isinstance(held, int) and held >= 0 else 0
     return max(0, serving - held) + target
+
+
+def _reserve_words(cfg, weights: int) -> str:
+    reserve = f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib}"
+    return f"the new checkpoint's weights ({weights >> 20} MiB) and {reserve}" if weights else reserve
 
 
 def _kv_words(cfg, backend, device_total: Optional[int]) -> str:

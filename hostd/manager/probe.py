@@ -157,13 +157,18 @@ class Probe:
 
     # ------------------------------------------------------------ weights
 
-    async def weights_identity(self) -> Optional[tuple[int, int]]:
+    async def weights_status(self, slot: str = "main"):
+        """The status (weights/protocol.py's Status) of SLOT's weight daemon
+        (main; next: a checkpoint swap's), or None when it does not answer."""
         try:
-            status = await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name))
+            return await asyncio.to_thread(weights_client.status, paths.weights_socket(self.name, slot))
         except (OSError, weights_client.WeightsRefused) as exc:
-            log.warning("weights of %s: %s", self.name, exc)
+            log.warning("weights of %s (%s): %s", self.name, slot, exc)
             return None
-        return status.pid, status.socket_inode
+
+    async def weights_identity(self, slot: str = "main") -> Optional[tuple[int, int]]:
+        status = await self.weights_status(slot)
+        return None if status is None else (status.pid, status.socket_inode)
 
     # ------------------------------------------------------------ engine
 
@@ -227,7 +232,11 @@ class Probe:
         backend's engine reports the section it was started with."""
         return health.engine_config == engine
 
-    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]], slot: str = "main") -> None:
+    async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]], slot: str = "main",
+                            weights_slot: str = "main") -> None:
+        """The engine in SLOT runs CFG's engine section, answers a smoke
+        request and attached WEIGHTS_SLOT's weight daemon, the one that was
+        WEIGHTS_BEFORE (None: not checked)."""
         health = await self.engine_health(slot)
         if health is None:
             raise VerifyFailed(f"the engine in slot {slot} does not answer /health")
@@ -235,17 +244,17 @@ class Probe:
             raise VerifyFailed(f"the engine runs {health.get('engine_config')}, not the target config")
         await self.smoke(cfg.served_model_name or self.name, slot)
         if weights_before is not None:
-            problem = weights_problem(weights_before, await self.weights_identity(), health)
+            problem = weights_problem(weights_before, await self.weights_identity(weights_slot), health)
             if problem:
                 raise VerifyFailed(problem)
 
-    async def engine_error(self, default: str, slot: str = "main") -> str:
+    async def engine_error(self, default: str, slot: str = "main", unit: Optional[str] = None) -> str:
         """The failing engine's own last error lines from the journal, else
         DEFAULT. Only the unit's latest invocation (its InvocationID, matched
         on journald's trusted _SYSTEMD_INVOCATION_ID): the engine that served
         before it logged what clients sent it, and a client must not be able
         to plant the cause a failed reload reports."""
-        unit = units.engine(self.name, slot)
+        unit = unit or units.engine(self.name, slot)  # UNIT: another unit's words (a swap's weight daemon)
         try:
             shown = await asyncio.to_thread(
                 subprocess.run, ["systemctl", "show", "--property=InvocationID", "--value", unit],
@@ -275,5 +284,6 @@ class Probe:
     async def gpu_memory(self, cfg, engine_pid: int) -> list[GpuMemory]:
         return await self.preflight.gpu_memory(cfg, engine_pid)
 
-    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
-        return self.preflight.overlap_problem(cfg, health, memory)
+    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory,
+                        weights: int = 0) -> Optional[str]:
+        return self.preflight.overlap_problem(cfg, health, memory, weights)

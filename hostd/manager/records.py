@@ -53,6 +53,11 @@ class Intent(msgspec.Struct, kw_only=True):
     target_engine: dict[str, Any] = {}  # the engine section the reload applies
     weights: Optional[tuple[int, int]] = None  # the weight daemon's (pid, socket inode) before it
     at: float = 0.0  # when it was written (time.time())
+    # A checkpoint swap (strategy swap, or a restart that swaps): the
+    # checkpoint directories (resolved) the main weight daemon held before it
+    # and is to hold after it. None: the reload keeps the weights.
+    previous_checkpoint: Optional[str] = None
+    checkpoint: Optional[str] = None
 
 
 class Degraded(msgspec.Struct, kw_only=True):

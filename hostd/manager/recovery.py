@@ -21,6 +21,7 @@ busy to any caller until its recovery ends.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Optional
 
 import msgspec
@@ -56,11 +57,15 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     if second is not None:
         await systemd.settle(second, timeout=300)
     health = await probe.engine_health()
-    target = await _verified_target(model, intent, health, where)
+    # After a checkpoint swap: the main pair counts as on the target only
+    # when its weight daemon holds the target's checkpoint.
+    held = await _checkpoint_held(model) if intent.checkpoint is not None else None
+    target = await _verified_target(model, intent, health, where, held)
     if target is not None:
         log.info("recovery: %s runs the target of reload %s and passes its verify; committing",
                  name, intent.operation, extra=where)
-        model.records.write_committed(name, target, intent.weights)
+        weights = intent.weights if intent.checkpoint is None else await probe.weights_identity()
+        model.records.write_committed(name, target, weights)
         outcome = "committed"
     else:
         directory = model.dropins
@@ -71,14 +76,19 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
         pin = intent.rollback_pin if intent.rollback_pin is not None else intent.previous_rollback
         restore_file(directory / ROLLBACK_DROPIN, pin)
         previous = intent.previous_engine
-        if health is not None and previous is not None and probe.runs(health, previous):
+        # A swap's main weight daemon on another checkpoint than the
+        # restored files name: it loads theirs again.
+        reload_weights = intent.checkpoint is not None and held != _on_disk(model)
+        if (health is not None and previous is not None and probe.runs(health, previous)
+                and not reload_weights):
             log.info("recovery: %s still runs the config before reload %s; files restored, engine left alone",
                      name, intent.operation, extra=where)
             outcome = "left"
         elif await systemd.active_state(model.umbrella_unit) in ("active", "reloading"):
-            log.warning("recovery: %s does not run the target of reload %s; restarting its engine (%s strategy)",
-                        name, intent.operation, strategy.name, extra=where)
-            outcome = await strategy.recover_engine(model, where)
+            log.warning("recovery: %s does not run the target of reload %s; restarting its %s (%s strategy)",
+                        name, intent.operation, "weights and engine" if reload_weights else "engine",
+                        strategy.name, extra=where)
+            outcome = await strategy.recover_engine(model, where, reload_weights)
         else:  # never start a stopped model
             log.info("recovery: %s is stopped; files restored", name, extra=where)
             outcome = "restored"
@@ -87,13 +97,30 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     return outcome
 
 
-async def _verified_target(model: ModelHandles, intent: Intent, health: Optional[EngineHealth], where: dict):
+async def _checkpoint_held(model: ModelHandles) -> Optional[str]:
+    """The checkpoint directory the main weight daemon holds (resolved), or None."""
+    status = await model.probe.weights_status()
+    return None if status is None else status.fingerprint.model_path
+
+
+def _on_disk(model: ModelHandles) -> str:
+    """The checkpoint directory the files on disk name (resolved)."""
+    return str(Path(model.load().config.model).resolve())
+
+
+async def _verified_target(model: ModelHandles, intent: Intent, health: Optional[EngineHealth], where: dict,
+                           held: Optional[str] = None):
     """The reload's target config (the intent's engine section over the fixed
     fields on disk) when the engine runs it, the files on disk still say it
     (not so after a crash inside a rollback, which restores them first) and it
     passes the reload's full verify (health, a smoke request, the same weight
-    daemon); else None: the reload did not succeed and recovery undoes it."""
+    daemon; after a checkpoint swap, the daemon that answers now, which must
+    hold the target's checkpoint: HELD); else None: the reload did not
+    succeed and recovery undoes it."""
     if health is None or not model.probe.runs(health, intent.target_engine):
+        return None
+    swap = intent.checkpoint is not None
+    if swap and (held != intent.checkpoint or _on_disk(model) != intent.checkpoint):
         return None
     cfg = model.load().config
     if msgspec.to_builtins(cfg.engine) != intent.target_engine:
@@ -103,7 +130,7 @@ async def _verified_target(model: ModelHandles, intent: Intent, health: Optional
         return None
     target = msgspec.structs.replace(cfg, engine=msgspec.convert(intent.target_engine, type(cfg.engine)))
     try:
-        await model.probe.verify_engine(target, intent.weights)
+        await model.probe.verify_engine(target, await model.probe.weights_identity() if swap else intent.weights)
     except Exception as exc:
         log.warning("recovery: %s runs the target of reload %s, but it fails verification: %s",
                     model.name, intent.operation, exc, extra=where)

@@ -60,7 +60,7 @@ from hostd.manager.dropins import (
 )
 from hostd.manager import strategies
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Operation, Stage, State
-from hostd.manager.probe import Probe
+from hostd.manager.probe import Probe, VerifyFailed
 from hostd.manager.records import Committed, Degraded, Intent, Records
 from hostd.manager.systemd1 import job_timeout
 
@@ -85,6 +85,10 @@ class ModelHandles:
         self.next_unit = units.engine(name, "next")
         self.standby_unit = units.engine(name, "standby")
         self.umbrella_unit = units.umbrella(name)
+        self.weights_unit = units.weights(name)
+        # A checkpoint swap's pair: the new checkpoint's weight daemon and its engine.
+        self.next_weights_unit = units.weights(name, "next")
+        self.swap_unit = units.swap_engine(name)
 
     @property
     def dropins(self) -> Path:
@@ -114,6 +118,11 @@ class Reload:
         self.intent: Optional[Intent] = None  # what record() wrote
         self.unchanged = False  # validate found nothing to apply
         self.strategy_reason = ""
+        # A checkpoint swap (the target's checkpoint is not the one the main
+        # weight daemon holds): its resolved directory, and the one held now.
+        self.checkpoint: Optional[str] = None
+        self.previous_checkpoint: Optional[str] = None
+        self.digest: Optional[str] = None  # the new checkpoint's content digest, as its daemon reported it
 
     # ------------------------------------------------------------ stages
 
@@ -130,9 +139,10 @@ class Reload:
         if await self.model.systemd.active_state(self.model.umbrella_unit) not in ("active", "reloading"):
             raise errors.NotRunning(f"model {name} is not running: systemctl start {self.model.umbrella_unit} first")
         editable = schema.editable_fields(current.config.backend)
+        swappable = schema.swappable_fields(current.config.backend)
         fixed = {f.name for f in msgspec.structs.fields(type(current.config))} - {"engine"}
         for key in patch:
-            if key in editable:
+            if key in editable or key in swappable:
                 continue
             if key in fixed:
                 why = (
@@ -142,29 +152,49 @@ class Reload:
                 )
             else:
                 why = f"{key!r} is not a field of the {current.config.backend} backend"
-            raise errors.NotEditable(f"{why}; editable: {', '.join(editable)}")
-        check_patch_types(current.config.engine, patch)
+            raise errors.NotEditable(f"{why}; editable: {', '.join(swappable + editable)}")
+        check_patch_types(current.config.engine, {k: v for k, v in patch.items() if k not in swappable})
+        check_checkpoint_values(patch, swappable)
         committed = self.model.records.committed(name)
         self.current = current.config
         health = self.health = await self.model.probe.engine_health()
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = previous_engine(current.config.backend, committed, health)
         if patch:
-            self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch)
+            self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch, swappable)
             self.reload_text = render(RELOAD_DROPIN, RELOAD_HEADER, self.reload_data)
             self.target = self.config_with(self.reload_text, patch)
         else:
             self.target = current.config
         if committed is not None and not await restarted_since(self.model, committed):
-            check_fixed_unchanged(self.model, committed, self.target)
+            check_fixed_unchanged(self.model, committed, self.target, swappable)
+        if swappable:
+            await self.find_swap("model" in patch)
         if not patch and self.running_engine is None:
             raise errors.NotRunning(f"the engine of {name} does not answer (or reports no valid engine section) "
                                     "and nothing is committed; cannot tell what it runs")
         problems = model_backend_refusals(self.target)
         if problems:
             raise errors.InvalidValue("; ".join(problems))
-        # Nothing to apply when the engine answers and runs the target already.
-        self.unchanged = health is not None and Probe.runs(health, msgspec.to_builtins(self.target.engine))
+        # Nothing to apply when the engine answers and runs the target already, on its checkpoint.
+        self.unchanged = (self.checkpoint is None and health is not None
+                          and Probe.runs(health, msgspec.to_builtins(self.target.engine)))
+
+    async def find_swap(self, asked: bool) -> None:
+        """Is this reload a checkpoint swap? So when the target's checkpoint
+        directory (resolved: a symlink moved to another directory counts) is
+        not the one the main weight daemon holds. ASKED: the patch names
+        `model`; then a daemon that does not answer is refused (no telling
+        what it holds), else the reload is one of limits, as ever."""
+        status = await self.model.probe.weights_status()
+        if status is None:
+            if asked:
+                raise errors.NotRunning(f"the weight daemon of {self.model.name} ({self.model.weights_unit}) "
+                                        "does not answer: cannot tell which checkpoint it holds")
+            return
+        target = str(Path(self.target.model).resolve())
+        if target != status.fingerprint.model_path:
+            self.checkpoint, self.previous_checkpoint = target, status.fingerprint.model_path
 
     def config_with(self, reload_text: str, patch: dict):
         """The effective config if 90-reload.yaml held RELOAD_TEXT (the loader's
@@ -180,11 +210,13 @@ class Reload:
             raise errors.InvalidValue("; ".join(
                 f"{p.key}: {p.message}" if p.file == str(reload_file) else str(p) for p in exc.problems)) from None
         cfg, merged = loaded.config, loaded.merged
+        swappable = schema.swappable_fields(cfg.backend)
         for key in patch:
-            origin = merged.origin(("engine", key))
+            where = (key,) if key in swappable else ("engine", key)
+            origin = merged.origin(where)
             if origin != str(reload_file):
                 raise errors.InvalidValue(
-                    f"engine.{key} is set by {origin}, which comes after {RELOAD_DROPIN} and "
+                    f"{'.'.join(where)} is set by {origin}, which comes after {RELOAD_DROPIN} and "
                     "would override the reload; change that file and `systemctl reload` instead",
                 )
         return cfg
@@ -219,16 +251,43 @@ class Reload:
             previous_engine=self.running_engine,
             target_engine=msgspec.to_builtins(self.target.engine),
             weights=self.weights_before,
+            previous_checkpoint=self.previous_checkpoint,
+            checkpoint=self.checkpoint,
         )
         self.model.records.write_intent(self.model.name, self.intent)
         if self.reload_text is not None:
             write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
     async def restart(self) -> None:
-        await self.model.systemd.restart(self.model.engine_unit, timeout=job_timeout(self.target.timeouts.start))
+        await self.restart_main(self.target)
+
+    async def restart_main(self, cfg) -> None:
+        """The main engine restarted on CFG. In a checkpoint swap the main
+        pair: the weight daemon loads the checkpoint on disk and the engine,
+        bound to it (BindsTo=), follows; the daemon that answers then is the
+        one verify holds the engine to."""
+        timeout = job_timeout(cfg.timeouts.start)
+        if self.checkpoint is None:
+            await self.model.systemd.restart(self.model.engine_unit, timeout=timeout)
+            return
+        await self.model.systemd.restart(self.model.weights_unit, timeout=timeout)
+        await self.model.systemd.start(self.model.engine_unit, timeout=timeout)
+        self.weights_before = await self.model.probe.weights_identity()
 
     async def verify(self, cfg, slot: str = "main") -> None:
         await self.model.probe.verify_engine(cfg, self.weights_before, slot)
+
+    async def verify_target(self) -> None:
+        """The main engine runs the target; in a checkpoint swap, on the
+        weights the new checkpoint's daemon reported (its content digest)."""
+        await self.verify(self.target)
+        if self.digest is None:
+            return
+        health = await self.model.probe.engine_health()
+        seen = health.get("content_digest") if health is not None else None
+        if seen != self.digest:
+            raise VerifyFailed(f"the main engine serves weights of content digest {seen}, "
+                               f"not the new checkpoint's {self.digest}")
 
     async def commit(self) -> None:
         self.model.records.write_committed(self.model.name, self.target, self.weights_before)
@@ -238,7 +297,7 @@ class Reload:
         """Put the previous config back and bring the previous engine up."""
         self.previous_on_disk(cause)
         restored = hostd_config.load_model(self.model.name, self.model.root).config
-        await self.model.systemd.restart(self.model.engine_unit, timeout=job_timeout(restored.timeouts.start))
+        await self.restart_main(restored)
         await self.verify(restored)
         self.op.restored = True
         self.model.records.drop_intent(self.model.name)
@@ -339,7 +398,7 @@ class Reload:
             op.enter(Stage.RESTART)
             await self.restart()
             op.enter(Stage.VERIFY)
-            await self.verify(self.target)
+            await self.verify_target()
         except Exception as exc:
             if await self.stopping():
                 # A stop replaced our restart job: put the file back, start nothing.
@@ -365,7 +424,8 @@ class Reload:
         # Verified: the engine attached the same weight daemon (PID, inode),
         # which holds the weights unless the backend says they are not retained.
         not_retained = self.weights_not_retained()
-        op.weights_reused = self.weights_before is not None and not not_retained
+        # A checkpoint swap loaded new weights: none were reused.
+        op.weights_reused = self.weights_before is not None and not not_retained and self.checkpoint is None
         if not_retained:
             op.notes.append(f"weights not retained ({not_retained}): the engine loaded them from disk")
             log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
@@ -393,15 +453,17 @@ async def restarted_since(model: ModelHandles, committed: Committed) -> bool:
     return now is not None and tuple(now) != tuple(committed.weights)
 
 
-def check_fixed_unchanged(model: ModelHandles, committed: Committed, target) -> None:
+def check_fixed_unchanged(model: ModelHandles, committed: Committed, target, swappable: tuple[str, ...] = ()) -> None:
     """Refuse a reload when a fixed field on disk (TARGET: the effective
-    config) differs from what COMMITTED says runs."""
+    config) differs from what COMMITTED says runs; SWAPPABLE fields
+    (schema.swappable_fields) a checkpoint swap applies."""
     if not committed.fixed:  # a record of an older manager, without them
         return
     now = Committed.of(target).fixed
     # reload.* steers the manager at each reload, never the units: not fixed.
-    now.pop("reload", None)
-    running_fixed = {k: v for k, v in committed.fixed.items() if k != "reload"}
+    for key in ("reload", *swappable):
+        now.pop(key, None)
+    running_fixed = {k: v for k, v in committed.fixed.items() if k not in ("reload", *swappable)}
     changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
     if changed:
         raise errors.NotEditable(
@@ -445,6 +507,8 @@ def verdict(run: Reload) -> dict:
            or msgspec.to_builtins(run.current.engine))
     changes = {key: {"old": old.get(key), "new": new.get(key)}
                for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+    if run.checkpoint is not None:  # a checkpoint swap: the directories, resolved
+        changes["model"] = {"old": run.previous_checkpoint, "new": run.checkpoint}
     if run.unchanged:
         strategy, reason = "", "the engine runs this config already: a reload would restart nothing"
     else:
@@ -499,6 +563,18 @@ def _weight(value: Any) -> int:
         else:
             total += 8
     return total
+
+
+def check_checkpoint_values(patch: dict, swappable: tuple[str, ...]) -> None:
+    """Refuse (InvalidValue naming the key) a SWAPPABLE key of PATCH that is
+    not an absolute path: what the loader would refuse, said before it runs."""
+    for key in swappable:
+        if key not in patch:
+            continue
+        value = patch[key]
+        if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+            raise errors.InvalidValue(f"{key}: expected the absolute path of a checkpoint directory, "
+                                      f"got {str(value)[:200]!r}")
 
 
 def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:

@@ -18,11 +18,29 @@ Trust: nothing here is read from outside the manager: the engines, the
 gateway and systemd are reached through the probe and the systemd client the
 handles carry, which apply their own caps.
 
-Three strategies, chosen by the preflight (Operation.strategy says which, and
-why in the journal): `standby` (a model with `standby: true` whose standby
-answers and the gateway serves from main), `overlap` (the default otherwise)
-and `restart` (forced by reload.strategy: restart, and the fallback when the
-backend cannot run two engines or there is no room for a second one).
+Four strategies, chosen by the preflight (Operation.strategy says which, and
+why in the journal): `swap` (a checkpoint swap: the target's checkpoint is not
+the one the main weight daemon holds; builtin), `standby` (a model with
+`standby: true` whose standby answers and the gateway serves from main),
+`overlap` (the default otherwise) and `restart` (forced by reload.strategy:
+restart, and the fallback when the backend cannot run two engines or there is
+no room for a second one; never for a swap that does not fit, which is
+refused unless reload.strategy is restart).
+
+swap: no 503 at any point; an overlap on the weights as well as the engine.
+
+    validate -> preflight -> record -> load-next -> start-next -> switch -> settle -> restart -> verify -> resume -> retire -> commit -> finished (done)
+                                          (fails, cancel, stop: as overlap's restore, the swap's pair stopped)
+
+    load-next: model-weights-next@NAME loads the new checkpoint (its
+      fingerprint to the Operation's notes and the journal);
+    start-next: model-engine-swap@NAME (the second slot, on those weights)
+      starts and is verified; Cancel() is honoured until here;
+    switch, settle: as overlap's;
+    restart: model-weights@NAME restarts on the new checkpoint and
+      model-engine@NAME, bound to it, with it; verify adds the digest;
+    retire: the swap engine, then model-weights-next@NAME, stop.
+    At rest the main pair serves, as after every reload.
 
 standby: no 503 at any point, and the new config serves within the standby's
 rebuild (about a second) instead of a whole engine start.
@@ -93,10 +111,12 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Optional
 
 import msgspec
 
+from hostd.manager import errors
 from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, State, transitions
 from hostd.manager.probe import RebuildFailed
 from hostd.manager.systemd1 import job_timeout
@@ -185,10 +205,11 @@ class Strategy:
         """The unit beside the main engine this strategy starts or changes."""
         return None
 
-    async def recover_engine(self, model, where: dict) -> str:
+    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
         """Recovery: bring the main engine back on the config on disk (the
-        files are restored already); "restarted", or "left" when it cannot
-        be done safely."""
+        files are restored already; RELOAD_WEIGHTS: the main weight daemon
+        holds another checkpoint than they name, after a swap, and loads it
+        too); "restarted", or "left" when it cannot be done safely."""
         raise NotImplementedError
 
     async def recover_finish(self, model, outcome: str, where: dict) -> None:
@@ -248,7 +269,7 @@ class Restart(Strategy):
         run.op.enter(Stage.RESUME)
         await run.model.probe.resume(outcome)
 
-    async def recover_engine(self, model, where: dict) -> str:
+    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
         """Restart the engine with the config on disk, after draining what it admitted."""
         cfg = model.load().config
         try:
@@ -260,7 +281,7 @@ class Restart(Strategy):
             log.error("recovery: %s did not drain in %g s; its engine is left running (systemctl reload %s "
                       "once it is idle)", model.name, cfg.reload.drain_timeout, model.umbrella_unit, extra=where)
             return "left"
-        return await restart_main(model, where)
+        return await restart_main(model, where, reload_weights)
 
     async def recover_finish(self, model, outcome: str, where: dict) -> None:
         if outcome == "restored":
@@ -271,10 +292,17 @@ class Restart(Strategy):
             log.warning("recovery: resuming %s: %s", model.name, exc, extra=where)
 
 
-async def restart_main(model, where: dict) -> str:
-    """Recovery: restart the main engine with the config on disk."""
+async def restart_main(model, where: dict, reload_weights: bool = False) -> str:
+    """Recovery: restart the main engine with the config on disk; with
+    RELOAD_WEIGHTS the main pair: the weight daemon loads the checkpoint on
+    disk and the engine, bound to it, follows."""
+    timeout = job_timeout(model.load().config.timeouts.start)
     try:
-        await model.systemd.restart(model.engine_unit, timeout=job_timeout(model.load().config.timeouts.start))
+        if reload_weights:
+            await model.systemd.restart(model.weights_unit, timeout=timeout)
+            await model.systemd.start(model.engine_unit, timeout=timeout)
+        else:
+            await model.systemd.restart(model.engine_unit, timeout=timeout)
     except Exception as exc:
         log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
     return "restarted"
@@ -331,7 +359,7 @@ class SecondEngine(Strategy):
             elif isinstance(exc, RebuildFailed):  # the standby's own answer
                 cause = failed = str(exc)
             else:
-                cause = failed = await probe.engine_error(str(exc), self.slot)
+                cause = failed = await self.failure_cause(run, exc)
             op.enter(Stage.RESTORE)
             outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
                 State.ROLLED_BACK if failed is not None and run.recorded else State.FAILED
@@ -347,6 +375,10 @@ class SecondEngine(Strategy):
         # The second engine serves the target config and nothing runs on the
         # main one: it restarts with the target config, then takes over.
         await run.replace_main(self.hand_back, "handing the gateway back to the main engine failed")
+
+    async def failure_cause(self, run, exc: Exception) -> str:
+        """Why the second engine failed: its own last error lines, else EXC."""
+        return await run.model.probe.engine_error(str(exc), self.slot)
 
     async def hand_back(self, run, outcome: str) -> None:
         run.op.enter(Stage.RESUME)
@@ -380,8 +412,8 @@ class SecondEngine(Strategy):
 
     # ------------------------------------------------------------ recovery
 
-    async def recover_engine(self, model, where: dict) -> str:
-        return await restart_main(model, where)  # nothing was drained: the gateway serves meanwhile
+    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
+        return await restart_main(model, where, reload_weights)  # nothing was drained: the gateway serves meanwhile
 
     async def recover_finish(self, model, outcome: str, where: dict) -> None:
         main_answers = await model.probe.engine_health() is not None
@@ -445,19 +477,106 @@ class Overlap(SecondEngine):
         if remaining:
             op.notes.append(f"{remaining} request(s) still ran on the second engine after "
                             f"reload.drain_timeout; it was stopped with engine.shutdown_timeout")
-        await run.model.systemd.stop(run.model.next_unit, timeout=job_timeout(run.target.timeouts.stop))
+        await self.stop_second(run.model, job_timeout(run.target.timeouts.stop))
 
     def second_unit(self, model) -> Optional[str]:
         return model.next_unit
+
+    async def stop_second(self, model, timeout: float) -> None:
+        """Stop what this strategy started beside the main engine."""
+        await model.systemd.stop(self.second_unit(model), timeout=timeout)
 
     async def recover_second(self, model, outcome, main_answers, where) -> None:
         """Exactly one engine is left: the next one stops, unless the main
         engine does not answer (then it keeps serving)."""
         if outcome == "restored" or main_answers:
-            await model.systemd.stop(model.next_unit, timeout=job_timeout(model.load().config.timeouts.stop))
+            await self.stop_second(model, job_timeout(model.load().config.timeouts.stop))
         else:
             log.error("recovery: %s's main engine does not answer; its second engine (%s) keeps serving",
-                      model.name, model.next_unit, extra=where)
+                      model.name, self.second_unit(model), extra=where)
+
+
+class Swap(Overlap):
+    """A checkpoint swap (a reload that changes `model:`, builtin): a second
+    weight daemon, model-weights-next@NAME, loads the new checkpoint beside
+    the serving pair, model-engine-swap@NAME serves from it in the second
+    slot while the main pair (weight daemon, then engine) restarts on the
+    new checkpoint, then both retire. An overlap on the weights as well as
+    the engine: no 503, and at rest the main pair serves as ever."""
+
+    name = "swap"
+    stages = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.LOAD_NEXT, Stage.START_NEXT, Stage.SWITCH,
+              Stage.SETTLE, Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.RETIRE, Stage.COMMIT, Stage.FINISHED)
+    cancel_until = Stage.START_NEXT
+    cancel_ends = "its switch to the new checkpoint's engine"
+    slot, prepare, old = "next", Stage.LOAD_NEXT, "old"
+
+    def memory_problem(self, run, memory) -> Optional[str]:
+        return swap_problem(run, memory)
+
+    async def prepare_engine(self, run) -> None:
+        """LOAD_NEXT: the new checkpoint's weight daemon starts (it loads
+        and checks the checkpoint: a missing shard or a bad config.json fails
+        here, in its journal); START_NEXT: its engine starts and is verified
+        on its own socket, attached to that daemon, on the daemon's digest."""
+        op, model, probe = run.op, run.model, run.model.probe
+        timeout = job_timeout(run.target.timeouts.start)
+        await model.systemd.start(model.next_weights_unit, timeout=timeout)
+        status = await probe.weights_status("next")
+        if status is None:
+            raise RuntimeError(f"{model.next_weights_unit} started but does not answer")
+        fp = status.fingerprint
+        described = (f"{fp.model_path} (architecture {fp.architecture}, dtype {fp.dtype}, "
+                     f"content digest {fp.content_digest})")
+        op.notes.append(f"new checkpoint: {described}")
+        log.info("reload %d of %s: the new checkpoint is loaded: %s", op.id, op.model, described,
+                 extra=op.fields(hostd_checkpoint=fp.model_path, hostd_content_digest=fp.content_digest))
+        run.digest = fp.content_digest
+        op.enter(Stage.START_NEXT)
+        await model.systemd.start(model.swap_unit, timeout=timeout)
+        await probe.verify_engine(run.target, (status.pid, status.socket_inode), "next", weights_slot="next")
+
+    async def after_hand_back(self, run, outcome: str) -> None:
+        await super().after_hand_back(run, outcome)
+        if outcome == State.DONE.value:
+            run.op.notes.append(f"the main pair serves the new checkpoint; {run.model.next_weights_unit} "
+                                "and its engine stopped")
+
+    def second_unit(self, model) -> Optional[str]:
+        return model.swap_unit
+
+    async def failure_cause(self, run, exc: Exception) -> str:
+        """The new weight daemon's own words when the checkpoint did not
+        load, else the swap engine's."""
+        model = run.model
+        unit = model.next_weights_unit if run.op.stage == Stage.LOAD_NEXT else model.swap_unit
+        return await model.probe.engine_error(str(exc), "next", unit)
+
+    async def stop_second(self, model, timeout: float) -> None:
+        """The swap's engine, then the new checkpoint's weight daemon (its
+        copy of the weights)."""
+        await model.systemd.stop(model.swap_unit, timeout=timeout)
+        await model.systemd.stop(model.next_weights_unit, timeout=timeout)
+
+
+def checkpoint_bytes(directory: str) -> int:
+    """The bytes of the weight files of the checkpoint DIRECTORY (what a
+    second weight daemon holds of it, at the dtype it is stored in); 0 when
+    it cannot be read (the daemon's load then says why)."""
+    try:
+        return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors") if p.is_file())
+    except OSError:
+        return 0
+
+
+def swap_problem(run, memory) -> Optional[str]:
+    """Why the new checkpoint's weights and a second engine do not fit beside
+    the serving pair (the overlap preflight with the weights counted), or None."""
+    weights = checkpoint_bytes(run.checkpoint)
+    problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights)
+    if problem:
+        return f"a checkpoint swap does not fit: {problem}"
+    return None
 
 
 class Standby(SecondEngine):
@@ -533,8 +652,8 @@ class Standby(SecondEngine):
             log.error("recovery: restarting %s failed: %s", model.standby_unit, exc, extra=where)
 
 
-RESTART, OVERLAP, STANDBY = Restart(), Overlap(), Standby()
-STRATEGIES = {strategy.name: strategy for strategy in (RESTART, OVERLAP, STANDBY)}
+RESTART, OVERLAP, STANDBY, SWAP = Restart(), Overlap(), Standby(), Swap()
+STRATEGIES = {strategy.name: strategy for strategy in (RESTART, OVERLAP, STANDBY, SWAP)}
 
 
 def named(name: str) -> Strategy:
@@ -552,6 +671,8 @@ async def choose(run, memory) -> tuple[Strategy, str]:
     first, else restart. Its notes go to the Operation; a refusal for
     memory raises (errors.InsufficientMemory, by the caller)."""
     op, current = run.op, run.current
+    if run.checkpoint is not None:
+        return choose_swap(run, memory)
     standby = await standby_problem(run)
     if standby is None:
         return STANDBY, "the warm standby rebuilds on the new config"
@@ -568,6 +689,22 @@ async def choose(run, memory) -> tuple[Strategy, str]:
         op.notes.append(f"strategy restart: {why}")  # a fallback: the Operation says why, as the journal does
         return RESTART, why
     return OVERLAP, "room for a second engine beside the serving one"
+
+
+def choose_swap(run, memory) -> tuple[Strategy, str]:
+    """A checkpoint swap: under reload.strategy restart, the model's weights
+    and engine restart on the new checkpoint (503 meanwhile); otherwise the
+    swap strategy, when the new weights and a second engine fit, else a
+    refusal with the numbers. Never a silent fallback to restart: an
+    unplanned 503 window of a whole weights load is not what `overlap` asks."""
+    if run.current.reload.strategy == RESTART.name:
+        return RESTART, ("reload.strategy is restart: the checkpoint swap stops the engine and weights "
+                         "and starts them on the new checkpoint (503 meanwhile)")
+    problem = swap_problem(run, memory)
+    if problem:
+        raise errors.InsufficientMemory(f"{problem}; with reload.strategy: restart the swap runs with a "
+                                        "503 window instead")
+    return SWAP, "room for the new checkpoint's weights and a second engine beside the serving pair"
 
 
 async def standby_problem(run) -> Optional[str]:

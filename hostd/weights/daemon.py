@@ -165,7 +165,14 @@ def serve(args: argparse.Namespace, cfg) -> int:
     listener = None
     try:
         with systemd.ExtendTimeout():
-            daemon.load()
+            try:
+                daemon.load()
+            except (OSError, ValueError, RuntimeError, KeyError) as exc:
+                # One error line with the checkpoint's own fault (a shard cut
+                # short, a missing tensor): what a failed swap or start reports.
+                log.error("cannot load %s: %s", cfg.model, exc)
+                systemd.status(f"cannot load the checkpoint: {exc}")
+                return 1
         listener = sockets.acquire(socket_path)
         address = listener.getsockname()
         daemon.socket_inode = os.stat(address).st_ino

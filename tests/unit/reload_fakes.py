@@ -243,8 +243,13 @@ class FakeProbe:
         remaining = self.unsettled.get(slot, 0)
         return control.Settled(settled=remaining == 0, remaining=remaining)
 
-    async def weights_identity(self):
+    async def weights_identity(self, slot: str = "main"):
         return self.weights
+
+    async def weights_status(self, slot: str = "main"):
+        """None: the fakes hold no checkpoint, so no reload here is a checkpoint
+        swap (those run against real daemons: tests/system/test_swap_units.py)."""
+        return None
 
     async def drain(self, timeout: float) -> dict:
         self.calls.append("drain")
@@ -259,7 +264,7 @@ class FakeProbe:
             raise OSError("control socket: connection refused")
         return control.Resumed(state="serving")
 
-    async def verify_engine(self, cfg, weights_before, slot: str = "main") -> None:
+    async def verify_engine(self, cfg, weights_before, slot: str = "main", weights_slot: str = "main") -> None:
         self.calls.append("verify" if slot == "main" else f"verify {slot}")
         engine = self.get_engine(slot)
         if engine is None:
@@ -271,7 +276,7 @@ class FakeProbe:
             if problem:
                 raise VerifyFailed(problem)
 
-    async def engine_error(self, default: str, slot: str = "main") -> str:
+    async def engine_error(self, default: str, slot: str = "main", unit: str | None = None) -> str:
         return default
 
 

@@ -133,7 +133,7 @@ def test_verify_refuses_an_engine_on_another_weight_daemon(tmp_path):
     async def smoke(served, slot="main"):
         return None
 
-    async def weights_identity():
+    async def weights_identity(slot="main"):
         return daemon["now"]
 
     probe.engine_health, probe.smoke, probe.weights_identity = engine_health, smoke, weights_identity

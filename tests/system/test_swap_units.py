@@ -1,0 +1,138 @@
+"""A checkpoint swap (issue 36) under a real systemd 252: `model:` changes
+by a reload, under streaming load, with nothing refused and nothing lost; a
+checkpoint that does not load is rolled back; a swap that does not fit
+under reload.strategy overlap is refused with the numbers; and a manager
+killed mid-swap leaves one checkpoint serving, the one on disk.
+
+One container for the module (model tiny, builtin, CPU, hostd.service);
+checkpoints from `hostd make-checkpoint` with different seeds. Clients are
+the official openai client without retries, streaming the whole time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from container import SystemdContainer, wait_for
+from test_manager import DROPINS, hostctl, last_operation, op_property, read_file
+from test_model_units import main_pid, status_code
+from test_overlap_units import active, serving_tiny, under_load
+
+CHECKPOINTS = "/var/lib/hostd/checkpoints"
+FIRST = f"{CHECKPOINTS}/tiny"
+WEIGHTS, NEXT_WEIGHTS = "model-weights@tiny.service", "model-weights-next@tiny.service"
+MAIN, SWAP_ENGINE = "model-engine@tiny.service", "model-engine-swap@tiny.service"
+
+
+@pytest.fixture(scope="module")
+def host(systemd_container: SystemdContainer):
+    host = serving_tiny(systemd_container)
+    py = host.python
+    for seed in (2, 3, 4):
+        host.run([py, "-m", "hostd.main", "make-checkpoint", "--seed", str(seed), f"{CHECKPOINTS}/tiny-{seed}"],
+                 timeout=120)
+    # A checkpoint whose weight file was copied in part (a shard cut short):
+    # config.json and the tokenizer are whole, so the manager's checks pass
+    # and the new weight daemon's load fails.
+    host.sh(f"cp -r {CHECKPOINTS}/tiny-4 {CHECKPOINTS}/tiny-broken && "
+            f"f={CHECKPOINTS}/tiny-broken/model.safetensors && truncate -s $(( $(stat -c %s $f) / 2 )) $f")
+    return host
+
+
+def health(host: SystemdContainer, socket: str = "engine.sock") -> dict:
+    return json.loads(host.run(["curl", "-s", "--unix-socket", f"/run/hostd/tiny/{socket}",
+                                "http://engine/health"]).stdout)
+
+
+def models(host: SystemdContainer) -> dict:
+    return httpx.get(host.base_url + "/v1/models", timeout=30).json()["data"][0]
+
+
+def on_disk(host: SystemdContainer) -> str:
+    return json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["model"]["value"]
+
+
+def serving_checkpoint(host: SystemdContainer) -> str:
+    return health(host)["checkpoint"]
+
+
+def test_a_swap_under_streaming_load_refuses_nothing_loses_nothing_and_serves_the_new_digest(host):
+    before, weights_pid = health(host), main_pid(host, WEIGHTS)
+    target = f"{CHECKPOINTS}/tiny-2" if before["checkpoint"] != f"{CHECKPOINTS}/tiny-2" else FIRST
+    result, counts = under_load(host, lambda: hostctl(host, "reload", "tiny", f"model={target}"), clients=3)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "reload of tiny: done (strategy swap)" in result.stdout
+    assert counts["refused"] == 0 and counts["lost"] == 0 and counts["completed"] > 0, counts
+    after = health(host)
+    assert after["checkpoint"] == target and after["content_digest"] != before["content_digest"]
+    card = models(host)
+    assert card["id"] == "tiny"  # the served name stays
+    assert (card["root"], card["hostd_content_digest"]) == (target, after["content_digest"])
+    path = last_operation(host)
+    assert (op_property(host, path, "Strategy"), op_property(host, path, "WeightsReused")) == ("swap", False)
+    stages = op_property(host, path, "Stages")
+    assert stages[stages.index("record") + 1: stages.index("switch")] == ["load-next", "start-next"]
+    notes = " ".join(op_property(host, path, "Notes"))
+    assert f"new checkpoint: {target}" in notes and after["content_digest"] in notes
+    # The main pair serves the new checkpoint; the swap's pair is gone.
+    assert main_pid(host, WEIGHTS) != weights_pid
+    assert active(host, NEXT_WEIGHTS) == "inactive" and active(host, SWAP_ENGINE) == "inactive"
+    assert on_disk(host) == target
+    assert f"Checkpoint: {target}" in hostctl(host, "status", "tiny").stdout.replace("  ", " ")
+    journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
+    assert f"the new checkpoint is loaded: {target}" in journal
+
+
+def test_a_checkpoint_cut_short_is_rolled_back_and_the_old_one_keeps_serving(host):
+    before, engine_pid = health(host), main_pid(host, MAIN)
+    dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+    result, counts = under_load(host, lambda: hostctl(host, "reload", "tiny", f"model={CHECKPOINTS}/tiny-broken"),
+                                clients=3)
+    assert result.returncode == 1, result.stdout
+    assert counts["refused"] == 0 and counts["lost"] == 0, counts
+    path = last_operation(host)
+    assert (op_property(host, path, "State"), op_property(host, path, "Strategy")) == ("rolled-back", "swap")
+    assert "truncated?" in op_property(host, path, "Error")  # the new weight daemon's own words
+    assert main_pid(host, MAIN) == engine_pid  # never stopped
+    assert health(host)["content_digest"] == before["content_digest"]
+    assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
+    assert active(host, NEXT_WEIGHTS) in ("inactive", "failed") and active(host, SWAP_ENGINE) == "inactive"
+
+
+def test_a_swap_that_does_not_fit_under_overlap_is_refused_with_the_numbers(host):
+    # More than any machine has must stay free beside the second pair.
+    host.write_file(f"{DROPINS}/40-reserve.yaml", "reload:\n  overlap_reserve_mib: 100000000\n")
+    try:
+        before, dropin = health(host), read_file(host, f"{DROPINS}/90-reload.yaml")
+        result = hostctl(host, "reload", "tiny", f"model={CHECKPOINTS}/tiny-3")
+        assert result.returncode == 1
+        assert "a checkpoint swap does not fit" in result.stderr, result.stderr
+        assert "the new checkpoint's weights (" in result.stderr and "MemAvailable is" in result.stderr
+        assert "reload.strategy: restart" in result.stderr  # what would swap anyway
+        assert health(host)["content_digest"] == before["content_digest"]
+        assert read_file(host, f"{DROPINS}/90-reload.yaml") == dropin
+        assert active(host, NEXT_WEIGHTS) in ("inactive", "failed")
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/40-reserve.yaml"])
+
+
+@pytest.mark.parametrize("stages", [("load-next", "start-next"), ("restart", "verify")],
+                         ids=["before-the-switch", "main-pair-restarting"])
+def test_a_manager_killed_mid_swap_leaves_one_checkpoint_serving_the_one_on_disk(host, stages):
+    target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != serving_checkpoint(host))
+    path = hostctl(host, "reload", "tiny", f"model={target}", "--no-wait", check=True).stdout.strip()
+    wait_for(lambda: op_property(host, path, "Stage") in stages, timeout=120, interval=0.05,
+             what=f"the swap at {' or '.join(stages)}")
+    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
+    wait_for(lambda: active(host, "hostd.service") == "active", timeout=60, what="manager back")
+    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
+                              check=False).returncode == 1, timeout=300, what="intent record resolved")
+    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    wait_for(lambda: active(host, SWAP_ENGINE) == "inactive" and active(host, NEXT_WEIGHTS) in ("inactive", "failed"),
+             timeout=120, what="the swap's pair stopped")
+    assert active(host, MAIN) == "active" and active(host, WEIGHTS) == "active"
+    assert serving_checkpoint(host) == on_disk(host)  # committed or rolled back: disk and engine agree
+    assert models(host)["root"] == on_disk(host)

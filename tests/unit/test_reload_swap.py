@@ -1,0 +1,50 @@
+"""The checkpoint swap's pure parts (issue 36): where a patch's `model` goes
+in 90-reload.yaml, which values the manager refuses before the loader, which
+keys ride a swap per backend, and the preflight's words. The swap itself
+runs against real daemons under systemd: tests/system/test_swap_units.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hostd.config import schema
+from hostd.manager import errors
+from hostd.manager.dropins import merge_patch
+from hostd.manager.reload import check_checkpoint_values
+from hostd.manager.strategies import STRATEGIES, checkpoint_bytes
+
+
+def test_a_patchs_model_goes_to_the_top_of_the_dropin_and_limits_under_engine(tmp_path: Path):
+    dropin = tmp_path / "90-reload.yaml"
+    dropin.write_text("engine:\n  max_num_seqs: 4\n")
+    merged = merge_patch(dropin, {"model": "/srv/ckpt/v2", "max_model_len": 64}, ("model",))
+    assert merged == {"model": "/srv/ckpt/v2", "engine": {"max_num_seqs": 4, "max_model_len": 64}}
+
+
+@pytest.mark.parametrize("value", ["relative/dir", "", 7, None, "/srv/\0x"])
+def test_a_model_that_is_not_an_absolute_path_is_refused_naming_the_key(value):
+    with pytest.raises(errors.InvalidValue, match="^model: expected the absolute path"):
+        check_checkpoint_values({"model": value}, ("model",))
+
+
+def test_only_builtin_swaps_and_only_its_model():
+    assert schema.swappable_fields("builtin") == ("model",)
+    assert schema.swappable_fields("vllm") == () and schema.swappable_fields("sglang") == ()
+
+
+def test_the_swap_strategy_publishes_its_stages_and_is_cancellable_until_its_engine_started():
+    swap = STRATEGIES["swap"]
+    assert [s.value for s in swap.stages] == [
+        "validate", "preflight", "record", "load-next", "start-next", "switch", "settle", "restart", "verify",
+        "resume", "retire", "commit", "finished"]
+    assert {s.value for s in swap.cancellable} == {"validate", "preflight", "record", "load-next", "start-next"}
+
+
+def test_the_preflight_counts_the_checkpoints_weight_files(tmp_path: Path):
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 200)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * 1000)
+    assert checkpoint_bytes(str(tmp_path)) == 500
+    assert checkpoint_bytes(str(tmp_path / "absent")) == 0
