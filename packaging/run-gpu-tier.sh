@@ -35,14 +35,19 @@ $py packaging/check-requirements.py --extra builtin --extra test || exit 2
 $py -c 'import hostd.main, msgspec, dbus_fast, sdnotify, openai, pynvml, torch; print("python:", torch.__version__, "cuda", torch.cuda.is_available())' || exit 2
 say "installed hostd and the wheels"
 
-# The checkpoint beside the boot (the tier waits for NAME.done); one a
-# previous command on this machine finished (NAME.done) is used as it is.
-if [ -e "$checkpoints/qwen.done" ]; then
-    echo "checkpoint reused: $checkpoints/qwen" > "$out/checkpoint.log"
-else
-    ( t=$SECONDS; $py -m hostd.main make-checkpoint --size 7b "$checkpoints/qwen" > "$out/checkpoint.log" 2>&1 \
-        && touch "$checkpoints/qwen.done" && echo "checkpoint written in $((SECONDS - t)) s" >> "$out/checkpoint.log" ) &
-fi
+# The checkpoints beside the boot (the tier waits for NAME.done): qwen, and
+# qwen-v2 (another seed) for the checkpoint swap's test; one a previous
+# command on this machine finished (NAME.done) is used as it is.
+: > "$out/checkpoint.log"
+for name_seed in qwen:0 qwen-v2:2; do
+    name=${name_seed%:*} seed=${name_seed#*:}
+    if [ -e "$checkpoints/$name.done" ]; then
+        echo "checkpoint reused: $checkpoints/$name" >> "$out/checkpoint.log"
+    else
+        ( t=$SECONDS; $py -m hostd.main make-checkpoint --size 7b --seed "$seed" "$checkpoints/$name" >> "$out/checkpoint.log" 2>&1 \
+            && touch "$checkpoints/$name.done" && echo "checkpoint $name written in $((SECONDS - t)) s" >> "$out/checkpoint.log" ) &
+    fi
+done
 
 # What systemd-nspawn needs of a host without systemd (issue 23's probe).
 [ -s /etc/machine-id ] || tr -d - < /proc/sys/kernel/random/uuid > /etc/machine-id
@@ -60,6 +65,6 @@ HOSTD_GPU_TIER_RESULTS=$out HOSTD_GPU_TIER_CHECKPOINTS=$checkpoints PYTHONUNBUFF
     timeout -s INT -k 30 "$limit" $py -m pytest tests/gpu_system -v -rA -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 wait
-cat "$out/checkpoint.log" | tail -2
+cat "$out/checkpoint.log" | tail -4
 say "done, pytest exit status $rc"
 exit "$rc"

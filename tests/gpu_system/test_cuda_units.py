@@ -566,6 +566,69 @@ def test_manager_killed_mid_overlap_recovers_with_exactly_one_engine(host, resul
 # ---------------------------------------------------------------- the warm standby
 
 
+# ---------------------------------------------------------------- checkpoint swap
+
+
+def test_a_checkpoint_swap_under_load_loses_nothing_and_peaks_at_two_copies(host, gpu, results):
+    """Issue 36: `model:` changed by `hostctl reload` under the tier's load
+    (4 streaming clients, no retries): a second weight daemon loads the
+    second 7B checkpoint (packaging/run-gpu-tier.sh writes it, another seed)
+    beside the serving pair, its engine serves while the main pair restarts
+    on it, then both retire. No request answered 503 or lost; the main
+    engine serves the new digest; NVML shows two copies of the weights at
+    the peak and one after."""
+    serving(host)
+    checkpoints = os.environ.get(CHECKPOINTS_ENV)
+    if gpu is not None:
+        done = Path(checkpoints) / f"{MODEL}-v2.done"
+        wait_for(done.exists, timeout=600, interval=1, what=f"the second 7B checkpoint ({done})")
+        target = f"/srv/hostd/{MODEL}-v2"
+    else:
+        target = f"/var/lib/hostd/checkpoints/{MODEL}-v2"
+        host.run([host.python, "-m", "hostd.main", "make-checkpoint", "--seed", "2", target], timeout=300)
+    before = engine_health(host)
+    assert before["checkpoint"] != target
+    peak, sampling = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], gpu.used())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample) if gpu is not None else None
+    with streaming_load(host, gpu, "swap") as run:
+        if sampler is not None:
+            sampler.start()
+        t0 = time.monotonic()
+        result = hostctl(host, "reload", MODEL, f"model={target}")
+        swap_s = round(time.monotonic() - t0, 1)
+        sampling.set()
+        if sampler is not None:
+            sampler.join()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"reload of {MODEL}: done (strategy swap)" in result.stdout, result.stdout
+    counts = outcome_counts(run)
+    figures = {"swap_s": swap_s, **counts, "notes": op_property(host, last_operation(host), "Notes")}
+    after = engine_health(host)
+    assert after["checkpoint"] == target and after["content_digest"] != before["content_digest"]
+    assert after["weights_pid"] == main_pid(host, WEIGHTS) and after["tensors_outside_shared"] == 0
+    assert active(host, f"model-weights-next@{MODEL}.service") == "inactive"
+    assert active(host, f"model-engine-swap@{MODEL}.service") == "inactive"
+    if gpu is not None:
+        kv = (after.get("kv_cache_bytes") or 0) / MiB
+        daemon = gpu.of_process(host_pid(host, main_pid(host, WEIGHTS)))
+        used = gpu.used()
+        figures["memory_mib"] = {"weights": round(host.weights_mib), "baseline": round(host.gpu_baseline),
+                                 "peak": round(peak[0]), "after": round(used), "daemon_process": daemon}
+        assert peak[0] - host.gpu_baseline >= 2 * host.weights_mib  # two copies at the peak
+        assert daemon is not None and daemon >= host.weights_mib
+        assert used - host.gpu_baseline - kv < host.weights_mib + 8192  # one copy after
+    results["swap"] = figures
+    assert counts["503"] == 0 and counts["lost"] == 0 and counts["error"] == 0, (counts, sorted(
+        {o.detail for o in run.outcomes if o.kind != "completed"}))
+    assert counts["completed"] > 0
+
+
 def standby_answers(c: SystemdContainer) -> dict | None:
     try:
         return engine_health(c, "engine-standby")
