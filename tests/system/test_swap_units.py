@@ -119,6 +119,26 @@ def test_a_swap_that_does_not_fit_under_overlap_is_refused_with_the_numbers(host
         host.run(["rm", "-f", f"{DROPINS}/40-reserve.yaml"])
 
 
+def test_under_reload_strategy_restart_a_swap_restarts_the_pair_on_the_new_checkpoint(host):
+    """reload.strategy: restart: the swap drains, restarts the weights daemon
+    (the engine with it) on the new checkpoint and resumes: no second pair."""
+    host.write_file(f"{DROPINS}/40-strategy.yaml", "reload:\n  strategy: restart\n")
+    try:
+        target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != serving_checkpoint(host))
+        weights_pid = main_pid(host, WEIGHTS)
+        result = hostctl(host, "reload", "tiny", f"model={target}")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "reload of tiny: done (strategy restart)" in result.stdout
+        assert serving_checkpoint(host) == target == on_disk(host)
+        assert main_pid(host, WEIGHTS) != weights_pid
+        # Never started (a rolled-back swap earlier in the module may have left it failed).
+        assert active(host, NEXT_WEIGHTS) in ("inactive", "failed") and active(host, SWAP_ENGINE) == "inactive"
+        journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
+        assert "reload.strategy is restart: the checkpoint swap stops the engine and weights" in journal
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/40-strategy.yaml"])
+
+
 @pytest.mark.parametrize("stages", [("load-next", "start-next"), ("restart", "verify")],
                          ids=["before-the-switch", "main-pair-restarting"])
 def test_a_manager_killed_mid_swap_leaves_one_checkpoint_serving_the_one_on_disk(host, stages):
