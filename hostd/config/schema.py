@@ -648,6 +648,7 @@ def editable_fields(backend: str) -> tuple[str, ...]:
 # ride it yet: 'auto' resolves inside the daemon from the checkpoint, so the
 # manager cannot tell a changed dtype from an unchanged one without it.
 SWAPPABLE = {"builtin": ("model",), "vllm": (), "sglang": ()}
+SWAPPABLE_KEYS = frozenset(key for keys in SWAPPABLE.values() for key in keys)
 
 
 def swappable_fields(backend: str) -> tuple[str, ...]:

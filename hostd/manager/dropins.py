@@ -85,6 +85,19 @@ def render(file_name: str, header: str, data: dict) -> str:
         raise errors.InvalidValue("; ".join(map(str, exc.problems))) from None
 
 
+def pin_checkpoint(directory: Path, checkpoint: str, cause: str) -> None:
+    """Pin `model: CHECKPOINT` in DIRECTORY's 99-rollback.yaml, beside what
+    it pins already: after a checkpoint swap from the administrator's own
+    files that did not finish, the checkpoint that serves stays the one the
+    files name (the administrator's file is not edited)."""
+    path = directory / ROLLBACK_DROPIN
+    try:
+        data = yaml_files.read_yaml(path).data if path.exists() else {}
+    except hostd_config.ConfigError:
+        data = {}
+    write_atomic(path, render(ROLLBACK_DROPIN, rollback_header(cause), {**data, "model": checkpoint}))
+
+
 def comment_text(message: str, limit: int = COMMENT_LIMIT) -> str:
     """MESSAGE (the engine's journal lines among others: not root's text) fit
     for one comment line: control and other non-printable characters (YAML

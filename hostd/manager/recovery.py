@@ -28,7 +28,7 @@ import msgspec
 
 from hostd.engine.health import EngineHealth
 from hostd.manager import strategies
-from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, restore_file
+from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, pin_checkpoint, restore_file
 from hostd.manager.operation import State, journal_fields
 from hostd.manager.records import Intent
 from hostd.manager.reload import ModelHandles
@@ -76,6 +76,15 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
         pin = intent.rollback_pin if intent.rollback_pin is not None else intent.previous_rollback
         restore_file(directory / ROLLBACK_DROPIN, pin)
         previous = intent.previous_engine
+        if intent.checkpoint is not None and held is not None and held == intent.previous_checkpoint \
+                and _on_disk(model) != held:
+            # A swap from the administrator's own files (no 90-reload.yaml
+            # to restore) that ended before the main pair changed: the
+            # checkpoint that serves is pinned rather than loaded away.
+            pin_checkpoint(directory, held, f"recovery: the checkpoint swap of reload {intent.operation} "
+                           "did not finish")
+            log.warning("recovery: %s keeps serving %s; pinned in %s", name, held, directory / ROLLBACK_DROPIN,
+                        extra=where)
         # A swap's main weight daemon on another checkpoint than the
         # restored files name: it loads theirs again.
         reload_weights = intent.checkpoint is not None and held != _on_disk(model)

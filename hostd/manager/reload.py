@@ -43,6 +43,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -314,7 +316,10 @@ class Reload:
         # Pin the values the engine ran before rather than editing their file.
         if self.running_engine is None:
             raise RuntimeError("no committed or schema-valid previous values to pin")
-        pin = render(ROLLBACK_DROPIN, rollback_header(cause), {"engine": self.running_engine})
+        pinned = {"engine": self.running_engine}
+        if self.checkpoint is not None:  # a swap from the admin's files: the checkpoint that served, too
+            pinned["model"] = self.previous_checkpoint
+        pin = render(ROLLBACK_DROPIN, rollback_header(cause), pinned)
         # The intent first: a manager killed from here on leaves a record
         # whose recovery keeps (or writes) this pin rather than removing it.
         if self.intent is not None:
@@ -565,9 +570,15 @@ def _weight(value: Any) -> int:
     return total
 
 
+CONFIG_JSON_MAX = 16 << 20  # a checkpoint's config.json takes kilobytes
+
+
 def check_checkpoint_values(patch: dict, swappable: tuple[str, ...]) -> None:
     """Refuse (InvalidValue naming the key) a SWAPPABLE key of PATCH that is
-    not an absolute path: what the loader would refuse, said before it runs."""
+    not an absolute path, or whose config.json is not a regular file of
+    sane size: the backend's checks read it as root, on root's only event
+    loop, and a FIFO or a device there would hold or exhaust the manager.
+    Only stat() here; nothing is opened."""
     for key in swappable:
         if key not in patch:
             continue
@@ -575,6 +586,13 @@ def check_checkpoint_values(patch: dict, swappable: tuple[str, ...]) -> None:
         if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
             raise errors.InvalidValue(f"{key}: expected the absolute path of a checkpoint directory, "
                                       f"got {str(value)[:200]!r}")
+        try:
+            info = os.stat(os.path.join(value, "config.json"))
+        except OSError as exc:
+            raise errors.InvalidValue(f"{key}: {value[:200]} has no config.json ({exc.strerror})") from None
+        if not stat.S_ISREG(info.st_mode) or info.st_size > CONFIG_JSON_MAX:
+            raise errors.InvalidValue(f"{key}: {value[:200]}/config.json is not a regular file of at most "
+                                      f"{CONFIG_JSON_MAX >> 20} MiB")
 
 
 def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:

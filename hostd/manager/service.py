@@ -192,6 +192,11 @@ class Manager(ServiceInterface):
         the answer holds what Model.Config and EditableFields show anyone,
         plus the preflight's memory verdict)."""
         model = self.model(name)
+        if any(key in patch for key in schema.SWAPPABLE_KEYS):
+            # A checkpoint path makes root look at files of the caller's
+            # choosing (and say where a symlink points, how large files
+            # are): asked as a reload is asked.
+            await self.authority.require(api.RELOAD_ACTION, {"model": name, "verb": "reload"})
         async with self._check_locks.setdefault(name, asyncio.Lock()):
             self.refuse_if_busy(model)
             verdict = await reload_mod.check_only(model.handles, patch)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_manager import DROPINS, hostctl, last_operation, op_property, read_file
+from test_manager import DROPINS, busctl, hostctl, last_operation, op_property, read_file
 from test_model_units import main_pid, status_code
 from test_overlap_units import active, serving_tiny, under_load
 
@@ -119,6 +119,38 @@ def test_a_swap_that_does_not_fit_under_overlap_is_refused_with_the_numbers(host
         host.run(["rm", "-f", f"{DROPINS}/40-reserve.yaml"])
 
 
+def test_busctl_and_systemctl_reload_swap_too_and_a_broken_checkpoint_from_a_dropin_is_pinned(host):
+    """The other doors: Reload over D-Bus with `model s PATH`; and an
+    administrator's drop-in naming a checkpoint that does not load, applied
+    by `systemctl reload`: rolled back with the checkpoint that served pinned
+    in 99-rollback.yaml (the administrator's file is not edited)."""
+    target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != serving_checkpoint(host))
+    busctl(host, "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload", "sa{sv}", "tiny", "1",
+           "model", "s", target)
+    wait_for(lambda: op_property(host, last_operation(host), "State") != "running", timeout=300, what="the swap")
+    assert op_property(host, last_operation(host), "State") == "done"
+    assert serving_checkpoint(host) == target
+    before = health(host)
+    # The administrator's own drop-in, below 90-reload.yaml: the patch's
+    # model goes first (a reload with no patch applies what is on disk).
+    reload_dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
+    host.run(["rm", "-f", f"{DROPINS}/90-reload.yaml"])
+    host.write_file(f"{DROPINS}/50-checkpoint.yaml", f"model: {CHECKPOINTS}/tiny-broken\n")
+    try:
+        result = host.systemctl("reload", "model@tiny.service", check=False, timeout=600)
+        assert result.returncode != 0
+        path = last_operation(host)
+        assert (op_property(host, path, "State"), op_property(host, path, "Strategy")) == ("rolled-back", "swap")
+        assert health(host)["content_digest"] == before["content_digest"]
+        pin = read_file(host, f"{DROPINS}/99-rollback.yaml")
+        assert f"model: {target}" in pin, pin
+        assert on_disk(host) == target  # the pin wins over the administrator's file, which is as it was
+        assert read_file(host, f"{DROPINS}/50-checkpoint.yaml") == f"model: {CHECKPOINTS}/tiny-broken\n"
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/50-checkpoint.yaml", f"{DROPINS}/99-rollback.yaml"])
+        host.write_file(f"{DROPINS}/90-reload.yaml", reload_dropin)  # the disk says what serves again
+
+
 def test_under_reload_strategy_restart_a_swap_restarts_the_pair_on_the_new_checkpoint(host):
     """reload.strategy: restart: the swap drains, restarts the weights daemon
     (the engine with it) on the new checkpoint and resumes: no second pair."""
@@ -126,6 +158,11 @@ def test_under_reload_strategy_restart_a_swap_restarts_the_pair_on_the_new_check
     try:
         target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != serving_checkpoint(host))
         weights_pid = main_pid(host, WEIGHTS)
+        # CheckReload with `model` asks polkit's reload action (root: allowed), then says what would run.
+        check = hostctl(host, "reload", "--check", "tiny", f"model={target}")
+        assert check.returncode == 0, check.stderr
+        assert "(strategy restart:" in check.stdout and f'-> "{target}"' in check.stdout, check.stdout
+        assert main_pid(host, WEIGHTS) == weights_pid  # a check changes nothing
         result = hostctl(host, "reload", "tiny", f"model={target}")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "reload of tiny: done (strategy restart)" in result.stdout

@@ -29,6 +29,23 @@ def test_a_model_that_is_not_an_absolute_path_is_refused_naming_the_key(value):
         check_checkpoint_values({"model": value}, ("model",))
 
 
+def test_a_checkpoint_whose_config_json_is_no_regular_file_is_refused_before_anything_reads_it(tmp_path: Path):
+    import os
+
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "config.json")  # root reading it would hang the manager
+    (tmp_path / "device").mkdir()
+    (tmp_path / "device" / "config.json").symlink_to("/dev/zero")
+    for name in ("fifo", "device"):
+        with pytest.raises(errors.InvalidValue, match="config.json is not a regular file"):
+            check_checkpoint_values({"model": str(tmp_path / name)}, ("model",))
+    with pytest.raises(errors.InvalidValue, match="has no config.json"):
+        check_checkpoint_values({"model": str(tmp_path / "absent")}, ("model",))
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "config.json").write_text("{}")
+    check_checkpoint_values({"model": str(tmp_path / "good")}, ("model",))
+
+
 def test_only_builtin_swaps_and_only_its_model():
     assert schema.swappable_fields("builtin") == ("model",)
     assert schema.swappable_fields("vllm") == () and schema.swappable_fields("sglang") == ()
