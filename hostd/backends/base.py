@@ -48,6 +48,11 @@ class Backend(abc.ABC):
     )
     # The package whose code runs the model, hostd_build_info's upstream label.
     upstream_package: ClassVar[str] = ""
+    # Does the warm standby (`standby: true`) rebuild itself on a reload's
+    # new config in its own process (builtin: POST /hostd/rebuild)? Upstream
+    # servers cannot: theirs serves the config it started with while the main
+    # engine restarts (strategies.Standby).
+    standby_rebuilds: ClassVar[bool] = False
 
     # ------------------------------------------------------------ entry points
 

@@ -104,6 +104,10 @@ class SglangBackend(upstream.UpstreamBackend):
     QUANTIZATION_ALLOWLIST = QUANTIZATION_ALLOWLIST
     FP8_BLOCK_ONLY = True
     writes_ready_files = True
+    # SGLang refuses an input of --context-length tokens or more
+    # (sglang/srt/managers/tokenizer_manager.py:1338, 0.5.23): the one
+    # editable key that changes which requests a standby accepts.
+    standby_answer_keys = frozenset({"context_length"})
     # SGLang's /health runs a one-token generation and may take up to
     # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer; /ready (0.5.21+) answers at
     # once: 200 when started, not paused and not shutting down.

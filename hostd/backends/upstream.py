@@ -521,17 +521,70 @@ class UpstreamBackend(Backend):
 
     # ------------------------------------------------------------ the standby
 
+    # Engine keys whose change alters which requests the engine accepts or
+    # what it answers them (vLLM's max_model_len: a longer prompt is refused
+    # below it). A standby kept on an older value would answer a failover's
+    # requests differently from the main engine, so a reload that changes one
+    # restarts it on the new config afterwards; every other key is a capacity
+    # or speed setting, and the standby keeps serving the one it started with.
+    standby_answer_keys: ClassVar[frozenset[str]] = frozenset()
+
     def standby_command(self, model: str, cfg, budget: Bridge, port: int = 0) -> Command:
-        """The warm standby's engine (slot "standby", issue 35): the main
-        engine's command on an upstream socket or PORT of its own, attached to
-        the same weight cache daemon as the main engine and the bridge, on the
-        bridge's small KV budget. BUDGET is the bridge's (bridge(cfg):
-        reload.bridge_kv_mib), not a key of its own: a vLLM or SGLang engine
-        cannot grow its KV pool without a restart, so the budget the standby
-        waits on is the one it serves a failover or a reload with, which is the
-        bridge's job and the room bridge_need() already weighs. A building
-        block only: no unit, manager or gateway runs it yet (docs/vllm.md,
-        The standby)."""
+        """The warm standby's engine (slot "standby", `standby: true`): the
+        main engine's command on an upstream socket or PORT of its own,
+        attached to the same weight cache daemon as the main engine and the
+        bridge, on the bridge's small KV budget. BUDGET is the bridge's
+        (bridge(cfg): reload.bridge_kv_mib), not a key of its own: a vLLM or
+        SGLang engine cannot grow its KV pool without a restart, so the budget
+        the standby waits on is the one it serves a failover or a reload with,
+        which is the bridge's job and the room bridge_need() already weighs
+        (docs/vllm.md, The standby)."""
         return self.engine_command(model, cfg, port=port, slot="standby", bridge=budget)
 
+    def standby_restart_reason(self, running: dict, target: dict) -> Optional[str]:
+        """Why a standby that runs the engine section RUNNING (its /health)
+        must restart to serve TARGET (the section the main engine serves
+        after a reload): the standby_answer_keys that differ, named; None
+        when it serves TARGET's requests as it is (only capacity differs)."""
+        changed = sorted(key for key in self.standby_answer_keys if running.get(key) != target.get(key))
+        if not changed:
+            return None
+        return ", ".join(f"{key} {running.get(key)!r} -> {target.get(key)!r}" for key in changed)
 
+    def gpu_free(self, cfg) -> dict[int, int]:
+        """{GPU index: free bytes} of CFG's GPUs by NVML; empty on CPU or without NVML."""
+        return nvml_free(list(cfg.gpus)) if self.uses_gpu(cfg) else {}
+
+    def standby_fit_problem(self, cfg, host_available: Optional[int], gpu_free: dict[int, int]) -> Optional[str]:
+        """Why the standby of CFG does not fit beside what runs (the preflight
+        its engine runs before it starts upstream), or None. Its need is the
+        bridge's (bridge_need: reload.bridge_kv_mib, the non-KV footprint, the
+        weights where it loads them from disk) plus reload.overlap_reserve_mib,
+        against each of CFG's GPUs' free memory (GPU_FREE, NVML) or, on CPU,
+        HOST_AVAILABLE (MemAvailable)."""
+        need, reserve = self.bridge_need(cfg), cfg.reload.overlap_reserve_mib << 20
+        what = (f"the standby needs about {need >> 20} MiB (reload.bridge_kv_mib={cfg.reload.bridge_kv_mib} "
+                "of KV and its non-KV footprint"
+                + ("" if self.retains_weights(cfg) else ", and its own copy of the weights")
+                + f") and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free")
+        fix = "; lower reload.bridge_kv_mib or set standby: false"
+        if self.uses_gpu(cfg):
+            if not gpu_free:
+                return None  # NVML cannot tell: upstream's own start check still guards
+            for index in cfg.gpus:
+                free = gpu_free.get(index)
+                if free is not None and need + reserve > free:
+                    return f"GPU {index}: {what}, but {free >> 20} MiB are free{fix}"
+            return None
+        if host_available is not None and need + reserve > host_available:
+            return f"{what}, but MemAvailable is {host_available >> 20} MiB{fix}"
+        return None
+
+
+def nvml_free(indices: list[int]) -> dict[int, int]:
+    """{GPU index: free bytes} for INDICES; empty without NVML."""
+    try:
+        with nvml.session() as pynvml:
+            return {i: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free for i in indices}
+    except Exception:  # no driver library, or no such GPU
+        return {}

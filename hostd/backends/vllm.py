@@ -167,6 +167,11 @@ class VllmBackend(upstream.UpstreamBackend):
     name = "vllm"
     QUANTIZATION_ALLOWLIST = QUANTIZATION_ALLOWLIST
     stop_grace_seconds = 10.0  # vLLM honours its own --shutdown-timeout
+    # vLLM refuses a prompt (plus max_tokens) beyond --max-model-len ("This
+    # model's maximum context length is", vllm/renderers/params.py:389 and
+    # 528, 0.32.0): the one editable key that changes which requests a
+    # standby accepts.
+    standby_answer_keys = frozenset({"max_model_len"})
     # vLLM's /health answers at once (no generation); 200 while it serves,
     # and still 200 during a --shutdown-timeout drain.
     health_path = "/health"

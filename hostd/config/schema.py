@@ -594,6 +594,24 @@ class _UpstreamModel(_ModelBase, kw_only=True):
             "--chat-template, --tool-call-parser, --enable-auto-tool-choice)."
         ),
     ] = []
+    standby: Annotated[
+        bool,
+        _doc(
+            "Keep a warm standby engine (model-engine-standby@NAME.service): a "
+            "third upstream server beside the main engine, attached to the same "
+            "weight cache daemon where one holds the weights (else loading from "
+            "disk), on the bridge's KV budget (reload.bridge_kv_mib), serving "
+            "nothing until the main engine dies (the gateway then sends new "
+            "requests to it at once) or a reload restarts the main engine (one "
+            "upstream start instead of an overlap's two). Upstream cannot rebuild "
+            "a running server, so the standby serves the config it started with; "
+            "a reload that changes what a request may be (vllm: max_model_len; "
+            "sglang: context_length) restarts it on the new config afterwards "
+            "(docs/operations.md, The standby engine). Its start refuses a "
+            "standby that does not fit, naming the numbers. Takes effect at the "
+            "next `systemctl restart model@NAME` (with a daemon-reload)."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -54,6 +54,10 @@ log = logging.getLogger("hostd.engine")
 
 CLIENT_MAX_SIZE = 64 * 1024 * 1024
 
+# The standby's exit when it does not fit (EX_CONFIG): its unit's
+# RestartPreventExitStatus= keeps systemd from starting it again and again.
+STANDBY_DOES_NOT_FIT = 78
+
 
 def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -86,11 +90,21 @@ class EngineSupervisor:
             self.base = f"http://127.0.0.1:{self.port}"
         # The next slot runs only during an overlap reload: there it is the
         # bridge, on a KV budget of its own (the main engine keeps the
-        # administrator's values).
-        bridge = self.backend.bridge(cfg) if slot == "next" else None
-        self.command = self.backend.engine_command(name, cfg, port=self.port, slot=slot, bridge=bridge)
+        # administrator's values). The warm standby (`standby: true`) waits
+        # on the same small budget: it serves a failover or a standby reload
+        # with it, and cannot grow it without a restart.
+        bridge = self.backend.bridge(cfg) if slot in ("next", "standby") else None
+        self.command = (self.backend.standby_command(name, cfg, bridge, port=self.port) if slot == "standby"
+                        else self.backend.engine_command(name, cfg, port=self.port, slot=slot, bridge=bridge))
         self.bridge = self.backend.bridge_summary(cfg, bridge) if bridge else ""
         self.upstream_version = self.backend.upstream_version(cfg)  # probed by install_refusals already
+
+    def standby_fit_problem(self) -> Optional[str]:
+        """The standby's start preflight: why it does not fit beside what
+        runs (the backend's standby_fit_problem, on NVML's free memory of the
+        model's GPUs or the host's MemAvailable), or None."""
+        return self.backend.standby_fit_problem(self.cfg, memory.snapshot().get("host_available"),
+                                                self.backend.gpu_free(self.cfg))
 
     # ------------------------------------------------------------ upstream
 
@@ -188,6 +202,18 @@ class EngineSupervisor:
                 await self.proc.wait()
         return self.proc.returncode
 
+    async def upstream_exited(self, within: float = 1.0) -> bool:
+        """Has upstream's server exited, or does it within WITHIN seconds (a
+        refused connection comes before the child is reaped)?"""
+        if self.proc is None:
+            return False
+        if self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), within)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
     # ------------------------------------------------------------ serving
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -216,6 +242,13 @@ class EngineSupervisor:
         try:
             return await forward.forward(self.session, self.base + str(request.rel_url), request, body)
         except forward.Unreachable as exc:
+            if await self.upstream_exited():
+                # Upstream died and this process exits next: fail as a dead
+                # engine does (the connection drops, no answer), so that the
+                # gateway sends the request to the warm standby, as it does
+                # when the engine's socket is gone (gateway/retry.py).
+                if request.transport is not None:
+                    request.transport.abort()  # the answer below is then written nowhere
             return web.json_response(
                 {"error": {"message": f"the {self.cfg.backend} engine did not answer: {exc}", "type": "engine_unavailable"}},
                 status=502,
@@ -242,6 +275,12 @@ class EngineSupervisor:
             if self.not_retained:
                 log.warning("weights of %s are not retained: %s; the %s engine loads them from disk",
                             self.name, self.not_retained, self.cfg.backend)
+            if self.slot == "standby":
+                problem = self.standby_fit_problem()
+                if problem:
+                    log.error("the standby of %s does not fit: %s", self.name, problem)
+                    systemd.status(f"refused: the standby does not fit: {problem}")
+                    return STANDBY_DOES_NOT_FIT
             await self.start()
             systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}"
                            + (" (loading from disk: weights not retained)" if self.not_retained else ""))

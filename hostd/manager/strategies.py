@@ -57,7 +57,12 @@ rebuild (about a second) instead of a whole engine start.
       its own process (the engine's rebuild verb: new skeleton on the same
       mapped weights, new limits, warm-up) and is verified on its own socket;
       a refused or failed rebuild leaves it on its old model. Cancel() is
-      honoured until here;
+      honoured until here. vllm, sglang: upstream cannot rebuild a running
+      server, so here the standby is only checked (/health, a smoke request)
+      and serves the config it started with while the main engine restarts;
+      after a done reload it keeps that config unless the reload changed a
+      key that alters which requests it accepts (max_model_len,
+      context_length), and then systemd restarts it in the background;
     switch, settle, restart, verify: as overlap's, with the standby serving;
     resume: the gateway sends new requests to model-engine@NAME again; the
       standby, already on the target config, is standby again: nothing
@@ -116,6 +121,7 @@ from typing import Optional
 
 import msgspec
 
+from hostd import backends
 from hostd.manager import errors
 from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, State, transitions
 from hostd.manager.probe import RebuildFailed
@@ -593,8 +599,13 @@ class Standby(SecondEngine):
 
     async def prepare_engine(self, run) -> None:
         """The standby rebuilds on the target config in its own process and
-        is verified on its own socket (as start-next verifies the next engine)."""
+        is verified on its own socket (as start-next verifies the next
+        engine). An upstream standby (vllm, sglang) cannot rebuild: it is
+        checked on the config it serves, which it keeps while the main engine
+        restarts on the target."""
         op = run.op
+        if not rebuilds(run.target):
+            return await self.check_upstream_standby(run)
         answer = await run.model.probe.rebuild(msgspec.to_builtins(run.target.engine))
         phases = answer.get("rebuild_s") if isinstance(answer.get("rebuild_s"), dict) else {}
         seconds = sum(v for v in phases.values() if isinstance(v, (int, float)))
@@ -603,16 +614,58 @@ class Standby(SecondEngine):
                  op.model, seconds, json.dumps(phases), extra=op.fields())
         await run.verify(run.target, "standby")
 
+    async def check_upstream_standby(self, run) -> None:
+        """vllm, sglang: the standby answers /health and a smoke request on
+        its own socket; what it serves goes to the notes (new requests get
+        that config until the main engine serves the target)."""
+        op, probe = run.op, run.model.probe
+        health = await probe.engine_health("standby")
+        if health is None:
+            raise RuntimeError(f"the standby ({run.model.standby_unit}) does not answer /health")
+        await probe.smoke(run.target.served_model_name or run.model.name, "standby")
+        serves = health.engine_config if isinstance(health.engine_config, dict) else {}
+        words = ", ".join(f"{k} {v}" for k, v in sorted(serves.items())) or "its start's config"
+        op.notes.append(f"the standby serves while the main engine restarts, on {words}"
+                        + (f" and {health.bridge}" if health.bridge else ""))
+        log.info("reload %d of %s: the %s standby serves on the config it started with (%s) while the main "
+                 "engine restarts", op.id, op.model, run.target.backend, words, extra=op.fields())
+
     async def put_back(self, run, failed, served, interrupted) -> None:
         # The files first: a standby that cannot rebuild is restarted by
         # systemd, which reads them.
         run.restore(failed)
-        if not interrupted and run.recorded:
+        if not interrupted and run.recorded and rebuilds(run.target):
             await self.standby_back(run)
 
     async def after_hand_back(self, run, outcome: str) -> None:
-        if outcome != State.DONE.value:  # done: it runs the target, which main serves now
+        if not rebuilds(run.target):  # the upstream standby never changed; done: serve the target too
+            if outcome == State.DONE.value:
+                await self.upstream_standby_follows(run)
+        elif outcome != State.DONE.value:  # done: it runs the target, which main serves now
             await self.standby_back(run)
+
+    @staticmethod
+    async def upstream_standby_follows(run) -> None:
+        """After a done reload of a vllm/sglang model: the standby keeps the
+        config it started with when it answers the target's requests as the
+        main engine does (only capacity keys differ: Backend.standby_restart_reason);
+        else systemd restarts it on the config on disk (the target), in the
+        background: the reload ends now, and until the standby serves again
+        a crash of the main engine answers 503 (docs/operations.md)."""
+        op, model = run.op, run.model
+        health = await model.probe.engine_health("standby")
+        running = health.engine_config if health is not None and isinstance(health.engine_config, dict) else None
+        target = msgspec.to_builtins(run.target.engine)
+        why = (backends.for_config(run.target).standby_restart_reason(running, target) if running is not None
+               else "it does not answer")
+        if why is None:
+            op.notes.append("the standby keeps the config it started with: the reload changed no key that "
+                            "alters which requests it accepts")
+            return
+        op.notes.append(f"the standby restarts on the new config in the background ({why})")
+        log.info("reload %d of %s: the standby restarts on the new config in the background (%s)", op.id,
+                 op.model, why, extra=op.fields())
+        restart_in_background(model, model.standby_unit, job_timeout(run.target.timeouts.start))
 
     @staticmethod
     async def standby_back(run) -> None:
@@ -635,10 +688,14 @@ class Standby(SecondEngine):
         return model.standby_unit
 
     async def recover_second(self, model, outcome, main_answers, where) -> None:
-        """The standby on the config on disk (what main serves), never stopped."""
+        """The standby on the config on disk (what main serves), never stopped.
+        An upstream standby was never changed by the reload: systemd keeps
+        it (Restart=on-failure)."""
         if outcome == "restored":
             return
         cfg = model.load().config
+        if not rebuilds(cfg):
+            return
 
         def restarting(why: str) -> None:
             log.warning("recovery: %s's standby (%s): %s; restarting it", model.name, model.standby_unit, why,
@@ -650,6 +707,32 @@ class Standby(SecondEngine):
                 log.info("recovery: %s's standby rebuilt on the config on disk", model.name, extra=where)
         except Exception as exc:
             log.error("recovery: restarting %s failed: %s", model.standby_unit, exc, extra=where)
+
+
+def rebuilds(cfg) -> bool:
+    """Does CFG's standby rebuild in its process (builtin), or serve the
+    config it started with (vllm, sglang)?"""
+    return backends.for_config(cfg).standby_rebuilds
+
+
+# Jobs the manager started and does not wait for (restart_in_background):
+# held here so that the event loop keeps them to their end.
+_BACKGROUND: set = set()
+
+
+def restart_in_background(model, unit: str, timeout: float) -> None:
+    """systemd restarts UNIT of MODEL; the caller goes on. Its end is logged."""
+
+    async def restart() -> None:
+        try:
+            await model.systemd.restart(unit, timeout=timeout)
+            log.info("%s restarted on the config on disk", unit)
+        except Exception as exc:  # systemd's Restart= and the journal have the rest
+            log.error("restarting %s failed: %s", unit, exc)
+
+    task = asyncio.ensure_future(restart())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 RESTART, OVERLAP, STANDBY, SWAP = Restart(), Overlap(), Standby(), Swap()

@@ -297,3 +297,62 @@ def test_two_engines_of_one_model_serve_side_by_side_and_only_the_next_runs_on_t
     assert bridge.stop() == 0  # retire: the main engine serves on
     with engine_client(tree, "main") as http:
         assert http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_the_standby_is_a_third_upstream_on_the_bridge_budget_and_one_that_does_not_fit_never_starts(
+        backend, short_root, checkpoint, trees):
+    """standby: true (issue 35) through the test doubles (SGLang's only run:
+    its server needs a GPU): the standby slot's engine attaches the same
+    weight daemon as the main one, on an upstream socket or port of its own
+    and the bridge's KV budget, and answers; with reload.bridge_kv_mib beyond
+    the host's memory its start preflight refuses with the numbers (exit 78,
+    the unit's RestartPreventExitStatus=) before any upstream runs; and when
+    the main engine's upstream dies, a request sent to it gets no answer (the
+    connection drops, as a dead engine's: the gateway then sends it to the
+    standby) and the supervisor exits non-zero."""
+    (checkpoint / "config.json").write_text(json.dumps({
+        "architectures": ["FakeForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256}))
+    limits = {"max_num_seqs": 4} if backend == "vllm" else {"max_running_requests": 4}
+    tree = tree_for(short_root, checkpoint, backend, engine=limits, standby=True, reload={"bridge_kv_mib": 64})
+    trees.append(tree)
+    weights = tree.start_weights(timeout=60)
+    main_engine = tree.start_engine(timeout=60)
+    standby = tree._spawn("engine", "--slot", "standby")
+    wait_for(lambda: healthy(tree, "standby"), 60, "the standby slot's /health", standby.proc)
+    with engine_client(tree, "main") as main_http, engine_client(tree, "standby") as standby_http:
+        main, spare = main_http.get("/health").json(), standby_http.get("/health").json()
+        answer = standby_http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+    assert (main["slot"], spare["slot"]) == ("main", "standby")
+    assert spare["weights_pid"] == main["weights_pid"] == weights.pid and spare["upstream_pid"] != main["upstream_pid"]
+    argv = Path(f"/proc/{spare['upstream_pid']}/cmdline").read_bytes().decode().split("\0")
+    main_argv = Path(f"/proc/{main['upstream_pid']}/cmdline").read_bytes().decode().split("\0")
+    if backend == "vllm":
+        assert argv[argv.index("--uds") + 1] == str(tree.runtime_dir / "vllm-engine-standby.sock")
+        assert "--kv-cache-memory-bytes" in argv and argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
+    else:
+        assert argv[argv.index("--port") + 1] != main_argv[main_argv.index("--port") + 1]
+        assert "--max-total-tokens" in argv and "--max-total-tokens" not in main_argv
+    assert spare["bridge"] and main["bridge"] == ""
+    assert standby.stop() == 0
+
+    # Beyond the host's memory (MemAvailable, on CPU; NVML's free memory on
+    # GPUs, which this machine has none of): refused before upstream runs.
+    path = tree.config_dir / "models" / "m.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "device": "cpu",
+                                    "reload": {"bridge_kv_mib": 1048576}}))
+    refused = tree._spawn("engine", "--slot", "standby")
+    assert refused.proc.wait(60) == 78
+    log = refused.log()
+    assert "the standby of m does not fit: the standby needs about" in log, log
+    assert "reload.bridge_kv_mib=1048576" in log and "MemAvailable is" in log and "standby: false" in log, log
+    assert "starting " not in log  # no upstream command ran
+
+    # The main engine's upstream dies: a request gets no answer, the supervisor exits non-zero.
+    os.kill(main["upstream_pid"], signal.SIGKILL)
+    with engine_client(tree, "main") as http:
+        with pytest.raises(httpx.TransportError):
+            http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1})
+    assert main_engine.proc.wait(30) != 0

@@ -207,11 +207,11 @@ class FakeProbe:
 
     def bridge(self, slot: str) -> str:
         """What the real engine supervisor of SLOT reports under "bridge"
-        (hostd/engine/upstream.py): the next slot of an upstream model runs on
-        its backend's bridge budget; "" otherwise."""
+        (hostd/engine/upstream.py): the next and standby slots of an upstream
+        model run on its backend's bridge budget; "" otherwise."""
         cfg = config.load_model(self.world.name, self.world.root).config
         backend = backends.for_config(cfg)
-        if slot != "next" or not hasattr(backend, "bridge_summary"):
+        if slot not in ("next", "standby") or not hasattr(backend, "bridge_summary"):
             return ""
         return backend.bridge_summary(cfg, backend.bridge(cfg))
 
@@ -276,6 +276,11 @@ class FakeProbe:
             if problem:
                 raise VerifyFailed(problem)
 
+    async def smoke(self, served_name: str, slot: str = "main") -> None:
+        self.calls.append("smoke" if slot == "main" else f"smoke {slot}")
+        if self.get_engine(slot) is None:
+            raise OSError(f"the engine in slot {slot} does not answer")
+
     async def engine_error(self, default: str, slot: str = "main", unit: str | None = None) -> str:
         return default
 
@@ -284,7 +289,8 @@ class World:
     """One model, tiny, configured under ROOT, running, with its manager's
     records under STATE."""
 
-    def __init__(self, tmp: Path, strategy: str = "overlap", standby: bool = False):  # the product's default
+    def __init__(self, tmp: Path, strategy: str = "overlap", standby: bool = False,
+                 backend: str = "builtin"):  # the product's default
         self.name = "tiny"
         self.root = tmp / "etc"
         checkpoint = tmp / "checkpoint"
@@ -293,7 +299,7 @@ class World:
         (checkpoint / "model.safetensors").write_text("")
         (self.root / "models").mkdir(parents=True)
         (self.root / "models/tiny.yaml").write_text(
-            f"backend: builtin\nmodel: {checkpoint}\ndevice: cpu\n"
+            f"backend: {backend}\nmodel: {checkpoint}\ndevice: cpu\n"
             f"reload: {{drain_timeout: 5, strategy: {strategy}}}\n" + ("standby: true\n" if standby else ""))
         self.records = Records(tmp / "state/.manager")
         self.bus = FakeBus(self)

@@ -240,3 +240,69 @@ def test_a_stop_during_the_standby_rebuild_interrupts_and_leaves_the_standby_alo
     assert op.restored and not world.dropin.exists() and world.records.intent("tiny") is None
     assert world.probe.rebuilds == [{**world.probe.engine, "max_num_seqs": 4}]  # never asked to go back
     assert "switch main" not in world.probe.calls and jobs(world) == []
+
+
+# ---------------------------------------------------------------- vllm, sglang
+
+@pytest.fixture
+def upstream_world(tmp_path: Path) -> World:
+    return World(tmp_path, standby=True, backend="vllm")
+
+
+def reload_and_settle(world: World, patch: dict) -> R.Operation:
+    """One reload, then the jobs it left running in the background end."""
+    async def go():
+        op = await world.reload(patch)
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+        return op
+    return run(go())
+
+
+def test_an_upstream_standby_carries_a_reload_on_its_own_config_and_only_main_restarts(upstream_world):
+    """vllm: the standby cannot rebuild; it is checked (health, smoke) and
+    serves the config it started with while main restarts on the target:
+    one engine start, no 503; a capacity key (max_num_seqs) leaves it as it
+    is afterwards."""
+    world = upstream_world
+    before = dict(world.probe.standby_engine)
+    op = reload_and_settle(world, {"max_num_seqs": 4})
+    assert (op.state, op.strategy_name, op.error) == (R.State.DONE, "standby", "")
+    calls = world.probe.calls
+    assert "drain" not in calls and "resume" not in calls and not any(c.startswith("rebuild") for c in calls)
+    assert (calls.index("health standby") < calls.index("smoke standby") < calls.index("switch standby")
+            < calls.index("settle main") < calls.index("verify") < calls.index("switch main"))
+    assert jobs(world) == [f"restart {MAIN}"]
+    assert world.probe.engine["max_num_seqs"] == 4 and world.probe.standby_engine == before
+    assert any("the standby keeps the config it started with" in note for note in op.notes), op.notes
+    assert any(note.startswith("the standby serves while the main engine restarts") and "--kv-cache-memory-bytes"
+               in note for note in op.notes), op.notes
+
+
+def test_an_upstream_standby_restarts_in_the_background_when_the_context_length_changed(upstream_world):
+    world = upstream_world
+    op = reload_and_settle(world, {"max_model_len": 512})
+    assert (op.state, op.strategy_name) == (R.State.DONE, "standby")
+    assert jobs(world) == [f"restart {MAIN}", f"restart {STANDBY}"]
+    assert world.probe.standby_engine["max_model_len"] == 512  # systemd started it on the file: the target
+    assert any("restarts on the new config in the background (max_model_len" in note for note in op.notes), op.notes
+
+
+def test_a_main_engine_that_fails_on_the_target_rolls_back_with_the_upstream_standby_serving(upstream_world):
+    world = upstream_world
+    before = dict(world.probe.standby_engine)
+    world.bus.job_results[MAIN] = ["failed", "done"]
+    op = reload_and_settle(world, {"max_model_len": 99999})
+    assert (op.state, op.strategy_name) == (R.State.ROLLED_BACK, "standby")
+    assert jobs(world) == [f"restart {MAIN}", f"restart {MAIN}"]  # the standby is never touched
+    assert world.probe.standby_engine == before and world.probe.slot == "main"
+    assert "drain" not in world.probe.calls
+    assert world.probe.engine["max_model_len"] == before["max_model_len"]
+
+
+def test_an_upstream_standby_that_does_not_answer_means_an_overlap_and_says_why(upstream_world):
+    world = upstream_world
+    world.probe.standby_engine = None
+    op = reload_and_settle(world, {"max_num_seqs": 4})
+    assert op.strategy_name == "overlap"
+    assert any("no standby reload" in note and "does not answer" in note for note in op.notes), op.notes

@@ -1,8 +1,9 @@
-"""The vLLM and SGLang standby's command line (issue 35), a building block no
-unit runs yet: its own upstream socket or port, the main engine's attach to
-the weight cache daemon, and the bridge's KV budget (reload.bridge_kv_mib),
-with and without the weight cache, tensor parallel 1 and 2. The real parsers
-accept every such line in tests/upstream/test_contract.py."""
+"""The vLLM and SGLang standby (issue 35): its command line (its own
+upstream socket or port, the main engine's attach to the weight cache
+daemon, and the bridge's KV budget, reload.bridge_kv_mib,
+with and without the weight cache, tensor parallel 1 and 2; the real parsers
+accept every such line in tests/upstream/test_contract.py), when a reload
+restarts it, and its start preflight. tests/system/test_real_vllm.py runs it."""
 
 from __future__ import annotations
 
@@ -143,11 +144,49 @@ def test_the_sglang_standby_is_the_bridge_on_a_port_of_its_own(tmp_path, keys, t
     assert value(standby.argv, "--tp-size") == str(cfg.tensor_parallel_size)
 
 
-def test_no_standby_key_for_vllm_or_sglang_yet():
-    """`standby: true` is the builtin's only: for vLLM and SGLang no unit runs
-    the standby yet, and a key that did nothing would mislead administrators."""
-    def keys(backend: str) -> set[str]:
-        return {f.name for f in msgspec.structs.fields(schema.MODEL_TYPES[backend])}
+def test_standby_is_a_key_of_every_backend_and_off_by_default(tmp_path):
+    for backend in ("builtin", "vllm", "sglang"):
+        assert "standby" in {f.name for f in msgspec.structs.fields(schema.MODEL_TYPES[backend])}
+    assert make(tmp_path, "vllm").standby is False
+    assert make(tmp_path, "sglang", standby=True).standby is True
 
-    assert "standby" in keys("builtin")
-    assert "standby" not in keys("vllm") | keys("sglang")
+
+def test_only_the_builtin_standby_rebuilds_in_its_process():
+    assert backends.for_config(msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)).standby_rebuilds
+    for name in ("vllm", "sglang"):
+        cfg = msgspec.convert({"backend": name, "model": "/m"}, schema.MODEL_TYPES[name])
+        assert backends.for_config(cfg).standby_rebuilds is False
+
+
+@pytest.mark.parametrize("backend, key", [("vllm", "max_model_len"), ("sglang", "context_length")])
+def test_the_standby_restarts_only_for_a_key_that_changes_which_requests_it_accepts(tmp_path, backend, key):
+    """A capacity key (max_num_seqs, the memory fraction) leaves the standby
+    on the config it started with; the context length restarts it, named."""
+    be = backends.for_config(make(tmp_path, backend))
+    running = msgspec.to_builtins(make(tmp_path, backend).engine)
+    capacity = "max_num_seqs" if backend == "vllm" else "max_running_requests"
+    assert be.standby_restart_reason(running, {**running, capacity: 99}) is None
+    why = be.standby_restart_reason(running, {**running, key: 512})
+    assert why is not None and key in why and "512" in why
+
+
+def test_a_standby_that_does_not_fit_is_refused_naming_the_numbers(tmp_path):
+    """The standby's start preflight: on CPU the bridge's need, its own copy
+    of the weights (no weight cache there) and the reserve against
+    MemAvailable; on a GPU against each GPU's NVML free memory."""
+    cpu = make(tmp_path, "vllm", device="cpu", standby=True, reload={"bridge_kv_mib": 1024})
+    be = backends.for_config(cpu)
+    need = be.bridge_need(cpu) + (cpu.reload.overlap_reserve_mib << 20)
+    assert be.standby_fit_problem(cpu, need, {}) is None
+    problem = be.standby_fit_problem(cpu, need - MiB, {})
+    assert problem is not None
+    for words in ("reload.bridge_kv_mib=1024", "its own copy of the weights", "reload.overlap_reserve_mib=256",
+                  f"MemAvailable is {(need - MiB) >> 20} MiB", "standby: false"):
+        assert words in problem, (words, problem)
+    gpu = make(tmp_path, "vllm", standby=True, gpus=[0, 1], tensor_parallel_size=2)
+    be = backends.for_config(gpu)
+    need = be.bridge_need(gpu) + (gpu.reload.overlap_reserve_mib << 20)
+    assert be.standby_fit_problem(gpu, None, {0: need, 1: need}) is None
+    problem = be.standby_fit_problem(gpu, None, {0: need, 1: need - MiB})
+    assert problem is not None and problem.startswith("GPU 1: ") and f"{(need - MiB) >> 20} MiB are free" in problem
+    assert be.standby_fit_problem(gpu, None, {}) is None  # NVML cannot tell: upstream's own check guards
