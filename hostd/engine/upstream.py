@@ -54,6 +54,9 @@ log = logging.getLogger("hostd.engine")
 
 CLIENT_MAX_SIZE = 64 * 1024 * 1024
 
+# Seconds between looks at whether the upstream server exited (child_exit).
+CHILD_POLL = 0.1
+
 # The standby's exit when it does not fit (EX_CONFIG): its unit's
 # RestartPreventExitStatus= keeps systemd from starting it again and again.
 STANDBY_DOES_NOT_FIT = 78
@@ -119,8 +122,9 @@ class EngineSupervisor:
         if self.upstream_socket:
             sockets.claim(self.upstream_socket)  # vLLM binds it: clear a stale one, refuse a live one
         if self.bridge:
-            log.info("the %s engine of %s in slot %s is the bridge: %s (reload.bridge_kv_mib=%d)",
-                     self.cfg.backend, self.name, self.slot, self.bridge, self.cfg.reload.bridge_kv_mib)
+            log.info("the %s engine of %s in slot %s %s: %s (reload.bridge_kv_mib=%d)", self.cfg.backend, self.name,
+                     self.slot, "runs on the bridge's budget" if self.slot == "standby" else "is the bridge",
+                     self.bridge, self.cfg.reload.bridge_kv_mib)
         log.info("starting %s", " ".join(redact.argv(self.command.argv)))
         self.proc = await asyncio.create_subprocess_exec(
             *self.command.argv, env=systemd.child_env(self.command.env, self.command.unset), stdin=asyncio.subprocess.DEVNULL,
@@ -189,30 +193,45 @@ class EngineSupervisor:
         grace = self.backend.stop_grace_seconds
         return max(1.0, min(drain + grace, self.cfg.timeouts.stop - 2.0))
 
+    async def child_exit(self, within: Optional[float] = None) -> Optional[int]:
+        """The server's exit code once it exited, waiting up to WITHIN seconds
+        (None: until it does, or until we are asked to stop); None if it
+        still runs. Polled, not Process.wait(): asyncio's wait() returns
+        only once every pipe of the child closed too, and a killed `vllm
+        serve` leaves its engine core holding stderr (until systemd's cgroup
+        kill), which would hide the server's death from this process."""
+        assert self.proc
+        loop = asyncio.get_running_loop()
+        deadline = None if within is None else loop.time() + within
+        while self.proc.returncode is None:
+            if deadline is not None:
+                if loop.time() >= deadline:
+                    return None
+                await asyncio.sleep(CHILD_POLL)
+                continue
+            if self.stopping.is_set():
+                return None
+            try:
+                await asyncio.wait_for(self.stopping.wait(), CHILD_POLL)
+            except asyncio.TimeoutError:
+                pass
+        return self.proc.returncode
+
     async def stop_child(self) -> Optional[int]:
         assert self.proc
         if self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), self.deadline())
-            except asyncio.TimeoutError:
+            if await self.child_exit(self.deadline()) is None:
                 log.warning("upstream engine pid %d still running after %.0f s; killing it",
                             self.proc.pid, self.deadline())
                 self.proc.kill()
-                await self.proc.wait()
+                await self.child_exit(30.0)
         return self.proc.returncode
 
     async def upstream_exited(self, within: float = 1.0) -> bool:
         """Has upstream's server exited, or does it within WITHIN seconds (a
         refused connection comes before the child is reaped)?"""
-        if self.proc is None:
-            return False
-        if self.proc.returncode is None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.proc.wait()), within)
-            except asyncio.TimeoutError:
-                return False
-        return True
+        return self.proc is not None and await self.child_exit(within) is not None
 
     # ------------------------------------------------------------ serving
 
@@ -304,10 +323,7 @@ class EngineSupervisor:
             await web.SockSite(runner, listener).start()
             log.info("serving %s through %s engine pid %d", self.name, self.cfg.backend, self.proc.pid)
             systemd.notify("READY=1", f"STATUS=serving {self.name} ({self.cfg.backend})")
-            waiter = asyncio.ensure_future(self.proc.wait())
-            stopper = asyncio.ensure_future(self.stopping.wait())
-            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
+            await self.child_exit()  # the server exits, or we are asked to stop
             if not self.stopping.is_set():
                 code = self.proc.returncode
                 log.error("upstream engine pid %d exited with %s", self.proc.pid, code)

@@ -352,9 +352,9 @@ class SecondEngine(Strategy):
             await probe.switch(self.slot)
             switched = True
             # Where the time to "the new config serves" went (issue 34): the journal's phases.
-            log.info("reload %d of %s: new requests go to the %s engine on the target config: %s %.2f s, "
-                     "switch %.3f s", op.id, op.model, self.slot, self.prepare.value, prepared - began,
-                     time.monotonic() - prepared, extra=op.fields())
+            log.info("reload %d of %s: new requests go to the %s engine on %s: %s %.2f s, "
+                     "switch %.3f s", op.id, op.model, self.slot, self.serves(run), self.prepare.value,
+                     prepared - began, time.monotonic() - prepared, extra=op.fields())
             # What runs on the main engine finishes there before it restarts.
             op.enter(Stage.SETTLE)
             await self.settle_main(run)
@@ -381,6 +381,10 @@ class SecondEngine(Strategy):
         # The second engine serves the target config and nothing runs on the
         # main one: it restarts with the target config, then takes over.
         await run.replace_main(self.hand_back, "handing the gateway back to the main engine failed")
+
+    def serves(self, run) -> str:
+        """What the second engine serves once the gateway switched to it (the journal's words)."""
+        return "the target config"
 
     async def failure_cause(self, run, exc: Exception) -> str:
         """Why the second engine failed: its own last error lines, else EXC."""
@@ -614,6 +618,9 @@ class Standby(SecondEngine):
                  op.model, seconds, json.dumps(phases), extra=op.fields())
         await run.verify(run.target, "standby")
 
+    def serves(self, run) -> str:
+        return "the target config" if rebuilds(run.target) else "the config it started with"
+
     async def check_upstream_standby(self, run) -> None:
         """vllm, sglang: the standby answers /health and a smoke request on
         its own socket; what it serves goes to the notes (new requests get
@@ -758,7 +765,8 @@ async def choose(run, memory) -> tuple[Strategy, str]:
         return choose_swap(run, memory)
     standby = await standby_problem(run)
     if standby is None:
-        return STANDBY, "the warm standby rebuilds on the new config"
+        return STANDBY, ("the warm standby rebuilds on the new config" if rebuilds(current) else
+                         "the warm standby serves while the main engine restarts")
     if standby:
         op.notes.append(f"no standby reload: {standby}")
         if not run.dry_run:

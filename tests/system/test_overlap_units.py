@@ -45,9 +45,9 @@ def host(systemd_container: SystemdContainer):
     return serving_tiny(systemd_container)
 
 
-def under_load(host: SystemdContainer, action, clients: int = 4):
-    """Run ACTION() while CLIENTS stream completions back to back; returns
-    (what ACTION returned, {completed, refused, lost})."""
+def under_load(host: SystemdContainer, action, clients: int = 4, model: str = "tiny"):
+    """Run ACTION() while CLIENTS stream completions of MODEL back to back;
+    returns (what ACTION returned, {completed, refused, lost})."""
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     counts = {"completed": 0, "refused": 0, "lost": 0}
     lock, done = threading.Lock(), threading.Event()
@@ -56,7 +56,7 @@ def under_load(host: SystemdContainer, action, clients: int = 4):
         while not done.is_set():
             admitted, outcome = False, "lost"
             try:
-                stream = client.completions.create(model="tiny", prompt="x", max_tokens=32, temperature=0,
+                stream = client.completions.create(model=model, prompt="x", max_tokens=32, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True})
                 admitted = True
                 if any(c.choices and c.choices[0].finish_reason for c in stream):

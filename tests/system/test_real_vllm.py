@@ -9,6 +9,12 @@ none answered 503, none lost), a reload to a value vLLM refuses
 vLLM's own error and the main engine untouched, and a bridge that does not
 fit (set through config) falling back to restart with the reason; and
 every vllm:* series the monitoring dashboard queries is on its live /metrics.
+Then the same model with `standby: true` (issue 35): a standby that does
+not fit refused at its start with the numbers, then a third vLLM on the
+bridge's budget; kill -9 of the main vLLM under streaming load answered by
+the standby (no 503); a reload through the standby (one vLLM start, no 503,
+none lost); and a main vLLM that refuses the new config rolled back with the
+standby serving.
 
 The quickstart's blocks run in this module's container rather than in one of
 their own (as tests/system/test_quickstart.py runs docs/quickstart.md's), and
@@ -49,9 +55,10 @@ import openai
 import pytest
 import yaml
 
-from container import Bind, SystemdContainer, find_checkout, host_support_problem
+from container import Bind, SystemdContainer, find_checkout, host_support_problem, wait_for
 from ports import reserved_port
 from test_model_units import main_pid
+from test_overlap_units import under_load
 from test_quickstart import PLACEHOLDER, build_wheel, pip_inside, shell_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "upstream"))
@@ -166,6 +173,7 @@ def host(tmp_path_factory):
         c.start()
         c.sh("chmod o+x /root")  # vLLM's environment's Python installation lives under /root
         c.port = reserved_port()
+        c.base_url = f"http://127.0.0.1:{c.port}"  # test_overlap_units.under_load's
         c.quickstart = quickstart_script(c.port, f"/wheels/{wheel.name}")
         c.quickstart_output = []
         for block in c.quickstart:
@@ -449,4 +457,150 @@ def test_a_bridge_that_does_not_fit_falls_back_to_restart_and_says_why(host):
     journal = host.run(["journalctl", f"HOSTD_MODEL={NAME}", "-o", "cat", "--no-pager"], check=False).stdout
     assert why in journal and "reload.bridge_kv_mib=1048576" in journal, journal[-3000:]
     assert engine_health(host)["engine_config"]["max_num_seqs"] == 3
+    host.systemctl("stop", f"model@{NAME}.service", timeout=300)
+
+
+# ---------------------------------------------------------------- the standby (issue 35)
+
+MAIN_ENGINE = f"model-engine@{NAME}.service"
+STANDBY = f"model-engine-standby@{NAME}.service"
+STANDBY_DROPIN = f"/etc/hostd/models/{NAME}.d/70-standby.yaml"
+BRIDGE_DROPIN = f"/etc/hostd/models/{NAME}.d/60-bridge.yaml"
+
+
+def unit_state(host: SystemdContainer, unit: str) -> str:
+    return host.run(["systemctl", "is-active", unit], check=False).stdout.strip()
+
+
+def unit_property(host: SystemdContainer, unit: str, prop: str) -> str:
+    return host.systemctl("show", "-p", prop, "--value", unit).stdout.strip()
+
+
+def standby_health(host: SystemdContainer) -> dict | None:
+    out = host.run(["curl", "-sf", "--unix-socket", f"/run/hostd/{NAME}/engine-standby.sock", "http://engine/health"],
+                   check=False).stdout
+    return json.loads(out) if out.strip() else None
+
+
+def standby_answered(host: SystemdContainer) -> float:
+    """Requests the standby's vLLM finished (its own vllm:request_success_total)."""
+    text = host.run(["curl", "-s", "--unix-socket", f"/run/hostd/{NAME}/engine-standby.sock",
+                     "http://engine/metrics"]).stdout
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def gateway_slot(host: SystemdContainer) -> tuple[str, str]:
+    """(where new requests go, the slot the gateway failed over from or "")."""
+    code = ("import json, msgspec; from hostd import paths; from hostd.gateway import control; "
+            f"s = control.call(paths.control_socket({NAME!r}), control.Status()); print(json.dumps([s.slot, s.failed_over]))")
+    python = host.read_file(f"/proc/{main_pid(host, 'hostd.service')}/cmdline").split("\0")[0]
+    return tuple(json.loads(host.run([python, "-c", code]).stdout))
+
+
+def test_a_standby_that_does_not_fit_is_refused_naming_the_numbers_and_the_model_serves_without_it(host):
+    """standby: true for the vLLM model, with reload.bridge_kv_mib (the
+    standby's KV budget) beyond the host's memory, set through config: the
+    standby's start refuses before any vLLM runs, with the numbers, and
+    systemd does not start it again; the main engine serves. With the budget
+    back, the standby starts: a third vLLM on the bridge's budget."""
+    host.systemctl("stop", f"model@{NAME}.service", timeout=300)
+    host.write_file(BRIDGE_DROPIN, "reload:\n  bridge_kv_mib: 1048576\nengine:\n  max_num_seqs: 3\n")
+    host.write_file(STANDBY_DROPIN, "standby: true\n")
+    host.systemctl("daemon-reload")
+    host.systemctl("start", f"model@{NAME}.service", timeout=900)
+    wait_for(lambda: unit_state(host, STANDBY) == "failed", timeout=300, what="the standby refused")
+    assert unit_property(host, STANDBY, "ExecMainStatus") == "78"
+    assert unit_property(host, STANDBY, "NRestarts") == "0"
+    journal = host.run(["journalctl", "-u", STANDBY, "-o", "cat", "--no-pager"]).stdout
+    assert f"the standby of {NAME} does not fit: the standby needs about" in journal, journal[-3000:]
+    assert "reload.bridge_kv_mib=1048576" in journal and "MemAvailable is" in journal, journal[-3000:]
+    assert "vllm serve" not in journal  # refused before upstream ran
+    status = host.run(["hostctl", "status", NAME], check=False).stdout
+    assert "Standby: failed" in status, status
+    assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
+
+    host.write_file(BRIDGE_DROPIN, "engine:\n  max_num_seqs: 3\n")
+    host.systemctl("restart", STANDBY, timeout=900)
+    wait_for(lambda: standby_health(host) is not None, timeout=300, what="the standby serving")
+    health = standby_health(host)
+    assert health["slot"] == "standby" and f"--kv-cache-memory-bytes {BRIDGE_KV_MIB << 20}" in health["bridge"], health
+    argv = host.read_file(f"/proc/{health['upstream_pid']}/cmdline").split("\0")
+    assert argv[argv.index("--uds") + 1] == f"/run/hostd/{NAME}/vllm-engine-standby.sock", argv
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(BRIDGE_KV_MIB << 20)
+    status = host.run(["hostctl", "status", NAME], check=False).stdout
+    assert re.search(r"Standby: active \(PID \d+\)", status), status
+    assert model_property(host, "StandbyState") == "active"
+
+
+def test_kill_9_of_the_main_vllm_answers_no_new_request_503_and_main_comes_back(host):
+    """kill -9 of the main engine's vLLM server under three streaming
+    clients: the gateway sends new requests to the standby at once (none
+    answered 503; only streams already under way on the killed vLLM are
+    lost), systemd restarts the main engine, and new requests go back to it."""
+    assert standby_health(host) is not None and gateway_slot(host) == ("main", "")
+    engine_pid, upstream_pid = main_pid(host, MAIN_ENGINE), engine_health(host)["upstream_pid"]
+    served_before = standby_answered(host)
+
+    def kill() -> None:
+        host.run(["kill", "-9", str(upstream_pid)])
+        wait_for(lambda: standby_answered(host) >= served_before + 3, timeout=120, what="the standby serving")
+
+    _, counts = under_load(host, kill, clients=3, model=NAME)
+    print(f"kill -9 of the main vLLM under load: {counts}")
+    assert counts["refused"] == 0 and counts["completed"] > 0, counts
+    assert counts["lost"] <= 3, counts  # at most the three streams running on the killed vLLM
+    journal = host.run(["journalctl", "-u", f"model@{NAME}.service", "-o", "cat", "--no-pager"]).stdout
+    assert "failover: the main engine stopped answering; new requests go to the standby" in journal, journal[-3000:]
+    wait_for(lambda: main_pid(host, MAIN_ENGINE) not in (0, engine_pid) and unit_state(host, MAIN_ENGINE) == "active",
+             timeout=900, what="the main engine restarted by systemd")
+    wait_for(lambda: gateway_slot(host) == ("main", ""), timeout=120, what="new requests back on the main engine")
+    assert engine_health(host)["upstream_pid"] != upstream_pid
+    assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
+
+
+def engine_starts(host: SystemdContainer, unit: str, since: str) -> int:
+    """The vLLM servers UNIT's supervisor started since SINCE (its "starting
+    vllm serve" line, hostd/engine/upstream.py)."""
+    journal = host.run(["journalctl", "-u", unit, "--since", since, "-o", "cat", "--no-pager"], check=False).stdout
+    return sum(1 for line in journal.splitlines() if line.startswith("starting ") and " serve " in line)
+
+
+def test_a_reload_through_the_standby_is_one_vllm_start_and_answers_no_503(host):
+    """max_num_seqs with the standby up under three streaming clients:
+    strategy standby, new requests on the standby while only the main engine
+    restarts (one vLLM start, no bridge), none answered 503 or lost; the
+    standby keeps the config it started with (max_num_seqs is capacity)."""
+    standby_pid = main_pid(host, STANDBY)
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    time.sleep(1)
+    result, counts = under_load(host, lambda: host.run(["hostctl", "reload", NAME, "max_num_seqs=2"],
+                                                        check=False, timeout=1200), clients=3, model=NAME)
+    print(f"standby reload of real vLLM under load: {counts}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    op = last_operation(host)
+    assert (op["State"], op["Strategy"]) == ("done", "standby"), op
+    assert counts["refused"] == 0 and counts["lost"] == 0 and counts["completed"] > 0, counts
+    assert engine_starts(host, MAIN_ENGINE, since) == 1
+    assert engine_starts(host, f"model-engine-next@{NAME}.service", since) == 0
+    assert engine_starts(host, STANDBY, since) == 0 and main_pid(host, STANDBY) == standby_pid
+    assert any("the standby keeps the config it started with" in note for note in op["Notes"]), op
+    assert engine_health(host)["engine_config"]["max_num_seqs"] == 2
+    assert standby_health(host)["engine_config"]["max_num_seqs"] == 3
+
+
+def test_a_main_vllm_that_refuses_the_new_config_rolls_back_with_the_standby_serving(host):
+    """max_model_len beyond the model's positions: the main vLLM exits with its
+    own error, the reload rolls back (the main engine back on the previous
+    config) while the standby serves: no new request answered 503."""
+    standby_pid = main_pid(host, STANDBY)
+    with Prober(host) as prober:
+        result = host.run(["hostctl", "reload", NAME, "max_model_len=100000"], check=False, timeout=1800)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert prober.statuses and set(prober.statuses) == {200}, prober.statuses
+    op = last_operation(host)
+    assert (op["State"], op["Strategy"], op["Restored"]) == ("rolled-back", "standby", True), op
+    assert "max_model_len" in op["Error"] and "100000" in op["Error"], op["Error"]
+    assert engine_health(host)["engine_config"]["max_model_len"] == MAX_POSITIONS
+    assert main_pid(host, STANDBY) == standby_pid and gateway_slot(host) == ("main", "")
     host.systemctl("stop", f"model@{NAME}.service", timeout=300)
