@@ -9,7 +9,8 @@ TARGET` before they land, and model@tiny.service started. host-b's checkpoint
 has 256 positions where the others have 512 (a host a generation behind), so
 a fleet-wide `max_model_len: 384` is what its engine refuses: its reload rolls
 back, and the roll must stop there, leaving host-c untouched, every host
-serving.
+serving. The same holds for a new checkpoint (rolling-restart.yml, a
+checkpoint swap on each host): host-b's is cut short, its swap rolls back.
 
 Last, host-c is reached as a deploy user with sudo (as real hosts are, over
 ssh): the plugin runs every command and copy as that user, so root's work is
@@ -43,9 +44,10 @@ ANSIBLE = CHECKOUT / "packaging" / "ansible"
 HOSTS = ("host-a", "host-b", "host-c")
 REFUSING = "host-b"  # its checkpoint has 256 positions, the others 512
 CHECKPOINT = "/var/lib/hostd/checkpoints/tiny"
-# The roll to a new checkpoint (rolling-restart.yml): a second directory on
-# each host; host-b's lacks config.json, which `hostctl config --check`
-# does not read and the weights daemon needs at start: its restart fails.
+# The roll to a new checkpoint (rolling-restart.yml, a checkpoint swap on
+# each host): a second directory on each host; host-b's weight file was
+# copied in part (cut short), which `hostctl config --check` does not read
+# and the new weights daemon refuses when it loads it: its swap rolls back.
 CHECKPOINT_V2 = "/var/lib/hostd/checkpoints/tiny-v2"
 BROKEN = "host-b"
 NEW_LIMITS = {"max_model_len": 384}
@@ -104,6 +106,10 @@ class Fleet:
         return self.hosts[name].sh("cd /etc/hostd/models && find tiny.yaml tiny.d -type f 2>/dev/null | sort || true",
                                    check=False).stdout.split()
 
+    def gateway_pid(self, name: str) -> int:
+        """model@tiny.service's main process: the gateway, which only a restart of the model replaces."""
+        return int(self.hosts[name].systemctl("show", "-p", "MainPID", "--value", "model@tiny.service").stdout)
+
     def is_active(self, name: str) -> int:
         return self.hosts[name].run(["hostctl", "is-active", "tiny"], check=False).returncode
 
@@ -127,7 +133,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
               subprocess.Popen([*python, "--size", "tiny-vllm", str(workdir / "ckpt-256")], stdout=subprocess.DEVNULL)]
     assert [maker.wait(timeout=300) for maker in makers] == [0, 0]
     shutil.copytree(workdir / "ckpt-512", workdir / "ckpt-v2")
-    shutil.copytree(workdir / "ckpt-512", workdir / "ckpt-v2-broken", ignore=shutil.ignore_patterns("config.json"))
+    shutil.copytree(workdir / "ckpt-512", workdir / "ckpt-v2-broken")
+    shard = workdir / "ckpt-v2-broken" / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
     containers = _Containers(tmp_path_factory)
     try:
         hosts = {}
@@ -228,12 +236,18 @@ def test_site_refuses_a_fixed_key_change_on_a_serving_host_and_writes_nothing(fl
     play = fleet.play("site.yml", "--limit", "host-c", extra={"hostd_models": models(checkpoint=CHECKPOINT_V2)})
     assert play.returncode != 0
     assert "tiny: fixed key(s) model of /etc/hostd/models/tiny.yaml change" in play.stdout, play.stdout
+    assert "a reload swaps the checkpoint under traffic, one host at a time" in play.stdout
     assert "rolling-restart.yml" in play.stdout
     assert fleet.hosts["host-c"].read_file("/etc/hostd/models/tiny.yaml") == before
     assert fleet.http_status("host-c") == 200
 
 
-def test_rolling_restart_to_a_new_checkpoint_stops_at_the_host_whose_restart_fails(fleet):
+def test_rolling_restart_swaps_the_checkpoint_host_by_host_and_stops_at_the_host_whose_swap_rolls_back(fleet):
+    """A new `model:` alone is a checkpoint swap (issue 36): `systemctl
+    reload`, no restart; host-a serves the new checkpoint, host-b's (cut
+    short) does not load, so its swap rolls back, it keeps serving the old
+    one (pinned in 99-rollback.yaml) and the roll stops there."""
+    gateways = {name: fleet.gateway_pid(name) for name in ("host-a", BROKEN)}
     roll = fleet.play("rolling-restart.yml", extra={"hostd_models": models(checkpoint=CHECKPOINT_V2)})
     assert roll.returncode != 0
     counts = recap(roll.stdout)
@@ -241,10 +255,18 @@ def test_rolling_restart_to_a_new_checkpoint_stops_at_the_host_whose_restart_fai
     assert counts[BROKEN]["failed"] == 1, counts
     assert "host-c" not in counts and "host-c" not in roll.stdout, roll.stdout  # never reached
 
-    # host-a serves the new checkpoint; host-b's restart failed (no config.json) and it does not serve.
-    assert f"model: {CHECKPOINT_V2}" in fleet.hosts["host-a"].read_file("/etc/hostd/models/tiny.yaml")
+    # host-a serves the new checkpoint, swapped under traffic: a reload, the
+    # model (its gateway) never restarted.
+    status = fleet.status("host-a")
+    assert status["checkpoint"] == CHECKPOINT_V2, status
+    op = json.loads(fleet.hosts["host-a"].run(["hostctl", "operations", "--json"]).stdout)[-1]
+    assert (op["kind"], op["state"]) == ("reload", "done"), op
     assert fleet.is_active("host-a") == 0 and fleet.http_status("host-a") == 200
-    assert fleet.is_active(BROKEN) != 0
+    assert {name: fleet.gateway_pid(name) for name in gateways} == gateways
+    # host-b: its swap rolled back; it serves the old checkpoint, pinned.
+    assert fleet.is_active(BROKEN) == 0 and fleet.http_status(BROKEN) == 200
+    assert fleet.status(BROKEN)["checkpoint"] == CHECKPOINT, fleet.status(BROKEN)
+    assert f"model: {CHECKPOINT}" in fleet.hosts[BROKEN].read_file("/etc/hostd/models/tiny.d/99-rollback.yaml")
     # host-c: untouched, the old checkpoint, serving.
     assert f"model: {CHECKPOINT}\n" in fleet.hosts["host-c"].read_file("/etc/hostd/models/tiny.yaml")
     assert fleet.is_active("host-c") == 0 and fleet.http_status("host-c") == 200
