@@ -505,6 +505,11 @@ def test_a_standby_that_does_not_fit_is_refused_naming_the_numbers_and_the_model
     systemd does not start it again; the main engine serves. With the budget
     back, the standby starts: a third vLLM on the bridge's budget."""
     host.systemctl("stop", f"model@{NAME}.service", timeout=300)
+    # `systemctl stop` returns once model@ stopped; the units PartOf it stop
+    # in jobs of their own, which the start below would cancel (the weights
+    # supervisor would live on, and the restart not apply standby: true).
+    wait_for(lambda: unit_state(host, f"model-weights@{NAME}.service") == "inactive", timeout=300,
+             what="the weights unit stopped")
     host.write_file(BRIDGE_DROPIN, "reload:\n  bridge_kv_mib: 1048576\nengine:\n  max_num_seqs: 3\n")
     host.write_file(STANDBY_DROPIN, "standby: true\n")
     host.systemctl("daemon-reload")

@@ -209,3 +209,60 @@ def test_a_cpu_models_reload_runs_the_bridge_engine_under_systemd(host, backend)
             == "inactive"  # the bridge was retired
     finally:
         host.systemctl("stop", f"model@{name}.service", timeout=120, check=False)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_standby_true_after_a_committed_reload_then_a_reload_through_the_standby(host, backend):
+    """standby: true (issue 35) under systemd with the doubles (SGLang's only
+    run under the units: its server needs a GPU): a model that reloaded
+    once (a committed record without the standby) gets standby: true and a
+    restart; the standby unit starts, a third upstream server on the
+    bridge's budget; the next reload is not refused as a changed fixed key,
+    and runs through the standby (strategy standby: one upstream start, the
+    standby kept)."""
+    name, field, _ = BACKENDS[backend]
+    name = f"{name}-sb"
+    checkpoint = f"{CHECKPOINT}-sb"
+    host.run(["mkdir", "-p", checkpoint])
+    host.write_file(f"{checkpoint}/config.json", json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "hidden_size": 128, "torch_dtype": "bfloat16"}))
+    host.write_file(f"{checkpoint}/model.safetensors", "not really weights")
+    port = reserved_port()
+    host.ports[f"{backend}-sb"] = port
+    text = yaml_for(host, backend, port, extra="device: cpu\nreload: {bridge_kv_mib: 16}\n")
+    host.write_model_yaml(name, text.replace(f"model: {CHECKPOINT}\n", f"model: {checkpoint}\n"))
+    host.systemctl("daemon-reload")
+    hostctl = [host.python, "-m", "hostd.hostctl"]
+    try:
+        host.systemctl("start", f"model@{name}.service", timeout=180)
+        assert host.run([*hostctl, "reload", name, f"{field}=5"], check=False, timeout=300).returncode == 0
+        before = weights_status(host, name)
+        host.systemctl("stop", f"model@{name}.service", timeout=120)
+        # `systemctl stop` returns once model@ stopped; the units PartOf it
+        # stop in jobs of their own, which a start right away would cancel
+        # (the weight daemon would live on and the restart apply nothing).
+        wait_for(lambda: host.systemctl("is-active", f"model-weights@{name}.service", check=False).stdout.strip()
+                 == "inactive", timeout=120, interval=0.5, what="the weight daemon stopped")
+        host.write_file(f"/etc/hostd/models/{name}.d/70-standby.yaml", "standby: true\n")
+        host.systemctl("daemon-reload")
+        host.systemctl("start", f"model@{name}.service", timeout=180)
+        standby = f"model-engine-standby@{name}.service"
+        wait_for(lambda: host.systemctl("is-active", standby, check=False).stdout.strip() == "active", timeout=120,
+                 interval=0.5, what="the standby active")
+        spare = json.loads(host.run(["curl", "-s", "--unix-socket", f"/run/hostd/{name}/engine-standby.sock",
+                                     "http://engine/health"]).stdout)
+        assert spare["slot"] == "standby" and spare["bridge"], spare
+        standby_pid = main_pid(host, standby)
+        assert weights_status(host, name)["pid"] != before["pid"]  # the units read the disk again
+        result = host.run([*hostctl, "reload", name, f"{field}=6"], check=False, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        op = last_operation(host)
+        assert (op["State"], op["Strategy"]) == ("done", "standby"), op
+        assert any("the standby keeps the config it started with" in note for note in op["Notes"]), op
+        assert engine_health(host, name)["engine_config"][field] == 6
+        assert main_pid(host, standby) == standby_pid
+        assert host.systemctl("is-active", f"model-engine-next@{name}.service", check=False).stdout.strip() \
+            == "inactive"  # no bridge ran
+    finally:
+        host.systemctl("stop", f"model@{name}.service", timeout=120, check=False)
