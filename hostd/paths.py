@@ -35,13 +35,12 @@ WEIGHTS_SOCKETS = {"main": WEIGHTS_SOCKET, "next": "weights-next.sock"}
 ENGINE_SOCKET = "engine.sock"
 # The engine slots of a model (units.py names their units): "main" serves at
 # rest; "next" runs only during an overlap reload, beside main; "standby" runs
-# beside main at all times for a model with `standby: true` (builtin only).
+# beside main at all times for a model with `standby: true`.
 ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock", "standby": "engine-standby.sock"}
 CONTROL_SOCKET = "control.sock"
 # Where each slot's `vllm serve --uds` listens, behind hostd's engine socket of
 # that slot: two engines of one model (an overlap reload, a standby) never share
-# one. "standby" is named for the vLLM standby's command line (issue 35), which
-# no unit runs yet.
+# one ("standby": model-engine-standby@NAME's vLLM, `standby: true`).
 VLLM_ENGINE_SOCKETS = {"main": "vllm-engine.sock", "next": "vllm-engine-next.sock",
                        "standby": "vllm-engine-standby.sock"}
 VLLM_SOCKET_DIR = "vllm"
