@@ -315,12 +315,8 @@ def nvml_uuids(indices: list[int]) -> dict[int, str]:
 def nvml_smallest_total(indices: list[int]) -> Optional[int]:
     """The total memory in bytes of the smallest of the GPUs INDICES; None
     without NVML (CPU hosts, containers without GPUs)."""
-    try:
-        with nvml.session() as pynvml:
-            return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
-                       for i in indices)
-    except Exception:  # no driver library, or no such GPU
-        return None
+    found = nvml_memory(indices)
+    return min(info.total for info in found.values()) if found else None
 
 
 def checkpoint_bytes(model_dir: str) -> int:
@@ -553,38 +549,46 @@ class UpstreamBackend(Backend):
 
     def gpu_free(self, cfg) -> dict[int, int]:
         """{GPU index: free bytes} of CFG's GPUs by NVML; empty on CPU or without NVML."""
-        return nvml_free(list(cfg.gpus)) if self.uses_gpu(cfg) else {}
+        return {i: info.free for i, info in nvml_memory(list(cfg.gpus)).items()} if self.uses_gpu(cfg) else {}
 
-    def standby_fit_problem(self, cfg, host_available: Optional[int], gpu_free: dict[int, int]) -> Optional[str]:
-        """Why the standby of CFG does not fit beside what runs (the preflight
-        its engine runs before it starts upstream), or None. Its need is the
-        bridge's (bridge_need: reload.bridge_kv_mib, the non-KV footprint, the
-        weights where it loads them from disk) plus reload.overlap_reserve_mib,
-        against each of CFG's GPUs' free memory (GPU_FREE, NVML) or, on CPU,
-        HOST_AVAILABLE (MemAvailable)."""
-        need, reserve = self.bridge_need(cfg), cfg.reload.overlap_reserve_mib << 20
-        what = (f"the standby needs about {need >> 20} MiB (reload.bridge_kv_mib={cfg.reload.bridge_kv_mib} "
+    def room_problem(self, cfg, who: str, host_available: Optional[int], gpu_free: dict[int, int],
+                     reserve: Optional[int] = None) -> Optional[str]:
+        """Why a second upstream server of CFG on the bridge's budget (WHO:
+        the overlap's bridge engine, the warm standby) does not fit beside
+        what runs, or None. Its need is bridge_need() (reload.bridge_kv_mib,
+        the non-KV footprint, the weights where it loads them from disk), plus
+        RESERVE (default reload.overlap_reserve_mib), against each GPU's free
+        memory in GPU_FREE (NVML; none listed: not weighed here) or, on CPU,
+        HOST_AVAILABLE (MemAvailable; None: not weighed here)."""
+        need = self.bridge_need(cfg)
+        reserve = cfg.reload.overlap_reserve_mib << 20 if reserve is None else reserve
+        what = (f"the {who} needs about {need >> 20} MiB (reload.bridge_kv_mib={cfg.reload.bridge_kv_mib} "
                 "of KV and its non-KV footprint"
                 + ("" if self.retains_weights(cfg) else ", and its own copy of the weights")
                 + f") and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free")
-        fix = "; lower reload.bridge_kv_mib or set standby: false"
         if self.uses_gpu(cfg):
-            if not gpu_free:
-                return None  # NVML cannot tell: upstream's own start check still guards
-            for index in cfg.gpus:
-                free = gpu_free.get(index)
-                if free is not None and need + reserve > free:
-                    return f"GPU {index}: {what}, but {free >> 20} MiB are free{fix}"
+            for index, free in gpu_free.items():
+                if need + reserve > free:
+                    return f"GPU {index}: {what}, but {free >> 20} MiB are free"
             return None
         if host_available is not None and need + reserve > host_available:
-            return f"{what}, but MemAvailable is {host_available >> 20} MiB{fix}"
+            return f"{what}, but MemAvailable is {host_available >> 20} MiB"
         return None
 
+    def standby_fit_problem(self, cfg, host_available: Optional[int], gpu_free: dict[int, int]) -> Optional[str]:
+        """Why the standby of CFG does not fit beside what runs (the preflight
+        its engine runs before it starts upstream): room_problem, with what
+        to change; None when it fits or NVML or /proc cannot tell (upstream's
+        own start check still guards)."""
+        problem = self.room_problem(cfg, "standby", host_available, gpu_free)
+        return f"{problem}; lower reload.bridge_kv_mib or set standby: false" if problem else None
 
-def nvml_free(indices: list[int]) -> dict[int, int]:
-    """{GPU index: free bytes} for INDICES; empty without NVML."""
+
+def nvml_memory(indices: list[int]) -> dict:
+    """{GPU index: NVML memory info (total, free, used)} for INDICES; empty
+    without NVML (CPU hosts, containers without GPUs) or for a GPU it lacks."""
     try:
         with nvml.session() as pynvml:
-            return {i: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free for i in indices}
+            return {i: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices}
     except Exception:  # no driver library, or no such GPU
         return {}

@@ -204,17 +204,9 @@ class EngineSupervisor:
         loop = asyncio.get_running_loop()
         deadline = None if within is None else loop.time() + within
         while self.proc.returncode is None:
-            if deadline is not None:
-                if loop.time() >= deadline:
-                    return None
-                await asyncio.sleep(CHILD_POLL)
-                continue
-            if self.stopping.is_set():
+            if deadline is None and self.stopping.is_set() or deadline is not None and loop.time() >= deadline:
                 return None
-            try:
-                await asyncio.wait_for(self.stopping.wait(), CHILD_POLL)
-            except asyncio.TimeoutError:
-                pass
+            await asyncio.sleep(CHILD_POLL)
         return self.proc.returncode
 
     async def stop_child(self) -> Optional[int]:

@@ -99,7 +99,7 @@ class Preflight:
         MEMORY the preflight's reading (read_memory): nothing is asked again.
 
         vllm and sglang run a bridge there, whose need their backend knows
-        (Backend.bridge_need: _bridge_problem). Otherwise (builtin) the second
+        (Backend.bridge_need, UpstreamBackend.room_problem: _bridge_problem). Otherwise (builtin) the second
         engine needs what the serving one uses beyond the shared weights (its
         footprint), its KV cache swapped for the one the new config sizes
         (Backend.engine_kv_bytes, the builtin engine's paged cache:
@@ -115,9 +115,8 @@ class Preflight:
         if refusal:
             return refusal
         reserve = (cfg.reload.overlap_reserve_mib << 20) + weights
-        bridge = backend.bridge_need(cfg)
-        if bridge is not None:
-            return self._bridge_problem(cfg, backend.uses_gpu(cfg), bridge, health, memory, reserve)
+        if backend.bridge_need(cfg) is not None:
+            return self._bridge_problem(cfg, backend.uses_gpu(cfg), health, memory, reserve)
         if backend.uses_gpu(cfg):
             return self._overlap_gpu(cfg, memory, reserve, backend, health, weights)
         reported = (health.memory if health is not None else None) or {}
@@ -134,30 +133,22 @@ class Preflight:
         return None
 
     @staticmethod
-    def _bridge_problem(cfg, gpu: bool, need: int, health: Optional[EngineHealth], memory: "Memory",
+    def _bridge_problem(cfg, gpu: bool, health: Optional[EngineHealth], memory: "Memory",
                         reserve: int) -> Optional[str]:
-        """vllm and sglang: the bridge engine's own budget (Backend.bridge_need:
-        reload.bridge_kv_mib plus its non-KV footprint, plus the weights where
-        it loads them from disk) and the reserve, against each GPU's NVML free
-        memory, or on CPU the host's MemAvailable as the engine's /health
-        reports it."""
-        what = (f"the bridge engine needs about {need >> 20} MiB (reload.bridge_kv_mib="
-                f"{cfg.reload.bridge_kv_mib} of KV and its non-KV footprint"
-                + (", and its own copy of the weights" if not backends.for_config(cfg).retains_weights(cfg) else "")
-                + f") and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free")
+        """vllm and sglang: the bridge engine's own budget and the reserve
+        (the backend's room_problem, which the warm standby's start weighs
+        too), against each GPU's NVML free memory, or on CPU the host's
+        MemAvailable as the engine's /health reports it."""
+        backend = backends.for_config(cfg)
         if gpu:
             if memory.unreadable:
                 return f"cannot read GPU memory: {memory.unreadable}"
-            for one in memory.gpus or ():
-                if need + reserve > one.free:
-                    return f"GPU {one.index}: {what}, but {one.free >> 20} MiB are free"
-            return None
+            return backend.room_problem(cfg, "bridge engine", None, {g.index: g.free for g in memory.gpus or ()},
+                                        reserve)
         available = ((health.memory if health is not None else None) or {}).get("host_available")
         if available is None:
             return "the engine does not report the host's memory on /health (hostd/memory.py)"
-        if need + reserve > available:
-            return f"{what}, but MemAvailable is {available >> 20} MiB"
-        return None
+        return backend.room_problem(cfg, "bridge engine", available, {}, reserve)
 
     @staticmethod
     def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[EngineHealth],

@@ -172,6 +172,24 @@ def test_unsupported_settings_are_refused_before_upstream_starts(host, backend, 
         host.systemctl("reset-failed", check=False)
 
 
+def cpu_model(host: SystemdContainer, backend: str, suffix: str) -> str:
+    """A device: cpu model of BACKEND named NAME-SUFFIX on a checkpoint of its
+    own whose config.json sizes the bridge (2 layers, 1 KV head of 64), on
+    reload.bridge_kv_mib 16, written and daemon-reloaded; its name."""
+    name, checkpoint = f"{BACKENDS[backend][0]}-{suffix}", f"{CHECKPOINT}-{suffix}"
+    host.run(["mkdir", "-p", checkpoint])
+    host.write_file(f"{checkpoint}/config.json", json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "hidden_size": 128, "torch_dtype": "bfloat16"}))
+    host.write_file(f"{checkpoint}/model.safetensors", "not really weights")
+    port = reserved_port()
+    host.ports[f"{backend}-{suffix}"] = port
+    text = yaml_for(host, backend, port, extra="device: cpu\nreload: {bridge_kv_mib: 16}\n")
+    host.write_model_yaml(name, text.replace(f"model: {CHECKPOINT}\n", f"model: {checkpoint}\n"))
+    host.systemctl("daemon-reload")
+    return name
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_a_cpu_models_reload_runs_the_bridge_engine_under_systemd(host, backend):
     """The bridge (issue 33: in this container NVML cannot be read, so a cuda
@@ -181,19 +199,7 @@ def test_a_cpu_models_reload_runs_the_bridge_engine_under_systemd(host, backend)
     second engine ran with the bridge's KV budget, in model-engine-next@,
     and the main engine restarted (weights are not retained on CPU: upstream
     shares them through CUDA IPC only)."""
-    name, field, _ = BACKENDS[backend]
-    name = f"{name}-cpu"
-    checkpoint = f"{CHECKPOINT}-cpu"
-    host.run(["mkdir", "-p", checkpoint])
-    host.write_file(f"{checkpoint}/config.json", json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "hidden_size": 128, "torch_dtype": "bfloat16"}))
-    host.write_file(f"{checkpoint}/model.safetensors", "not really weights")
-    port = reserved_port()
-    host.ports[f"{backend}-cpu"] = port
-    text = yaml_for(host, backend, port, extra="device: cpu\nreload: {bridge_kv_mib: 16}\n")
-    host.write_model_yaml(name, text.replace(f"model: {CHECKPOINT}\n", f"model: {checkpoint}\n"))
-    host.systemctl("daemon-reload")
+    field, name = BACKENDS[backend][1], cpu_model(host, backend, "cpu")
     try:
         host.systemctl("start", f"model@{name}.service", timeout=180)
         engine = main_pid(host, f"model-engine@{name}.service")
@@ -220,19 +226,7 @@ def test_standby_true_after_a_committed_reload_then_a_reload_through_the_standby
     bridge's budget; the next reload is not refused as a changed fixed key,
     and runs through the standby (strategy standby: one upstream start, the
     standby kept)."""
-    name, field, _ = BACKENDS[backend]
-    name = f"{name}-sb"
-    checkpoint = f"{CHECKPOINT}-sb"
-    host.run(["mkdir", "-p", checkpoint])
-    host.write_file(f"{checkpoint}/config.json", json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "hidden_size": 128, "torch_dtype": "bfloat16"}))
-    host.write_file(f"{checkpoint}/model.safetensors", "not really weights")
-    port = reserved_port()
-    host.ports[f"{backend}-sb"] = port
-    text = yaml_for(host, backend, port, extra="device: cpu\nreload: {bridge_kv_mib: 16}\n")
-    host.write_model_yaml(name, text.replace(f"model: {CHECKPOINT}\n", f"model: {checkpoint}\n"))
-    host.systemctl("daemon-reload")
+    field, name = BACKENDS[backend][1], cpu_model(host, backend, "sb")
     hostctl = [host.python, "-m", "hostd.hostctl"]
     try:
         host.systemctl("start", f"model@{name}.service", timeout=180)
