@@ -4,8 +4,9 @@ One job: the policy tables and helpers both upstream backends use, and the
 UpstreamBackend they derive from, so that vllm.py and sglang.py only say what
 differs (flag names, allowlists, the commands themselves, how their processes
 tell they serve). Nothing here starts a process except the version check,
-which runs the configured upstream executable with --version (or asks the
-configured Python for the package's metadata) and never anything else. The
+which asks the interpreter of the configured upstream console script (or
+the configured Python) for the package's metadata, or runs a script that is
+not one with --version, and never anything else. The
 version check is an install_refusals(): the model's own units run it as the
 model's user when they start; the root manager never does (it calls
 refusals() only, and learns a wrong install from the engine that fails to
@@ -291,7 +292,8 @@ def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tu
     try:
         text = _probe_version(tuple(argv), tuple(sorted(env.items())), stamp)
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        return f"{what}: `{' '.join(argv)}` failed ({exc}); {how_to_fix}"
+        asked = f"{argv[0]} reading {what}'s metadata" if argv[1:2] == ["-c"] else f"`{' '.join(argv)}`"
+        return f"{what}: {asked} failed ({exc}); {how_to_fix}"
     found = found_version(text)
     if found is None or found < Version(".".join(map(str, minimum))):
         wanted = ".".join(map(str, minimum))
@@ -375,6 +377,44 @@ class Bridge:
     kv_bytes: int  # reload.bridge_kv_mib: per GPU, or of host memory on CPU
     gpu_total: Optional[int] = None  # the smallest GPU's memory, when NVML tells
     weights_bytes: int = 0  # per GPU: the checkpoint's share, for vLLM's memory check
+
+
+# Prints PACKAGE's installed version from its metadata, or (not installed in
+# this interpreter) runs sys.argv[1] --version and exits with its status.
+_METADATA_VERSION = (
+    "import importlib.metadata as m, subprocess, sys\n"
+    "try:\n    print(m.version({package!r}))\n"
+    "except m.PackageNotFoundError:\n    sys.exit(subprocess.run([sys.argv[1], '--version']).returncode)\n"
+)
+
+
+def console_script_python(executable: str) -> Optional[str]:
+    """The Python interpreter a pip console script EXECUTABLE names on its #!
+    line (an absolute path to an existing python*), or None: a wrapper, a
+    binary, `#!/usr/bin/env python3` or no file at all."""
+    try:
+        with open(executable, "rb") as script:
+            first = script.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("utf-8", "replace").split()
+    if len(words) != 1 or not os.path.isabs(words[0]) or not os.path.basename(words[0]).startswith("python"):
+        return None
+    return words[0] if os.path.isfile(words[0]) else None
+
+
+def version_argv(executable: str, package: str) -> list[str]:
+    """What prints the version of PACKAGE that the console script EXECUTABLE
+    runs. `EXECUTABLE --version` imports the package (vLLM: about 20 s on a
+    CPU, at each start of each of a model's units); the script's own
+    interpreter reads the same installation's metadata in a tenth of a
+    second. Anything but a plain pip console script is asked --version."""
+    python = console_script_python(executable)
+    if python is None:
+        return [executable, "--version"]
+    return [python, "-c", _METADATA_VERSION.format(package=package), executable]
 
 
 def find_executable(override_var: str, name: str, env: dict[str, str]) -> str:

@@ -335,7 +335,7 @@ class VllmBackend(upstream.UpstreamBackend):
         return problems
 
     def version_argv(self, cfg) -> list[str]:
-        return [self.executable(cfg), "--version"]
+        return upstream.version_argv(self.executable(cfg), "vllm")
 
     def install_refusals(self, cfg) -> list[str]:
         problem = upstream.version_refusal(

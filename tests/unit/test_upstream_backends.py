@@ -282,7 +282,7 @@ REFUSALS = [
     ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.30.2"}}, "vllm: version '0.30.2' is older than 0.32"),
     # PEP 440: a release candidate comes before its release (a regex read 0.32.0)
     ("vllm", {"env": {"HOSTD_TEST_VLLM_VERSION": "0.32.0rc1"}}, "vllm: version '0.32.0rc1' is older than 0.32"),
-    ("sglang", {"env": {"PYTHONPATH": "/nonexistent"}}, "sglang: `"),
+    ("sglang", {"env": {"PYTHONPATH": "/nonexistent"}}, "sglang's metadata failed"),
 ]
 
 
@@ -478,6 +478,24 @@ def test_vllm_older_than_032_is_refused_naming_the_version(ckpt):
     assert any("'0.31.2'" in p and "0.32" in p and "--gpu-memory-utilization" in p for p in problems), problems
     cfg = make("vllm", ckpt, env={"HOSTD_TEST_VLLM_VERSION": "0.32.0"})
     assert backends.for_config(cfg).install_refusals(cfg) == []
+
+
+def test_a_pip_console_scripts_version_is_read_from_its_interpreters_metadata(tmp_path):
+    """vllm --version imports vLLM (about 20 s on a CPU, at every start of each
+    unit); the script's own interpreter reads the installation's metadata. A
+    script that is not a pip console script, or whose interpreter lacks the
+    package, is asked --version."""
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{sys.executable}\nimport sys; print('asked', sys.argv[1:])\n")
+    script.chmod(0o755)
+    argv = upstream.version_argv(str(script), "pytest")
+    assert argv[:2] == [sys.executable, "-c"] and argv[-1] == str(script)
+    assert subprocess.run(argv, capture_output=True, text=True).stdout.strip() == pytest.__version__
+    missing = subprocess.run(upstream.version_argv(str(script), "no-such-package"), capture_output=True, text=True)
+    assert missing.stdout.strip() == "asked ['--version']"
+    script.write_text("#!/usr/bin/env python3\nprint('0.32.0')\n")
+    assert upstream.version_argv(str(script), "vllm") == [str(script), "--version"]
+    assert upstream.version_argv(str(tmp_path / "absent"), "vllm") == [str(tmp_path / "absent"), "--version"]
 
 
 def test_sglang_engine_readiness_uses_ready_not_the_generating_health(ckpt):
