@@ -137,8 +137,9 @@ class ModelTree:
         """Weights, engine and gateway (listening on 127.0.0.1:PORT, as the
         model's YAML says), until the gateway serves; base_url is its URL."""
         self.start_weights()
-        self.start_engine()
-        self.start_gateway()
+        engine = self.start_engine(wait=False)
+        self.start_gateway()  # while the engine starts, as systemd starts both units
+        wait_for(self.engine_healthy, 180, "engine /health", engine.proc)
         self.base_url = f"http://127.0.0.1:{port}"
         wait_for(lambda: self.control("status")["state"] == "serving", 30, "gateway serving")
 

@@ -28,18 +28,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def served(tmp_path: Path, tiny_checkpoint: Path):
+def serve(directory: Path, checkpoint: Path):
     port = free_port()
-    tree = ModelTree(tmp_path)
+    tree = ModelTree(directory)
     tree.write_config(
-        tiny_checkpoint,
+        checkpoint,
         fixed={"listen": f"127.0.0.1:{port}", "gateway": {"retry_after": 7}},
         max_num_seqs=32,
     )
     tree.start_serving(port)
-    yield tree
-    tree.stop_all()
+    try:
+        yield tree
+    finally:
+        tree.stop_all()
+
+
+@pytest.fixture
+def served(tmp_path: Path, tiny_checkpoint: Path):
+    yield from serve(tmp_path, tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def unchanged(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
+    """One stack for the tests that send what must change nothing (each
+    checks that it did not): a stack per case cost a model start each."""
+    yield from serve(tmp_path_factory.mktemp("unchanged"), tiny_checkpoint)
 
 
 def client(tree: ModelTree) -> openai.OpenAI:
@@ -168,7 +181,8 @@ def test_drain_that_times_out_reports_what_still_runs_and_leaves_it_running(serv
         (b'{"verb": "resume", "force": true}\n', "unknown field `force`"),
     ],
 )
-def test_bad_control_input_is_refused_and_changes_nothing(served: ModelTree, line: bytes, error: str):
+def test_bad_control_input_is_refused_and_changes_nothing(unchanged: ModelTree, line: bytes, error: str):
+    served = unchanged
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(10)
         conn.connect(str(served.control_socket))
@@ -182,7 +196,8 @@ def test_bad_control_input_is_refused_and_changes_nothing(served: ModelTree, lin
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
-def test_control_peer_with_another_uid_is_refused(served: ModelTree):
+def test_control_peer_with_another_uid_is_refused(unchanged: ModelTree):
+    served = unchanged
     open_dir = Path(tempfile.mkdtemp(prefix="hostd-ctl-test-"))
     try:
         path = open_dir / "tiny" / "control.sock"
