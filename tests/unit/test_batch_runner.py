@@ -203,7 +203,11 @@ def test_max_num_seqs_and_the_kv_budget_make_requests_wait_and_lose_none(tiny):
                 peaks["waiting"] = max(peaks["waiting"], runner.stats.waiting)
                 peaks["blocks"] = max(peaks["blocks"], runner.kv_blocks_used())
                 peaks["waiting_for_kv"] = max(peaks["waiting_for_kv"], runner.waiting_for_kv())
-                await asyncio.sleep(0)
+                # Not sleep(0): a loop that never waits keeps the interpreter's lock from the
+                # batching thread, whose every step then waits out switch intervals (44-128 s
+                # instead of 2 s here; CI hit the 120 s safety net). A request waits for blocks
+                # for many steps, so sampling every 2 ms still sees it.
+                await asyncio.sleep(0.002)
 
         watcher = asyncio.ensure_future(watch())
         try:
