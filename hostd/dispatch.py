@@ -57,6 +57,10 @@ def run(role: str, args: argparse.Namespace) -> int:
 def weights_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
     parser.add_argument("--socket", metavar="PATH", help="listen here when not socket-activated")
+    parser.add_argument("--slot", choices=sorted(paths.WEIGHTS_SOCKETS), default="main",
+                        help="weight slot: main (weights.sock), or next (weights-next.sock: a checkpoint swap's "
+                        "daemon, loading the new checkpoint beside main; vllm and sglang keep its upstream "
+                        "sockets in a directory of its own)")
     parser.add_argument("--state-dir", metavar="DIR", help="digest cache (default /var/lib/hostd/NAME)")
 
 
@@ -66,7 +70,10 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot", choices=sorted(paths.ENGINE_SOCKETS), default="main",
                         help="engine slot: main (engine.sock), next (engine-next.sock, during an overlap reload) "
                         "or standby (engine-standby.sock, the warm standby)")
-    parser.add_argument("--weights", metavar="PATH", help="weight daemon socket (default /run/hostd/NAME/weights.sock)")
+    parser.add_argument("--weights", metavar="PATH", help="weight daemon socket (default: the weight slot's)")
+    parser.add_argument("--weights-slot", choices=sorted(paths.WEIGHTS_SOCKETS), default="main",
+                        help="the weight daemon to attach: main (weights.sock), or next (weights-next.sock, "
+                        "a checkpoint swap's engine on the new checkpoint)")
     parser.add_argument("--state-dir", metavar="DIR", help="digest cache (default /var/lib/hostd/NAME)")
     parser.add_argument("--from-disk", action="store_true",
                         help="builtin backend: load the checkpoint from disk (cold start; for benchmarks)")

@@ -45,6 +45,13 @@ VLLM_ENGINE_SOCKETS = {"main": "vllm-engine.sock", "next": "vllm-engine-next.soc
                        "standby": "vllm-engine-standby.sock"}
 VLLM_SOCKET_DIR = "vllm"
 SGLANG_SOCKET_DIR = "sglang"
+# The upstream daemon of the next weight slot (a checkpoint swap's,
+# model-weights-next@NAME) keeps its sockets, lock and .ready files apart:
+# each daemon empties its directory when it starts and stops, and vLLM's
+# per-GPU lock refuses a second daemon in one directory. Four characters, as
+# vLLM's own directory: the longest socket path, and so the longest model
+# name, stay as they were.
+NEXT_SOCKET_DIR = "next"
 _LONGEST_UPSTREAM_SOCKET = (
     "vllm/vllm_weight_cache_GPU-00000000-0000-0000-0000-000000000000.sock"
 )
@@ -65,6 +72,12 @@ def weights_socket(name: str, slot: str = "main") -> Path:
 
 def engine_socket(name: str, slot: str = "main") -> Path:
     return runtime_dir(name) / ENGINE_SOCKETS[slot]
+
+
+def upstream_socket_dir(name: str, main_dir: str, slot: str = "main") -> Path:
+    """The directory of the upstream weight daemon of weight slot SLOT
+    (MAIN_DIR for main: VLLM_SOCKET_DIR or SGLANG_SOCKET_DIR)."""
+    return runtime_dir(name) / (main_dir if slot == "main" else NEXT_SOCKET_DIR)
 
 
 def vllm_engine_socket(name: str, slot: str = "main") -> Path:

@@ -148,8 +148,8 @@ class SglangBackend(upstream.UpstreamBackend):
             args += ["--quantization", cfg.quantization]
         return args
 
-    def socket_dir(self, model: str) -> Path:
-        return paths.runtime_dir(model) / paths.SGLANG_SOCKET_DIR
+    def socket_dir(self, model: str, slot: str = "main") -> Path:
+        return paths.upstream_socket_dir(model, paths.SGLANG_SOCKET_DIR, slot)
 
     def jit_cache_dir(self, cfg) -> str:
         """SGLANG_JIT_CACHE_DIR as a real absolute path: the model's env:, else
@@ -160,8 +160,10 @@ class SglangBackend(upstream.UpstreamBackend):
         ).get(JIT_CACHE_VARIABLE)
         return upstream.canonical_dir(value, JIT_CACHE_DEFAULT)
 
-    def _env(self, model: str, cfg) -> dict[str, str]:
-        directory = self.socket_dir(model)
+    def _env(self, model: str, cfg, weights_slot: str = "main") -> dict[str, str]:
+        """WEIGHTS_SLOT: the daemon whose sockets these templates name (the
+        daemon's own, or the one a client-mode server attaches)."""
+        directory = self.socket_dir(model, weights_slot)
         return {
             **cfg.env,
             **upstream.gpu_env(cfg),
@@ -171,16 +173,16 @@ class SglangBackend(upstream.UpstreamBackend):
             READY_TEMPLATE_VARIABLE: f"{directory}/{{device_uuid}}.ready",
         }
 
-    def weights_command(self, model: str, cfg) -> Command:
+    def weights_command(self, model: str, cfg, slot: str = "main") -> Command:
         argv = [
             self.python(cfg), "-m", "sglang.srt.weight_cache.daemon",
             *self._layout_args(cfg),
             *cfg.extra_args,
         ]
-        return Command(argv, self._env(model, cfg))
+        return Command(argv, self._env(model, cfg, slot))
 
     def engine_command(self, model: str, cfg, port: int = 0, slot: str = "main",
-                       bridge: Optional[upstream.Bridge] = None) -> Command:
+                       bridge: Optional[upstream.Bridge] = None, weights_slot: str = "main") -> Command:
         """PORT: the private loopback port hostd's engine supervisor of SLOT
         picked (one per engine, so two slots never share one). BRIDGE's flags
         come last: argparse keeps a flag's last value."""
@@ -197,7 +199,7 @@ class SglangBackend(upstream.UpstreamBackend):
             *cfg.engine_extra_args,
             *(self.bridge_args(cfg, bridge) if bridge is not None else []),
         ]
-        return Command(argv, self._env(model, cfg))
+        return Command(argv, self._env(model, cfg, weights_slot))
 
     def bridge_args(self, cfg, bridge: upstream.Bridge) -> list[str]:
         """--max-total-tokens: the KV budget in tokens (reload.bridge_kv_mib over

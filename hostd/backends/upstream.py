@@ -502,8 +502,9 @@ class UpstreamBackend(Backend):
         the upstream sockets: the fingerprint's device."""
 
     @abc.abstractmethod
-    def socket_dir(self, model: str) -> Path:
-        """/run/hostd/MODEL/<dir>: the upstream daemon's sockets, ready and lock files."""
+    def socket_dir(self, model: str, slot: str = "main") -> Path:
+        """/run/hostd/MODEL/<dir>: the sockets, ready and lock files of the
+        upstream daemon of weight slot SLOT (main; next: a checkpoint swap's)."""
 
     def engine_socket(self, model: str, slot: str = "main") -> Optional[Path]:
         """The Unix socket upstream's server of SLOT listens on; None: it
@@ -511,16 +512,18 @@ class UpstreamBackend(Backend):
         return None
 
     @abc.abstractmethod
-    def weights_command(self, model: str, cfg) -> Command:
-        """What hostd's weights supervisor runs as its child."""
+    def weights_command(self, model: str, cfg, slot: str = "main") -> Command:
+        """What hostd's weights supervisor of weight slot SLOT runs as its
+        child, its sockets in socket_dir(model, SLOT)."""
 
     @abc.abstractmethod
     def engine_command(self, model: str, cfg, port: int = 0, slot: str = "main",
-                       bridge: Optional[Bridge] = None) -> Command:
+                       bridge: Optional[Bridge] = None, weights_slot: str = "main") -> Command:
         """What hostd's engine supervisor of SLOT runs as its child; PORT is
         the private loopback port it picked when engine_socket() is None.
         With BRIDGE (the next slot; the standby's, standby_command) the engine
-        runs on that budget."""
+        runs on that budget. WEIGHTS_SLOT: the weight daemon it attaches
+        (next: a checkpoint swap's engine, on the new checkpoint's daemon)."""
 
     # ------------------------------------------------------------ the bridge
 

@@ -226,32 +226,32 @@ class VllmBackend(upstream.UpstreamBackend):
             **upstream.cache_defaults(cfg, {"VLLM_CACHE_ROOT": "vllm"}),
         }
 
-    def socket_dir(self, model: str) -> Path:
-        return paths.runtime_dir(model) / paths.VLLM_SOCKET_DIR
+    def socket_dir(self, model: str, slot: str = "main") -> Path:
+        return paths.upstream_socket_dir(model, paths.VLLM_SOCKET_DIR, slot)
 
     def engine_socket(self, model: str, slot: str = "main") -> Path:
         """Where `vllm serve --uds` of SLOT listens; engine.sock (engine-next.sock)
         is hostd's proxy in front of it."""
         return paths.vllm_engine_socket(model, slot)
 
-    def weights_command(self, model: str, cfg) -> Command:
+    def weights_command(self, model: str, cfg, slot: str = "main") -> Command:
         argv = [
             self.executable(cfg), "preload",
             "--model", cfg.model,
             *self._layout_args(cfg),
-            "--weight-cache-socket-dir", str(self.socket_dir(model)),
+            "--weight-cache-socket-dir", str(self.socket_dir(model, slot)),
             *cfg.extra_args,
         ]
         return Command(argv, self._env(cfg))
 
     def engine_command(self, model: str, cfg, port: int = 0, slot: str = "main",
-                       bridge: Optional[upstream.Bridge] = None) -> Command:
+                       bridge: Optional[upstream.Bridge] = None, weights_slot: str = "main") -> Command:
         """PORT is unused: `vllm serve` listens on engine_socket(SLOT). Without
         the weight cache (weights_not_retained) it loads from disk as vLLM
         does. BRIDGE's flags come last: vLLM's parser keeps a flag's last value."""
         load: list[str] = []
         if self.retains_weights(cfg):
-            extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model))}
+            extra_config = {"mode": "zero_copy", "fallback": False, "socket_dir": str(self.socket_dir(model, weights_slot))}
             load = ["--load-format", "ipc_cache",
                     "--model-loader-extra-config", json.dumps(extra_config, sort_keys=True)]
         argv = [

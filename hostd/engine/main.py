@@ -96,7 +96,7 @@ def load_model(cfg, name: str, args, phases: Phases) -> tuple[torch.nn.Module, d
         state = Path(args.state_dir) if args.state_dir else paths.state_dir(name)
         expected = expected_fingerprint(cfg, device, state if state.is_dir() else None)
         phases.mark("fingerprint")
-        socket_path = Path(args.weights) if args.weights else paths.weights_socket(name)
+        socket_path = Path(args.weights) if args.weights else paths.weights_socket(name, args.weights_slot)
         attached = client.attach(socket_path, expected)
         tensors = attached.tensors
         info = {

@@ -75,9 +75,13 @@ class EngineSupervisor:
     says what to run and how to tell that it serves."""
 
     def __init__(self, name: str, cfg, backend, socket_path: Path, weights_identity: tuple[int, int],
-                 slot: str = "main"):
+                 slot: str = "main", weights_slot: str = "main",
+                 fingerprint: Optional[protocol.Fingerprint] = None):
         self.name, self.cfg, self.backend, self.socket_path, self.slot = name, cfg, backend, socket_path, slot
         self.weights_pid, self.weights_inode = weights_identity
+        # The checkpoint the weight daemon holds (or, not retained, names):
+        # /health's, which a checkpoint swap's verify holds the engine to.
+        self.fingerprint = fingerprint
         self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -98,7 +102,8 @@ class EngineSupervisor:
         # with it, and cannot grow it without a restart.
         bridge = self.backend.bridge(cfg) if slot in ("next", "standby") else None
         self.command = (self.backend.standby_command(name, cfg, bridge, port=self.port) if slot == "standby"
-                        else self.backend.engine_command(name, cfg, port=self.port, slot=slot, bridge=bridge))
+                        else self.backend.engine_command(name, cfg, port=self.port, slot=slot, bridge=bridge,
+                                                         weights_slot=weights_slot))
         self.bridge = self.backend.bridge_summary(cfg, bridge) if bridge else ""
         self.upstream_version = self.backend.upstream_version(cfg)  # probed by install_refusals already
 
@@ -239,6 +244,8 @@ class EngineSupervisor:
             weights_not_retained=self.not_retained or "",
             weights_pid=self.weights_pid,
             weights_socket_inode=self.weights_inode,
+            **({"content_digest": self.fingerprint.content_digest, "checkpoint": self.fingerprint.model_path}
+               if self.fingerprint is not None else {}),
             slot=self.slot,
             bridge=self.bridge,  # what the bridge runs with; "" in the main slot
             upstream_version=self.upstream_version,  # hostd_build_info (the gateway's /metrics)
@@ -340,7 +347,7 @@ class EngineSupervisor:
 def run(args, cfg, backend) -> int:
     """`hostd engine NAME` for an upstream BACKEND (its run_engine, once
     hostd/dispatch.py has checked CFG)."""
-    weights_path = Path(args.weights) if args.weights else paths.weights_socket(args.name)
+    weights_path = Path(args.weights) if args.weights else paths.weights_socket(args.name, args.weights_slot)
     try:
         status = weights_client.status(weights_path)
     except (OSError, weights_client.WeightsRefused, protocol.ProtocolError) as exc:
@@ -350,5 +357,6 @@ def run(args, cfg, backend) -> int:
     socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot)
     if not args.socket:
         sockets.ensure_private_dir(socket_path.parent)
-    supervisor = EngineSupervisor(args.name, cfg, backend, socket_path, (status.pid, status.socket_inode), args.slot)
+    supervisor = EngineSupervisor(args.name, cfg, backend, socket_path, (status.pid, status.socket_inode), args.slot,
+                                  args.weights_slot, status.fingerprint)
     return asyncio.run(supervisor.main())

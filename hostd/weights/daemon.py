@@ -151,7 +151,7 @@ def _raise_shutdown(signum, _frame):
 
 def serve(args: argparse.Namespace, cfg) -> int:
     """The builtin weight cache daemon (BuiltinBackend.run_weights)."""
-    socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
+    socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name, args.slot)
     state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
     try:
         state_dir.mkdir(parents=True, exist_ok=True)

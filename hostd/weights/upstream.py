@@ -102,9 +102,9 @@ class Supervisor:
     """BACKEND: the model's UpstreamBackend (hostd/backends/upstream.py), which
     says what to run and how to tell that it is ready."""
 
-    def __init__(self, name: str, cfg, backend, state_dir: Optional[Path]):
-        self.name, self.cfg, self.backend, self.state_dir = name, cfg, backend, state_dir
-        self.directory = self.backend.socket_dir(name)
+    def __init__(self, name: str, cfg, backend, state_dir: Optional[Path], slot: str = "main"):
+        self.name, self.cfg, self.backend, self.state_dir, self.slot = name, cfg, backend, state_dir, slot
+        self.directory = self.backend.socket_dir(name, slot)  # a swap's daemon (next) never touches main's
         self.child: Optional[subprocess.Popen] = None
         self.fingerprint: Optional[protocol.Fingerprint] = None
         self.socket_inode = 0
@@ -118,7 +118,7 @@ class Supervisor:
 
     def start_child(self) -> None:
         clear_directory(self.directory)
-        command = self.backend.weights_command(self.name, self.cfg)
+        command = self.backend.weights_command(self.name, self.cfg, self.slot)
         log.info("starting %s", " ".join(redact.argv(command.argv)))
         self.child = subprocess.Popen(command.argv, env=systemd.child_env(command.env, command.unset), stdin=subprocess.DEVNULL)
 
@@ -244,13 +244,13 @@ def serve_without_cache(supervisor: Supervisor, socket_path: Path) -> int:
 def run(args, cfg, backend) -> int:
     """`hostd weights NAME` for an upstream BACKEND (its run_weights, once
     hostd/dispatch.py has checked CFG)."""
-    socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name)
+    socket_path = Path(args.socket) if args.socket else paths.weights_socket(args.name, args.slot)
     state_dir = Path(args.state_dir) if args.state_dir else paths.state_dir(args.name)
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError:
         state_dir = None
-    supervisor = Supervisor(args.name, cfg, backend, state_dir)
+    supervisor = Supervisor(args.name, cfg, backend, state_dir, args.slot)
 
     def on_signal(signum, _frame):
         log.info("%s: stopping", signal.Signals(signum).name)

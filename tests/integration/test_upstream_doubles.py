@@ -356,3 +356,58 @@ def test_the_standby_is_a_third_upstream_on_the_bridge_budget_and_one_that_does_
         with pytest.raises(httpx.TransportError):
             http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1})
     assert main_engine.proc.wait(30) != 0
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_a_swaps_second_upstream_daemon_keeps_its_sockets_apart_and_its_engine_attaches_it(
+        backend, short_root, checkpoint, trees):
+    """A checkpoint swap's pair (issue 36): the next weight slot's supervisor
+    runs upstream's daemon on the new checkpoint with its sockets in
+    /run/hostd/NAME/next, leaving the serving daemon's untouched (each
+    daemon empties its own directory when it starts and stops); the swap's
+    engine (--slot next --weights-slot next) attaches it and says which
+    checkpoint it serves on /health; stopping the pair leaves main serving."""
+    tree = tree_for(short_root, checkpoint, backend, tensor_parallel_size=2, gpus=[0, 1])
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    tree.start_engine(timeout=60)
+    main_before = weights_client.status(tree.weights_socket)
+    new = checkpoint.parent / "ckpt-v2"
+    shutil.copytree(checkpoint, new)
+    (new / "model.safetensors").write_bytes(b"other weights")
+    config = tree.config_dir / "models" / "m.yaml"
+    config.write_text(config.read_text().replace(str(checkpoint), str(new)))  # as the swap's record writes it
+
+    next_socket = tree.runtime_dir / "weights-next.sock"
+    next_weights = tree._spawn("weights", "--slot", "next")
+    wait_for(lambda: tree._connectable(next_socket), 60, str(next_socket), next_weights.proc)
+    nxt = weights_client.status(next_socket)
+    assert nxt.fingerprint.model_path == str(new)
+    assert nxt.fingerprint.content_digest != main_before.fingerprint.content_digest
+    assert sorted(p.name for p in (tree.runtime_dir / "next").iterdir() if p.suffix == ".sock") == \
+        sorted(nxt.upstream_socket_inodes)
+    assert weights_client.status(tree.weights_socket).upstream_socket_inodes == main_before.upstream_socket_inodes
+
+    swap = tree._spawn("engine", "--slot", "next", "--weights-slot", "next")
+    wait_for(lambda: healthy(tree, "next"), 60, "the swap engine's /health", swap.proc)
+    with engine_client(tree, "next") as http:
+        health = http.get("/health").json()
+        answer = http.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1})
+        assert answer.status_code == 200
+    assert (health["weights_pid"], health["weights_socket_inode"]) == (nxt.pid, nxt.socket_inode)
+    assert (health["checkpoint"], health["content_digest"]) == (str(new), nxt.fingerprint.content_digest)
+    argv = Path(f"/proc/{health['upstream_pid']}/cmdline").read_bytes().decode().split("\0")
+    environ = Path(f"/proc/{health['upstream_pid']}/environ").read_bytes().decode().split("\0")
+    if backend == "vllm":
+        loader = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
+        assert loader["socket_dir"] == str(tree.runtime_dir / "next")
+    else:
+        assert f"SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE={tree.runtime_dir / 'next'}/{{device_uuid}}.sock" in environ
+
+    assert swap.stop() == 0 and next_weights.stop() == 0  # retire: the swap's pair goes
+    assert not [p for p in (tree.runtime_dir / "next").iterdir() if p.suffix == ".sock"]
+    assert weights_client.status(tree.weights_socket).upstream_socket_inodes == main_before.upstream_socket_inodes
+    main = tree.health()
+    assert main["checkpoint"] == str(checkpoint) and main["weights_pid"] == main_before.pid
+    with tree.http() as http:
+        assert http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1}).status_code == 200

@@ -179,3 +179,26 @@ def test_the_upstream_supervisor_reports_its_slot_and_bridge_on_health(tmp_path,
     assert nxt.bridge == (f"--kv-cache-memory-bytes {256 * MiB} -u VLLM_CPU_KVCACHE_SPACE"
                           f" VLLM_CPU_OMP_THREADS_BIND={max(os.sched_getaffinity(0))}")
     assert value(nxt.command.argv, "--kv-cache-memory-bytes") == str(256 * MiB)
+
+
+def test_the_upstream_supervisor_reports_the_checkpoint_its_weight_daemon_holds(tmp_path):
+    """/health carries the weight daemon's checkpoint and content digest, which
+    a checkpoint swap's verify holds the restarted main engine to."""
+    from hostd.engine.upstream import EngineSupervisor
+    from hostd.weights import protocol
+
+    cfg = make(tmp_path, "vllm", device="cpu")
+    fingerprint = protocol.Fingerprint(
+        model_path="/srv/ckpt/v2", content_digest="d2", architecture="Qwen2ForCausalLM", dtype="auto",
+        device="cpu", tensor_parallel_size=1, backend="vllm", torch_version="", transformers_version="")
+    swap = EngineSupervisor("m", cfg, backends.for_config(cfg), tmp_path / "engine-next.sock", (1, 2), slot="next",
+                            weights_slot="next", fingerprint=fingerprint)
+
+    async def health() -> dict:
+        async def upstream_health():
+            return 200
+        swap.upstream_health = upstream_health
+        return json.loads((await swap.health(None)).body)
+
+    answer = asyncio.run(health())
+    assert (answer["checkpoint"], answer["content_digest"], answer["slot"]) == ("/srv/ckpt/v2", "d2", "next")

@@ -90,6 +90,30 @@ def test_vllm_tp1_defaults(ckpt):
     assert weights.env == engine.env == {"HOSTD_VLLM": VLLM, "CUDA_VISIBLE_DEVICES": "0"}
 
 
+def test_a_swaps_weight_daemon_and_its_engine_use_the_next_slots_socket_directory(ckpt):
+    """A checkpoint swap's upstream daemon (weight slot next) keeps its
+    sockets apart from the serving one's, which it would otherwise empty at
+    its start; the swap's engine attaches there, the main engine and the
+    standby stay on main's."""
+    vllm = make("vllm", ckpt)
+    backend = backends.for_config(vllm)
+    argv = backend.weights_command("m", vllm, slot="next").argv
+    assert argv[argv.index("--weight-cache-socket-dir") + 1] == f"{RUN}/next"
+    loader = backend.engine_command("m", vllm, slot="next", bridge=backend.bridge(vllm), weights_slot="next").argv
+    assert json.loads(loader[loader.index("--model-loader-extra-config") + 1])["socket_dir"] == f"{RUN}/next"
+    for command in (backend.engine_command("m", vllm), backend.standby_command("m", vllm, backend.bridge(vllm))):
+        argv = command.argv
+        assert json.loads(argv[argv.index("--model-loader-extra-config") + 1])["socket_dir"] == f"{RUN}/vllm"
+    sglang = make("sglang", ckpt)
+    backend = backends.for_config(sglang)
+    for command in (backend.weights_command("m", sglang, slot="next"),
+                    backend.engine_command("m", sglang, port=1, slot="next", weights_slot="next")):
+        assert command.env["SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"] == f"{RUN}/next/{{device_uuid}}.sock"
+        assert command.env["SGLANG_WEIGHT_CACHE_READY_TEMPLATE"] == f"{RUN}/next/{{device_uuid}}.ready"
+    assert backend.engine_command("m", sglang, port=1).env["SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"] == \
+        f"{RUN}/sglang/{{device_uuid}}.sock"
+
+
 def test_vllm_tp2_every_editable_field_and_quantization(ckpt):
     cfg = make(
         "vllm", ckpt, tensor_parallel_size=2, gpus=[2, 3], dtype="bfloat16", quantization="fp8",
