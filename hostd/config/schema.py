@@ -445,10 +445,9 @@ class _ModelBase(_Strict):
     backend: Annotated[Backend, _doc("builtin, vllm or sglang.")]
     model: Annotated[
         str,
-        _doc("Absolute path of the checkpoint directory (config.json, *.safetensors). builtin: a reload "
+        _doc("Absolute path of the checkpoint directory (config.json, *.safetensors). A reload "
              "that changes it (or the directory a symlink here points to) swaps the checkpoint under "
-             "traffic (docs/operations.md, \"Swapping the checkpoint\"); vllm, sglang: "
-             "`systemctl restart model@NAME`."),
+             "traffic (docs/operations.md, \"Swapping the checkpoint\")."),
     ]
     served_model_name: Annotated[
         Optional[str], _doc("Name clients pass as 'model'; unset: the model's NAME.")
@@ -661,11 +660,13 @@ def editable_fields(backend: str) -> tuple[str, ...]:
 
 # Fixed keys a reload may change all the same, by a checkpoint swap: a second
 # weight cache daemon loads the new value beside the serving one
-# (manager/strategies.py, Swap). builtin only: vLLM's and SGLang's weight
-# caches get theirs in a later round (docs/operations.md). dtype does not
-# ride it yet: 'auto' resolves inside the daemon from the checkpoint, so the
-# manager cannot tell a changed dtype from an unchanged one without it.
-SWAPPABLE = {"builtin": ("model",), "vllm": (), "sglang": ()}
+# (manager/strategies.py, Swap): hostd's own, or upstream's (`vllm preload`,
+# SGLang's daemon) in a socket directory of its own; where upstream retains
+# no weights (CPU), the swap's engine loads the new checkpoint from disk.
+# dtype does not ride it yet: 'auto' resolves inside the daemon from the
+# checkpoint, so the manager cannot tell a changed dtype from an unchanged
+# one without it.
+SWAPPABLE = {"builtin": ("model",), "vllm": ("model",), "sglang": ("model",)}
 SWAPPABLE_KEYS = frozenset(key for keys in SWAPPABLE.values() for key in keys)
 
 

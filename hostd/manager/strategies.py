@@ -20,7 +20,7 @@ handles carry, which apply their own caps.
 
 Four strategies, chosen by the preflight (Operation.strategy says which, and
 why in the journal): `swap` (a checkpoint swap: the target's checkpoint is not
-the one the main weight daemon holds; builtin), `standby` (a model with
+the one the main weight daemon holds), `standby` (a model with
 `standby: true` whose standby answers and the gateway serves from main),
 `overlap` (the default otherwise) and `restart` (forced by reload.strategy:
 restart, and the fallback when the backend cannot run two engines or there is
@@ -38,8 +38,13 @@ swap: no 503 at any point; an overlap on the weights as well as the engine.
       starts and is verified; Cancel() is honoured until here;
     switch, settle: as overlap's;
     restart: model-weights@NAME restarts on the new checkpoint and
-      model-engine@NAME, bound to it, with it; verify adds the digest;
+      model-engine@NAME, bound to it, with it (systemd restarts a unit that
+      BindsTo= the one restarted: the warm standby too); verify adds the digest;
     retire: the swap engine, then model-weights-next@NAME, stop.
+    vllm, sglang: model-weights-next@NAME runs upstream's daemon with its
+      sockets in a directory of its own (/run/hostd/NAME/next), and the swap
+      engine is a bridge attached to it; where upstream retains no weights
+      (CPU) the bridge loads the new checkpoint from disk.
     At rest the main pair serves, as after every reload.
 
 standby: no 503 at any point, and the new config serves within the standby's
@@ -507,7 +512,7 @@ class Overlap(SecondEngine):
 
 
 class Swap(Overlap):
-    """A checkpoint swap (a reload that changes `model:`, builtin): a second
+    """A checkpoint swap (a reload that changes `model:`): a second
     weight daemon, model-weights-next@NAME, loads the new checkpoint beside
     the serving pair, model-engine-swap@NAME serves from it in the second
     slot while the main pair (weight daemon, then engine) restarts on the
@@ -581,8 +586,12 @@ def checkpoint_bytes(directory: str) -> int:
 
 def swap_problem(run, memory) -> Optional[str]:
     """Why the new checkpoint's weights and a second engine do not fit beside
-    the serving pair (the overlap preflight with the weights counted), or None."""
-    weights = checkpoint_bytes(run.checkpoint)
+    the serving pair (the overlap preflight with the weights counted), or None.
+    Where upstream retains no weights (vllm, sglang on CPU) the new weight
+    daemon holds none: the swap's engine, a bridge, loads its own copy, which
+    its need (bridge_need) counts already."""
+    retained = not backends.for_config(run.target).weights_not_retained(run.target)
+    weights = checkpoint_bytes(run.checkpoint) if retained else 0
     problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights)
     if problem:
         return f"a checkpoint swap does not fit: {problem}"

@@ -7,8 +7,10 @@ engine on reload.bridge_kv_mib carries them while the main engine restarts:
 none answered 503, none lost), a reload to a value vLLM refuses
 (max_model_len beyond the model's positions) rolled back at the bridge with
 vLLM's own error and the main engine untouched, and a bridge that does not
-fit (set through config) falling back to restart with the reason; and
-every vllm:* series the monitoring dashboard queries is on its live /metrics.
+fit (set through config) falling back to restart with the reason; a
+checkpoint swap to a second random checkpoint under three streams (issue
+36: none answered 503, none lost); and every vllm:* series the monitoring
+dashboard queries is on its live /metrics.
 Then the same model with `standby: true` (issue 35): a standby that does
 not fit refused at its start with the numbers, then a third vLLM on the
 bridge's budget; kill -9 of the main vLLM under streaming load answered by
@@ -441,6 +443,52 @@ def test_a_bridge_vllm_refuses_rolls_back_with_vllms_own_error_and_the_main_engi
     assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
 
 
+def engine_starts(host: SystemdContainer, unit: str, since: str) -> int:
+    """The vLLM servers UNIT's supervisor started since SINCE (its "starting
+    vllm serve" line, hostd/engine/upstream.py)."""
+    journal = host.run(["journalctl", "-u", unit, "--since", since, "-o", "cat", "--no-pager"], check=False).stdout
+    return sum(1 for line in journal.splitlines() if line.startswith("starting ") and " serve " in line)
+
+
+def test_a_checkpoint_swap_under_three_streams_answers_no_503_and_loses_no_request(host):
+    """Issue 36: `hostctl reload NAME model=...` to a second random checkpoint
+    (another seed) under three streaming clients: strategy swap, the swap's
+    vLLM (a bridge, loading the new checkpoint from disk: no weight cache on
+    CPU) serves while the main pair restarts on it; none answered 503 or
+    lost; the main vLLM then serves the new checkpoint, by path and digest,
+    and the swap's pair is gone. docs/vllm.md's "Swapping the checkpoint"."""
+    host.systemctl("start", f"model@{NAME}.service", timeout=900)
+    new = f"{CHECKPOINT}-2"
+    # The quickstart's make-checkpoint line (its code copy in /tmp/hostd-code), with another seed.
+    host.sh(f"PYTHONPATH=/tmp/hostd-code /opt/vllm/bin/python -m hostd.main make-checkpoint --size tiny-vllm "
+            f"--seed 2 {new}", timeout=300)
+    before = engine_health(host)
+    assert before["checkpoint"] == CHECKPOINT and before["content_digest"]
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    time.sleep(1)
+    started = time.monotonic()
+    result, counts = under_load(host, lambda: host.run(["hostctl", "reload", NAME, f"model={new}"],
+                                                        check=False, timeout=1800), clients=3, model=NAME)
+    print(f"checkpoint swap of real vLLM under load took {time.monotonic() - started:.0f} s: {counts}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    op = last_operation(host)
+    assert (op["State"], op["Strategy"], op["WeightsReused"]) == ("done", "swap", False), op
+    assert counts["refused"] == 0 and counts["lost"] == 0 and counts["completed"] > 0, counts
+    after = engine_health(host)
+    assert after["checkpoint"] == new and after["content_digest"] not in ("", before["content_digest"]), after
+    assert any(note.startswith(f"new checkpoint: {new} ") and after["content_digest"] in note
+               for note in op["Notes"]), op
+    argv = upstream_argv(host)
+    assert argv[argv.index("serve") + 1] == new  # `vllm serve MODEL`
+    swap_engine = f"model-engine-swap@{NAME}.service"
+    assert engine_starts(host, swap_engine, since) == 1
+    journal = host.run(["journalctl", "-u", swap_engine, "--since", since, "-o", "cat", "--no-pager"]).stdout
+    assert f"--kv-cache-memory-bytes {BRIDGE_KV_MIB << 20}" in journal and new in journal  # the bridge, on it
+    for unit in (swap_engine, f"model-weights-next@{NAME}.service"):
+        assert host.run(["systemctl", "is-active", unit], check=False).stdout.strip() == "inactive"
+    assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
+
+
 def test_a_bridge_that_does_not_fit_falls_back_to_restart_and_says_why(host):
     """reload.bridge_kv_mib beyond the host's memory (set through config, not
     by filling memory): the preflight chooses restart and the journal and
@@ -562,13 +610,6 @@ def test_kill_9_of_the_main_vllm_answers_no_new_request_503_and_main_comes_back(
     wait_for(lambda: gateway_slot(host) == ("main", ""), timeout=120, what="new requests back on the main engine")
     assert engine_health(host)["upstream_pid"] != upstream_pid
     assert client(host).completions.create(model=NAME, prompt="Hi", max_tokens=4).choices[0].text
-
-
-def engine_starts(host: SystemdContainer, unit: str, since: str) -> int:
-    """The vLLM servers UNIT's supervisor started since SINCE (its "starting
-    vllm serve" line, hostd/engine/upstream.py)."""
-    journal = host.run(["journalctl", "-u", unit, "--since", since, "-o", "cat", "--no-pager"], check=False).stdout
-    return sum(1 for line in journal.splitlines() if line.startswith("starting ") and " serve " in line)
 
 
 def test_a_reload_through_the_standby_is_one_vllm_start_and_answers_no_503(host):

@@ -46,9 +46,9 @@ def test_a_checkpoint_whose_config_json_is_no_regular_file_is_refused_before_any
     check_checkpoint_values({"model": str(tmp_path / "good")}, ("model",))
 
 
-def test_only_builtin_swaps_and_only_its_model():
-    assert schema.swappable_fields("builtin") == ("model",)
-    assert schema.swappable_fields("vllm") == () and schema.swappable_fields("sglang") == ()
+def test_every_backend_swaps_its_model_and_nothing_else():
+    assert {backend: schema.swappable_fields(backend) for backend in ("builtin", "vllm", "sglang")} == {
+        "builtin": ("model",), "vllm": ("model",), "sglang": ("model",)}
 
 
 def test_the_swap_strategy_publishes_its_stages_and_is_cancellable_until_its_engine_started():
