@@ -595,20 +595,24 @@ class UpstreamBackend(Backend):
         return {i: info.free for i, info in nvml_memory(list(cfg.gpus)).items()} if self.uses_gpu(cfg) else {}
 
     def room_problem(self, cfg, who: str, host_available: Optional[int], gpu_free: dict[int, int],
-                     reserve: Optional[int] = None) -> Optional[str]:
+                     weights: int = 0) -> Optional[str]:
         """Why a second upstream server of CFG on the bridge's budget (WHO:
         the overlap's bridge engine, the warm standby) does not fit beside
         what runs, or None. Its need is bridge_need() (reload.bridge_kv_mib,
         the non-KV footprint, the weights where it loads them from disk), plus
-        RESERVE (default reload.overlap_reserve_mib), against each GPU's free
+        reload.overlap_reserve_mib and WEIGHTS (per GPU, or of the host: a
+        checkpoint swap's second weight daemon), against each GPU's free
         memory in GPU_FREE (NVML; none listed: not weighed here) or, on CPU,
         HOST_AVAILABLE (MemAvailable; None: not weighed here)."""
         need = self.bridge_need(cfg)
-        reserve = cfg.reload.overlap_reserve_mib << 20 if reserve is None else reserve
+        reserve = (cfg.reload.overlap_reserve_mib << 20) + weights
+        kept = f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib}"
+        if weights:
+            kept = f"the new checkpoint's weights ({weights >> 20} MiB) and {kept}"
         what = (f"the {who} needs about {need >> 20} MiB (reload.bridge_kv_mib={cfg.reload.bridge_kv_mib} "
                 "of KV and its non-KV footprint"
                 + ("" if self.retains_weights(cfg) else ", and its own copy of the weights")
-                + f") and reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib} must stay free")
+                + f") and {kept} must stay free")
         if self.uses_gpu(cfg):
             for index, free in gpu_free.items():
                 if need + reserve > free:

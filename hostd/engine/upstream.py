@@ -344,6 +344,22 @@ class EngineSupervisor:
                 sockets.release(listener)
 
 
+def checkpoint_problem(cfg, held: protocol.Fingerprint, weights_path: Path) -> Optional[str]:
+    """Why an engine of CFG must not start on the weight daemon at
+    WEIGHTS_PATH, which holds (or, not retained, names) HELD: it is another
+    checkpoint than CFG's `model:` (resolved), as after `model:` changed on
+    disk before the daemon restarted. Upstream would serve `model:` from
+    disk beside the daemon (CPU) or refuse the daemon's weights (GPU), and
+    /health would name the daemon's checkpoint; as the builtin engine, which
+    refuses a fingerprint mismatch, it does not start."""
+    wanted = str(Path(cfg.model).resolve())
+    if held.model_path == wanted:
+        return None
+    return (f"the weight daemon at {weights_path} holds {held.model_path}, but model: names {wanted}; "
+            "a checkpoint swap (systemctl reload, hostctl reload NAME model=...) or systemctl restart of the "
+            "model loads it")
+
+
 def run(args, cfg, backend) -> int:
     """`hostd engine NAME` for an upstream BACKEND (its run_engine, once
     hostd/dispatch.py has checked CFG)."""
@@ -353,6 +369,11 @@ def run(args, cfg, backend) -> int:
     except (OSError, weights_client.WeightsRefused, protocol.ProtocolError) as exc:
         log.error("cannot reach the weight cache of %s at %s: %s", args.name, weights_path, exc)
         systemd.status(f"failed: no weight cache ({exc})")
+        return 1
+    problem = checkpoint_problem(cfg, status.fingerprint, weights_path)
+    if problem:
+        log.error("cannot serve %s: %s", args.name, problem)
+        systemd.status(f"refused: {problem}")
         return 1
     socket_path = Path(args.socket) if args.socket else paths.engine_socket(args.name, args.slot)
     if not args.socket:

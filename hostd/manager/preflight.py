@@ -114,9 +114,9 @@ class Preflight:
         refusal = backend.overlap_refusal(cfg)
         if refusal:
             return refusal
-        reserve = (cfg.reload.overlap_reserve_mib << 20) + weights
         if backend.bridge_need(cfg) is not None:
-            return self._bridge_problem(cfg, backend.uses_gpu(cfg), health, memory, reserve)
+            return self._bridge_problem(cfg, backend.uses_gpu(cfg), health, memory, weights)
+        reserve = (cfg.reload.overlap_reserve_mib << 20) + weights
         if backend.uses_gpu(cfg):
             return self._overlap_gpu(cfg, memory, reserve, backend, health, weights)
         reported = (health.memory if health is not None else None) or {}
@@ -134,21 +134,22 @@ class Preflight:
 
     @staticmethod
     def _bridge_problem(cfg, gpu: bool, health: Optional[EngineHealth], memory: "Memory",
-                        reserve: int) -> Optional[str]:
-        """vllm and sglang: the bridge engine's own budget and the reserve
-        (the backend's room_problem, which the warm standby's start weighs
-        too), against each GPU's NVML free memory, or on CPU the host's
-        MemAvailable as the engine's /health reports it."""
+                        weights: int) -> Optional[str]:
+        """vllm and sglang: the bridge engine's own budget, the reserve and
+        WEIGHTS (a swap's new copy; the backend's room_problem, which the
+        warm standby's start weighs too), against each GPU's NVML free
+        memory, or on CPU the host's MemAvailable as the engine's /health
+        reports it."""
         backend = backends.for_config(cfg)
         if gpu:
             if memory.unreadable:
                 return f"cannot read GPU memory: {memory.unreadable}"
             return backend.room_problem(cfg, "bridge engine", None, {g.index: g.free for g in memory.gpus or ()},
-                                        reserve)
+                                        weights)
         available = ((health.memory if health is not None else None) or {}).get("host_available")
         if available is None:
             return "the engine does not report the host's memory on /health (hostd/memory.py)"
-        return backend.room_problem(cfg, "bridge engine", available, {}, reserve)
+        return backend.room_problem(cfg, "bridge engine", available, {}, weights)
 
     @staticmethod
     def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[EngineHealth],

@@ -587,11 +587,15 @@ def checkpoint_bytes(directory: str) -> int:
 def swap_problem(run, memory) -> Optional[str]:
     """Why the new checkpoint's weights and a second engine do not fit beside
     the serving pair (the overlap preflight with the weights counted), or None.
+    On GPUs each one holds its shard of the new copy (tensor parallel).
     Where upstream retains no weights (vllm, sglang on CPU) the new weight
     daemon holds none: the swap's engine, a bridge, loads its own copy, which
     its need (bridge_need) counts already."""
-    retained = not backends.for_config(run.target).weights_not_retained(run.target)
-    weights = checkpoint_bytes(run.checkpoint) if retained else 0
+    cfg = run.target
+    backend = backends.for_config(cfg)
+    weights = 0 if backend.weights_not_retained(cfg) else checkpoint_bytes(run.checkpoint)
+    if backend.uses_gpu(cfg):
+        weights //= max(1, getattr(cfg, "tensor_parallel_size", 1))  # builtin: one GPU
     problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights)
     if problem:
         return f"a checkpoint swap does not fit: {problem}"

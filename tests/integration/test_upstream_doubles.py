@@ -388,6 +388,12 @@ def test_a_swaps_second_upstream_daemon_keeps_its_sockets_apart_and_its_engine_a
         sorted(nxt.upstream_socket_inodes)
     assert weights_client.status(tree.weights_socket).upstream_socket_inodes == main_before.upstream_socket_inodes
 
+    # The files name the new checkpoint now: an engine on the main daemon
+    # (the old one) would serve another checkpoint than /health says; refused.
+    stale = tree._spawn("engine", "--slot", "standby")
+    assert stale.proc.wait(60) == 1
+    assert f"holds {checkpoint}, but model: names {new}" in stale.log()
+
     swap = tree._spawn("engine", "--slot", "next", "--weights-slot", "next")
     wait_for(lambda: healthy(tree, "next"), 60, "the swap engine's /health", swap.proc)
     with engine_client(tree, "next") as http:

@@ -202,3 +202,47 @@ def test_the_upstream_supervisor_reports_the_checkpoint_its_weight_daemon_holds(
 
     answer = asyncio.run(health())
     assert (answer["checkpoint"], answer["content_digest"], answer["slot"]) == ("/srv/ckpt/v2", "d2", "next")
+
+
+def test_a_swaps_preflight_counts_each_gpus_shard_of_the_new_checkpoint_and_names_it(tmp_path):
+    """vllm on two GPUs with the weight cache: the new checkpoint's second
+    daemon holds half of its 14 GiB on each GPU, besides the bridge's need;
+    the refusal names those bytes. On CPU (no weight cache) the bridge's own
+    copy is its need already: nothing is added for the daemon."""
+    from types import SimpleNamespace
+
+    from hostd.manager.strategies import swap_problem
+
+    cfg = make(tmp_path, "vllm", tensor_parallel_size=2, gpus=[0, 1], weights=14 * GiB)
+    bridge = 2048 * MiB + upstream.BRIDGE_NON_KV_BYTES + 256 * MiB
+    probe = Probe("m")
+    run = SimpleNamespace(target=cfg, checkpoint=cfg.model, health=as_health({}), model=SimpleNamespace(probe=probe))
+    fits = GpuMemory(0, 80 * GiB, bridge + 7 * GiB + MiB, 0, 7 * GiB)
+    assert swap_problem(run, Memory([fits, fits._replace(index=1)], "")) is None
+    short = fits._replace(index=1, free=bridge + 7 * GiB - MiB)
+    problem = swap_problem(run, Memory([fits, short], ""))
+    assert problem.startswith("a checkpoint swap does not fit: GPU 1: the bridge engine needs about 5120 MiB")
+    assert "the new checkpoint's weights (7168 MiB) and reload.overlap_reserve_mib=256 must stay free" in problem
+
+    cpu = make(tmp_path, "vllm", device="cpu", weights=GiB, reload={"bridge_kv_mib": 512})
+    need = GiB + 512 * MiB + upstream.BRIDGE_NON_KV_BYTES + 256 * MiB
+    run = SimpleNamespace(target=cpu, checkpoint=cpu.model, model=SimpleNamespace(probe=probe),
+                          health=as_health({"memory": {"host_available": need + MiB}}))
+    assert swap_problem(run, Memory(None, "")) is None
+
+
+def test_an_upstream_engine_refuses_a_weight_daemon_of_another_checkpoint(tmp_path):
+    from hostd.engine.upstream import checkpoint_problem
+    from hostd.weights import protocol
+
+    cfg = make(tmp_path, "vllm", device="cpu")
+
+    def held(path: str) -> protocol.Fingerprint:
+        return protocol.Fingerprint(model_path=path, content_digest="d", architecture="Qwen2ForCausalLM",
+                                    dtype="auto", device="cpu", tensor_parallel_size=1, backend="vllm",
+                                    torch_version="", transformers_version="")
+
+    assert checkpoint_problem(cfg, held(str(Path(cfg.model).resolve())), Path("/run/hostd/m/weights.sock")) is None
+    problem = checkpoint_problem(cfg, held("/srv/ckpt/old"), Path("/run/hostd/m/weights.sock"))
+    assert problem.startswith(f"the weight daemon at /run/hostd/m/weights.sock holds /srv/ckpt/old, but model: "
+                              f"names {Path(cfg.model).resolve()}")
