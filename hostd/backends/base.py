@@ -137,11 +137,12 @@ class Backend(abc.ABC):
         loads them from disk each start), or None when they are."""
         return None
 
-    def engine_kv_bytes(self, cfg, device_total: Optional[int]) -> Optional[int]:
+    def engine_kv_bytes(self, cfg, device_total: Optional[int], swap: bool = False) -> Optional[int]:
         """Bytes of KV cache CFG's engine allocates at start beyond the shared
         weights (per GPU, of host memory on CPU), when the engine sizes it
         from CFG (builtin's paged cache); DEVICE_TOTAL is the device's
-        memory. None when the engine does not, or it cannot be told here."""
+        memory; SWAP: the engine of a checkpoint swap (the next weight slot).
+        None when the engine does not, or it cannot be told here."""
         return None
 
     #: The engine key memory_fraction reads (the check across models names it).

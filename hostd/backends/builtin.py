@@ -101,9 +101,10 @@ class BuiltinBackend(Backend):
             return []  # install_refusals() and start_refusals() say it, once
         return rules.start_problems(cfg, model_config, rules.installed_transformers())
 
-    def engine_kv_bytes(self, cfg, device_total):
+    def engine_kv_bytes(self, cfg, device_total, swap=False):
         """The paged cache of engine.batching continuous (hostd/engine/budget.py,
-        the engine's own arithmetic); None with batching none, or when the
+        the engine's own arithmetic; a swap's engine on reload.bridge_kv_mib,
+        budget.swap_bytes); None with batching none, or when the
         checkpoint's config.json cannot size it."""
         if cfg.engine.batching != "continuous":
             return None
@@ -113,7 +114,8 @@ class BuiltinBackend(Backend):
             return budget.for_checkpoint(
                 Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
                 max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
-                device_total=device_total, device=cfg.device)
+                device_total=device_total, device=cfg.device,
+                bridge_kv_mib=cfg.reload.bridge_kv_mib if swap else None)
         except (OSError, ValueError):
             return None
 

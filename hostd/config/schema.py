@@ -224,7 +224,11 @@ class ReloadConfig(_Strict):
             "512 KiB/token in bf16) and 37000 of one with it (Qwen2.5-7B, 56 KiB); "
             "with vLLM's non-KV footprint it fits in the 8 GiB that "
             "gpu_memory_utilization 0.9 leaves free on an 80 GiB GPU "
-            "(docs/operations.md, The bridge engine).",
+            "(docs/operations.md, The bridge engine). builtin with engine.batching: "
+            "continuous: the KV cache of a checkpoint swap's engine, which serves "
+            "alone only while the main pair restarts on the new checkpoint: the "
+            "smaller of this and its full budget, but at least one request of "
+            "max_model_len (more requests wait, none is refused).",
             ge=16,
             le=1 << 20,
         ),

@@ -100,13 +100,28 @@ def positions(config: dict) -> int:
     return _positive(text, "max_position_embeddings") or 2048
 
 
+def swap_bytes(full: int, bridge_kv_mib: int, *, max_model_len: int, per_token: int, page: int) -> int:
+    """The KV budget of a checkpoint swap's engine, which serves alone only
+    while the main pair restarts beside it: the smaller of
+    reload.bridge_kv_mib and the full budget FULL, but never less than one
+    request of MAX_MODEL_LEN tokens in whole blocks, so that it serves every
+    request the main engine admits (fewer at once; the rest wait)."""
+    one = -(-max_model_len // page) * page * per_token
+    return min(full, max(bridge_kv_mib << 20, one))
+
+
 def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int], max_num_seqs: int,
-                   max_model_len: Optional[int], device_total: Optional[int], device: str) -> int:
+                   max_model_len: Optional[int], device_total: Optional[int], device: str,
+                   bridge_kv_mib: Optional[int] = None) -> int:
     """kv_cache_bytes for the checkpoint directory CHECKPOINT (its config.json) on
     DEVICE ('cpu' or 'cuda': its PAGE_SIZE): DTYPE 'auto' is the checkpoint's
-    own, max_model_len None its max_position_embeddings."""
+    own, max_model_len None its max_position_embeddings. With BRIDGE_KV_MIB,
+    the swap engine's budget instead (swap_bytes)."""
     config = json.loads((checkpoint / "config.json").read_text())
-    return kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len or positions(config),
-                          per_token=bytes_per_token(config, resolve_dtype(config, dtype)), device_total=device_total,
-                          page=PAGE_SIZE[device])
+    length = max_model_len or positions(config)
+    per_token = bytes_per_token(config, resolve_dtype(config, dtype))
+    full = kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, max_model_len=length,
+                          per_token=per_token, device_total=device_total, page=PAGE_SIZE[device])
+    if bridge_kv_mib is None:
+        return full
+    return swap_bytes(full, bridge_kv_mib, max_model_len=length, per_token=per_token, page=PAGE_SIZE[device])

@@ -24,6 +24,11 @@ it up and swaps it in. What the config cannot serve (a max_model_len beyond
 the model's positions, a value out of range) is refused as a start would
 refuse it, and the old runner keeps serving.
 
+On the next weight slot (model-engine-swap@NAME `--weights-slot next`, a
+checkpoint swap) the engine's KV cache is the smaller one of
+reload.bridge_kv_mib (budget.swap_bytes): it serves alone only while the
+main pair restarts on the new checkpoint beside it.
+
 Refuses to start (exit 1, reason in the journal) when the weights cannot be
 had: a daemon holding other weights, a cache that changed while attaching
 (what the config itself asks that the engine cannot do, such as a
@@ -129,11 +134,12 @@ def device_memory(device: str) -> int | None:
     return memory.host_total()
 
 
-def limits_for(cfg, model, standby: bool = False):
+def limits_for(cfg, model, standby: bool = False, swap: bool = False):
     """The engine's Limits for CFG's engine section on MODEL: its batching and
     KV budget (continuous; in the STANDBY slot also the idle budget,
-    reload.standby_kv_mib), and on CPU without batching the torch threads
-    each request gets."""
+    reload.standby_kv_mib; a checkpoint SWAP's engine, on the next weight
+    slot, the smaller one of reload.bridge_kv_mib: budget.swap_bytes), and
+    on CPU without batching the torch threads each request gets."""
     from hostd.engine import server
 
     if cfg.device == "cpu" and cfg.engine.batching == "none":
@@ -148,7 +154,8 @@ def limits_for(cfg, model, standby: bool = False):
         kv_cache_bytes = budget.for_checkpoint(
             Path(cfg.model), dtype=cfg.dtype, kv_cache_mib=cfg.engine.kv_cache_mib,
             max_num_seqs=cfg.engine.max_num_seqs, max_model_len=max_model_len,
-            device_total=device_memory(cfg.device), device=cfg.device)
+            device_total=device_memory(cfg.device), device=cfg.device,
+            bridge_kv_mib=cfg.reload.bridge_kv_mib if swap else None)
     return server.Limits(
         max_num_seqs=cfg.engine.max_num_seqs,
         max_model_len=max_model_len,
@@ -219,7 +226,9 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
         return 1
     systemd.status("loading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    limits = limits_for(cfg, model, standby=standby)
+    # The swap's engine serves alone only while the main pair restarts on
+    # the new checkpoint beside it: the smaller cache keeps that peak down.
+    limits = limits_for(cfg, model, standby=standby, swap=getattr(args, "weights_slot", "main") == "next")
     info["kv_cache_bytes"] = limits.kv_cache_bytes  # the full budget; /health says the live runner's
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))

@@ -93,7 +93,7 @@ class Preflight:
         return await asyncio.to_thread(_nvml_gpu_memory, list(cfg.gpus), engine_pid, held, standby_pid)
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory",
-                        weights: int = 0) -> Optional[str]:
+                        weights: int = 0, swap: bool = False) -> Optional[str]:
         """Why a second engine would not fit beside the serving one, or None.
         HEALTH is the serving engine's /health answer (the one validate read),
         MEMORY the preflight's reading (read_memory): nothing is asked again.
@@ -109,7 +109,9 @@ class Preflight:
         the engine (device used - the daemon's share where NVML cannot see our
         PIDs), against each GPU's free memory. WEIGHTS: bytes of a second
         copy of the weights that must fit as well (a checkpoint swap's new
-        checkpoint, on each GPU and on the host), 0 otherwise."""
+        checkpoint, on each GPU and on the host), 0 otherwise. SWAP: the
+        second engine is a checkpoint swap's, whose KV cache is the smaller
+        one of reload.bridge_kv_mib (budget.swap_bytes)."""
         backend = backends.for_config(cfg)
         refusal = backend.overlap_refusal(cfg)
         if refusal:
@@ -118,16 +120,16 @@ class Preflight:
             return self._bridge_problem(cfg, backend.uses_gpu(cfg), health, memory, weights)
         reserve = (cfg.reload.overlap_reserve_mib << 20) + weights
         if backend.uses_gpu(cfg):
-            return self._overlap_gpu(cfg, memory, reserve, backend, health, weights)
+            return self._overlap_gpu(cfg, memory, reserve, backend, health, weights, swap)
         reported = (health.memory if health is not None else None) or {}
         if "anonymous" not in reported or "host_available" not in reported:
             return "the engine does not report its memory on /health (hostd/memory.py)"
         available = reported["host_available"]
-        footprint = _second_engine(cfg, backend, health, reported["anonymous"], reported.get("host_total"))
+        footprint = _second_engine(cfg, backend, health, reported["anonymous"], reported.get("host_total"), swap)
         if footprint + reserve > available:
             return (
                 f"a second engine needs about {footprint >> 20} MiB (what the serving one uses beyond "
-                f"the shared weights{_kv_words(cfg, backend, reported.get('host_total'))}) and "
+                f"the shared weights{_kv_words(cfg, backend, reported.get('host_total'), swap)}) and "
                 f"{_reserve_words(cfg, weights)} must stay free, but MemAvailable is {available >> 20} MiB"
             )
         return None
@@ -153,13 +155,13 @@ class Preflight:
 
     @staticmethod
     def _overlap_gpu(cfg, memory: "Memory", reserve: int, backend, health: Optional[EngineHealth],
-                     weights: int = 0) -> Optional[str]:
+                     weights: int = 0, swap: bool = False) -> Optional[str]:
         if memory.unreadable:
             return f"cannot read GPU memory: {memory.unreadable}"
         for gpu in memory.gpus or ():
-            need = _second_engine(cfg, backend, health, gpu.engine, gpu.total)
+            need = _second_engine(cfg, backend, health, gpu.engine, gpu.total, swap)
             if need + reserve > gpu.free:
-                kv = _kv_words(cfg, backend, gpu.total)
+                kv = _kv_words(cfg, backend, gpu.total, swap)
                 return (
                     f"GPU {gpu.index}: a second engine needs about {need >> 20} MiB"
                     f"{' (' + kv.removeprefix(', ') + ')' if kv else ''} and "
@@ -169,13 +171,14 @@ class Preflight:
         return None
 
 
-def _second_engine(cfg, backend, health: Optional[EngineHealth], serving: int, device_total: Optional[int]) -> int:
+def _second_engine(cfg, backend, health: Optional[EngineHealth], serving: int, device_total: Optional[int],
+                   swap: bool = False) -> int:
     """What a second engine of CFG takes beyond the shared weights: what the
     serving one takes (SERVING), with its KV cache (its /health's
     kv_cache_bytes: allocated and touched at start, so inside SERVING)
-    replaced by the one CFG's engine will allocate (Backend.engine_kv_bytes),
-    when the backend can tell."""
-    target = backend.engine_kv_bytes(cfg, device_total)
+    replaced by the one CFG's engine will allocate (Backend.engine_kv_bytes;
+    SWAP: a checkpoint swap's engine), when the backend can tell."""
+    target = backend.engine_kv_bytes(cfg, device_total, swap)
     if target is None:
         return serving
     held = health.kv_cache_bytes if health is not None else None
@@ -188,9 +191,13 @@ def _reserve_words(cfg, weights: int) -> str:
     return f"the new checkpoint's weights ({weights >> 20} MiB) and {reserve}" if weights else reserve
 
 
-def _kv_words(cfg, backend, device_total: Optional[int]) -> str:
-    target = backend.engine_kv_bytes(cfg, device_total)
-    return "" if target is None else f", with the new config's KV cache of {target >> 20} MiB"
+def _kv_words(cfg, backend, device_total: Optional[int], swap: bool = False) -> str:
+    target = backend.engine_kv_bytes(cfg, device_total, swap)
+    if target is None:
+        return ""
+    if swap:
+        return f", with the swap engine's KV cache of {target >> 20} MiB (reload.bridge_kv_mib={cfg.reload.bridge_kv_mib})"
+    return f", with the new config's KV cache of {target >> 20} MiB"
 
 
 def daemon_bytes_per_gpu(bytes_by_device: dict[str, int], gpus: list[int]) -> dict[int, int]:

@@ -285,5 +285,5 @@ class Probe:
         return await self.preflight.gpu_memory(cfg, engine_pid)
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory,
-                        weights: int = 0) -> Optional[str]:
-        return self.preflight.overlap_problem(cfg, health, memory, weights)
+                        weights: int = 0, swap: bool = False) -> Optional[str]:
+        return self.preflight.overlap_problem(cfg, health, memory, weights, swap)

@@ -596,7 +596,7 @@ def swap_problem(run, memory) -> Optional[str]:
     weights = 0 if backend.weights_not_retained(cfg) else checkpoint_bytes(run.checkpoint)
     if backend.uses_gpu(cfg):
         weights //= max(1, getattr(cfg, "tensor_parallel_size", 1))  # builtin: one GPU
-    problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights)
+    problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights, swap=True)
     if problem:
         return f"a checkpoint swap does not fit: {problem}"
     return None

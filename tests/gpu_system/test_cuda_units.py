@@ -614,6 +614,15 @@ def test_a_checkpoint_swap_under_load_loses_nothing_and_peaks_at_two_copies(host
     assert after["weights_pid"] == main_pid(host, WEIGHTS) and after["tensors_outside_shared"] == 0
     assert active(host, f"model-weights-next@{MODEL}.service") == "inactive"
     assert active(host, f"model-engine-swap@{MODEL}.service") == "inactive"
+    # The swap's engine held the bridge's KV cache (reload.bridge_kv_mib,
+    # 2048 by default), not a second full one: its start line says so.
+    swap_journal = host.run(["journalctl", "-u", f"model-engine-swap@{MODEL}.service", "-o", "cat",
+                             "--no-pager"]).stdout
+    started = [json.loads(line.split("weights from daemon: ", 1)[1].split("; phases ", 1)[0])
+               for line in swap_journal.splitlines() if "weights from daemon: " in line]
+    assert started, swap_journal[-2000:]
+    figures["swap_engine_kv_mib"] = started[-1]["kv_cache_bytes"] / MiB
+    assert started[-1]["kv_cache_bytes"] == min(2048 * MiB, after["kv_cache_bytes"])
     if gpu is not None:
         kv = (after.get("kv_cache_bytes") or 0) / MiB
         daemon = gpu.of_process(host_pid(host, main_pid(host, WEIGHTS)))

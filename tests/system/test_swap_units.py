@@ -29,7 +29,9 @@ MAIN, SWAP_ENGINE = "model-engine@tiny.service", "model-engine-swap@tiny.service
 
 @pytest.fixture(scope="module")
 def host(systemd_container: SystemdContainer):
-    host = serving_tiny(systemd_container)
+    # A KV budget larger than the swap engine's (reload.bridge_kv_mib), so
+    # that the swap engine's smaller cache shows (tiny's own is ~2 MiB).
+    host = serving_tiny(systemd_container, {"30-kv.yaml": "engine:\n  kv_cache_mib: 32\nreload:\n  bridge_kv_mib: 16\n"})
     py = host.python
     for seed in (2, 3, 4):
         host.run([py, "-m", "hostd.main", "make-checkpoint", "--seed", str(seed), f"{CHECKPOINTS}/tiny-{seed}"],
@@ -84,6 +86,10 @@ def test_a_swap_under_streaming_load_refuses_nothing_loses_nothing_and_serves_th
     assert f"Checkpoint: {target}" in hostctl(host, "status", "tiny").stdout.replace("  ", " ")
     journal = host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
     assert f"the new checkpoint is loaded: {target}" in journal
+    # The swap's engine ran on reload.bridge_kv_mib's cache, the main one on its own.
+    assert after["kv_cache_bytes"] == 32 << 20
+    swap_journal = host.run(["journalctl", "-u", SWAP_ENGINE, "-o", "cat", "--no-pager"]).stdout
+    assert f'"kv_cache_bytes": {16 << 20}' in swap_journal, swap_journal[-2000:]
 
 
 def test_a_checkpoint_cut_short_is_rolled_back_and_the_old_one_keeps_serving(host):

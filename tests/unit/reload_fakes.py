@@ -222,7 +222,8 @@ class FakeProbe:
     def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
         return None
 
-    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
+    def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory, weights: int = 0,
+                        swap: bool = False) -> Optional[str]:
         """The backend's own refusal first, as Probe.overlap_problem asks it
         (SGLang's when config.json cannot size its bridge); then NO_ROOM,
         which stands for the memory preflight."""

@@ -84,3 +84,44 @@ def test_the_thread_per_request_engine_has_no_kv_budget_to_charge(tmp_path):
     cfg = write_model(tmp_path, "{batching: none, max_num_seqs: 4}")
     serving = {"memory": {"anonymous": 800 * MiB, "host_available": 1100 * MiB}}
     assert Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, "")) is None  # 800 + 256 reserve fits
+
+
+def test_a_swaps_engine_takes_the_bridge_budget_but_never_less_than_one_request():
+    """A checkpoint swap's engine (the next weight slot) serves alone only
+    while the main pair restarts: reload.bridge_kv_mib, unless the full
+    budget is smaller, and never below one max_model_len request (else it
+    would refuse a request the main engine admits)."""
+    per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
+    page = budget.PAGE_SIZE["cuda"]
+    full = 20 << 30
+    assert budget.swap_bytes(full, 2048, max_model_len=32768, per_token=per_token, page=page) == 2048 * MiB
+    assert budget.swap_bytes(100 * MiB, 2048, max_model_len=1024, per_token=per_token, page=page) == 100 * MiB
+    one = 32768 * per_token  # 1,792 MiB: 128 whole blocks
+    assert budget.swap_bytes(full, 16, max_model_len=32768, per_token=per_token, page=page) == one
+
+
+def test_the_swap_preflight_charges_the_swap_engines_smaller_cache_and_names_the_key(tmp_path):
+    cfg = write_model(tmp_path, "{max_num_seqs: 4, max_model_len: 1024, kv_cache_mib: 1000}")
+    cfg = msgspec.structs.replace(cfg, reload=msgspec.structs.replace(cfg.reload, bridge_kv_mib=100))
+    serving = {"kv_cache_bytes": 1000 * MiB,
+               "memory": {"anonymous": 1200 * MiB, "host_available": 1000 * MiB, "host_total": 64 << 30}}
+    # 1200 - 1000 + 100 = 300 MiB, the new weights 400 and the 256 MiB reserve: 956 fits in 1000
+    assert Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, ""), 400 * MiB, swap=True) is None
+    # an overlap's engine takes the full 1000 MiB: 1200 + 400 + 256 does not fit
+    assert "KV cache of 1000 MiB" in Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, ""), 400 * MiB)
+    serving["memory"]["host_available"] = 900 * MiB
+    problem = Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, ""), 400 * MiB, swap=True)
+    assert "about 300 MiB" in problem and "swap engine's KV cache of 100 MiB (reload.bridge_kv_mib=100)" in problem
+
+
+def test_the_engine_on_the_next_weight_slot_allocates_the_swap_budget(tmp_path):
+    from types import SimpleNamespace
+
+    from hostd.engine.main import limits_for
+
+    cfg = write_model(tmp_path, "{max_num_seqs: 4, max_model_len: 1024, kv_cache_mib: 1000}")
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32768))
+    assert limits_for(cfg, model).kv_cache_bytes == 1000 * MiB
+    assert limits_for(cfg, model, swap=True).kv_cache_bytes == 1000 * MiB  # the default 2048 is more than the full
+    cfg = msgspec.structs.replace(cfg, reload=msgspec.structs.replace(cfg.reload, bridge_kv_mib=100))
+    assert limits_for(cfg, model, swap=True).kv_cache_bytes == 100 * MiB
