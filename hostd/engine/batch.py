@@ -33,12 +33,23 @@ What hostd adds to the library, and why:
 - **Stop strings and cancellation** stay the application's: TextDecoder finds
   a stop string on the loop, and the request is cancelled in the library
   (``cancel_request``), which frees its blocks at its next step.
+- **No collections when a runner stops** (``_quiet_collections``). The
+  library runs ``gc.collect()`` when its manager stops and again when its
+  batch processor is freed: two full collections per runner, each holding
+  the interpreter's lock for 0.24 s in a process with a 7B model loaded (the
+  H200, 2026-12-03). A runner that stops while another one starts in the
+  same process (a warm standby's grow or rebuild, standby_kv.py, server.py)
+  stalled the new one's warm-up and first requests (a grow's warm-up 0.47 s
+  instead of 0.06). hostd frees a stopped runner itself
+  (standby_kv.return_freed_memory: a collection only where a reference
+  cycle still holds it, then the device's cache).
 
 What it relies on in transformers (5.24, where it is tested): the manager's
 ``logit_processor`` and ``output_router`` attributes, replaced before its
 batch processor exists; ``ContinuousBatchingLogitsProcessorList``'s
 ``fill_defaults`` / ``prepare_tensor_args`` / ``__call__`` protocol and its
-``tensors_required`` argument rows; ``batch_processor.cache``
+``tensors_required`` argument rows; ``continuous_api``'s module-level
+``gc``; ``batch_processor.cache``
 (num_blocks, compute_free_capacity) and ``.scheduler.waiting_requests`` for
 the metrics. ``check_supported`` refuses, at start, a transformers without
 them, saying to set ``engine.batching: none``.
@@ -126,6 +137,21 @@ def check_supported() -> None:
             "transformers 5.24. Install that version, or set engine.batching: none in the model's config "
             "to serve with one worker thread per request."
         )
+
+
+class _NoCollection:
+    """continuous_api's ``gc`` while hostd runs it (``_quiet_collections``): collect() does nothing."""
+
+    @staticmethod
+    def collect(generation: int = 2) -> int:
+        return 0
+
+
+def _quiet_collections() -> None:
+    """The library's collections on a runner's stop (module docstring), made no-ops. Idempotent."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    continuous_api.gc = _NoCollection
 
 
 def _sampling_class():
@@ -263,6 +289,7 @@ class BatchRunner(Runner):
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         check_supported()
+        _quiet_collections()
         from transformers import ContinuousBatchingConfig, GenerationConfig
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 

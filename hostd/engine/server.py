@@ -42,7 +42,6 @@ import os
 import signal
 import socket
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ from aiohttp import web
 from hostd import logs, sockets
 from hostd.engine.app import ENGINE, Engine, Limits, build_app, make_runner
 from hostd.engine.generate import warm_up
-from hostd.engine.standby_kv import return_freed_memory
+from hostd.engine.standby_kv import references, return_freed_memory
 
 CANCEL_GRACE_S = 5.0  # after cancelling, how long handlers get to write their error and close
 STATUS_INTERVAL_S = 1.0  # on_status is called at most about this often
@@ -396,11 +395,14 @@ class _Rebuilder:
         for _ in range(2):  # its last outputs' deliveries, queued on this loop, run (they hold it)
             await asyncio.sleep(0)
         engine = old.engine
-        gone = weakref.ref(engine.runner)
+        gone = references(engine.runner)
         engine.runner.on_change = None
         engine.runner = None
         del engine, old
-        await asyncio.to_thread(return_freed_memory, gone)
+        started = time.monotonic()
+        collected = await asyncio.to_thread(return_freed_memory, gone)
+        self.log.info("the model's runner before the rebuild is freed: %.3f s (%s)", time.monotonic() - started,
+                      "a collection freed it" if collected else "freed when its last reference went")
 
 
 async def _wait_idle(engine: Engine, timeout: float, hurry: asyncio.Event) -> bool:

@@ -60,19 +60,38 @@ def idle_seconds() -> float:
     return SHRINK_IDLE_S
 
 
-def return_freed_memory(gone: "weakref.ref | None" = None) -> None:
+def references(runner: Runner) -> list:
+    """Weak references to RUNNER and, for a batched one, its KV cache: what
+    must be gone for the runner's memory to be free (return_freed_memory).
+    The cache too, since the library's objects that hold it may sit in a
+    reference cycle of their own, and its own collections no longer run
+    (batch.py's _quiet_collections)."""
+    refs = [weakref.ref(runner)]
+    cache = getattr(runner, "cache", None)
+    if cache is not None:
+        refs.append(weakref.ref(cache))
+    return refs
+
+
+def return_freed_memory(gone: "list[weakref.ref] | weakref.ref | None" = None) -> bool:
     """Hand a stopped runner's memory back: to the host, and on CUDA to the
-    driver. GONE, a weak reference to that runner: when it is dead the
-    runner was freed when its last reference went (batch.py's router holds
-    it weakly), so no collection is needed; a full one holds the
+    driver. GONE, weak references to that runner and its cache
+    (references()): when all are dead they were freed when their last
+    reference went (batch.py's router holds the runner weakly), so no
+    collection is needed; a full one holds the
     interpreter's lock for 0.3-0.8 s with torch and transformers loaded,
     which a request arriving just then (the standby's verification after a
     rebuild, its first token after a grow) would wait for. Otherwise, or
-    without GONE, a collection frees what a reference cycle still holds."""
-    if gone is None or gone() is not None:
+    without GONE, a collection frees what a reference cycle still holds.
+    Returns whether it collected (the journal says so: a collection on this
+    path is a reference this module meant to drop)."""
+    refs = [gone] if isinstance(gone, weakref.ref) else gone
+    collected = refs is None or any(ref() is not None for ref in refs)
+    if collected:
         gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # so that NVML, and the manager's preflight through it, sees the memory returned
+    return collected
 
 
 def join_and_drop(box: list) -> None:
@@ -178,18 +197,19 @@ class StandbyKV:
         """The swapped-out runner stopped and its memory returned; then the swap's journal line."""
         old.cancel_all()  # nothing runs on it: requests wait in full(), and a shrink needs none in flight
         old.on_change = None
-        gone, box = weakref.ref(old), [old]
+        gone, box = references(old), [old]
         del old
         await asyncio.to_thread(join_and_drop, box)
         for _ in range(2):  # its last outputs' deliveries, queued on this loop, run (they hold it)
             await asyncio.sleep(0)
-        await asyncio.to_thread(return_freed_memory, gone)
+        collected = await asyncio.to_thread(return_freed_memory, gone)
         phases["free_old"] = round(time.monotonic() - started - phases["swap"], 4)
         if budget == "full" and not priming:
             self.grow_s = phases  # /health's, once complete
-        self.log.info("standby KV cache %s to %d bytes (%s budget%s) in %.3f s (phases %s)",
+        self.log.info("standby KV cache %s to %d bytes (%s budget%s) in %.3f s (phases %s; the old runner %s)",
                       "grown" if budget == "full" else "shrunk", kv_bytes, budget,
-                      ", priming it at start" if priming else "", phases["swap"], json.dumps(phases))
+                      ", priming it at start" if priming else "", phases["swap"], json.dumps(phases),
+                      "needed a collection" if collected else "went with its last reference")
 
     async def _shrink_when_idle(self) -> None:
         """While full: back to the idle runner once no generation request was in flight for idle_s."""
