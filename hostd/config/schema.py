@@ -225,8 +225,8 @@ class ReloadConfig(_Strict):
             "with vLLM's non-KV footprint it fits in the 8 GiB that "
             "gpu_memory_utilization 0.9 leaves free on an 80 GiB GPU "
             "(docs/operations.md, The bridge engine). builtin with engine.batching: "
-            "continuous: the KV cache of a checkpoint swap's engine, which serves "
-            "alone only while the main pair restarts on the new checkpoint: the "
+            "continuous: the KV cache of a checkpoint swap's engine, which is meant "
+            "to serve alone only while the main pair restarts on the new checkpoint: the "
             "smaller of this and its full budget, but at least one request of "
             "max_model_len (more requests wait, none is refused).",
             ge=16,

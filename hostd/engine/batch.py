@@ -48,11 +48,13 @@ What it relies on in transformers (5.24, where it is tested): the manager's
 ``logit_processor`` and ``output_router`` attributes, replaced before its
 batch processor exists; ``ContinuousBatchingLogitsProcessorList``'s
 ``fill_defaults`` / ``prepare_tensor_args`` / ``__call__`` protocol and its
-``tensors_required`` argument rows; ``continuous_api``'s module-level
-``gc``; ``batch_processor.cache``
+``tensors_required`` argument rows; ``batch_processor.cache``
 (num_blocks, compute_free_capacity) and ``.scheduler.waiting_requests`` for
 the metrics. ``check_supported`` refuses, at start, a transformers without
-them, saying to set ``engine.batching: none``.
+them, saying to set ``engine.batching: none``. It also replaces
+``continuous_api``'s module-level ``gc`` (``_quiet_collections``); a
+transformers without it would only collect again (slower, not wrong), so
+that is not refused.
 
 Not done here (docs/builtin.md): torch.compile, prefix caching, async
 double-buffering, speculative decoding.

@@ -101,8 +101,8 @@ def positions(config: dict) -> int:
 
 
 def swap_bytes(full: int, bridge_kv_mib: int, *, max_model_len: int, per_token: int, page: int) -> int:
-    """The KV budget of a checkpoint swap's engine, which serves alone only
-    while the main pair restarts beside it: the smaller of
+    """The KV budget of a checkpoint swap's engine, which is meant to serve
+    alone only while the main pair restarts beside it: the smaller of
     reload.bridge_kv_mib and the full budget FULL, but never less than one
     request of MAX_MODEL_LEN tokens in whole blocks, so that it serves every
     request the main engine admits (fewer at once; the rest wait)."""

@@ -26,8 +26,9 @@ refuse it, and the old runner keeps serving.
 
 On the next weight slot (model-engine-swap@NAME `--weights-slot next`, a
 checkpoint swap) the engine's KV cache is the smaller one of
-reload.bridge_kv_mib (budget.swap_bytes): it serves alone only while the
-main pair restarts on the new checkpoint beside it.
+reload.bridge_kv_mib (budget.swap_bytes): it is meant to serve alone only
+while the main pair restarts on the new checkpoint beside it (where the
+main pair does not come back it keeps serving, fewer requests at once).
 
 Refuses to start (exit 1, reason in the journal) when the weights cannot be
 had: a daemon holding other weights, a cache that changed while attaching
@@ -229,7 +230,7 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
     # The swap's engine serves alone only while the main pair restarts on
     # the new checkpoint beside it: the smaller cache keeps that peak down.
     limits = limits_for(cfg, model, standby=standby, swap=getattr(args, "weights_slot", "main") == "next")
-    info["kv_cache_bytes"] = limits.kv_cache_bytes  # the full budget; /health says the live runner's
+    info["kv_cache_bytes"] = limits.kv_cache_bytes  # the engine's budget (the standby's full one); /health says the live runner's
     phases.mark("tokenizer")
     log.info("weights from %s: %s; phases %s", info["weights"], json.dumps(info), json.dumps(phases.seconds))
     health = engine_health.facts(**{

@@ -402,7 +402,8 @@ class _Rebuilder:
         started = time.monotonic()
         collected = await asyncio.to_thread(return_freed_memory, gone)
         self.log.info("the model's runner before the rebuild is freed: %.3f s (%s)", time.monotonic() - started,
-                      "a collection freed it" if collected else "freed when its last reference went")
+                      "a collection ran: a reference to it was still alive" if collected
+                      else "freed when its last reference went")
 
 
 async def _wait_idle(engine: Engine, timeout: float, hurry: asyncio.Event) -> bool:

@@ -209,7 +209,7 @@ class StandbyKV:
         self.log.info("standby KV cache %s to %d bytes (%s budget%s) in %.3f s (phases %s; the old runner %s)",
                       "grown" if budget == "full" else "shrunk", kv_bytes, budget,
                       ", priming it at start" if priming else "", phases["swap"], json.dumps(phases),
-                      "needed a collection" if collected else "went with its last reference")
+                      "was still referenced: a collection ran" if collected else "went with its last reference")
 
     async def _shrink_when_idle(self) -> None:
         """While full: back to the idle runner once no generation request was in flight for idle_s."""

@@ -196,7 +196,7 @@ def _kv_words(cfg, backend, device_total: Optional[int], swap: bool = False) -> 
     if target is None:
         return ""
     if swap:
-        return f", with the swap engine's KV cache of {target >> 20} MiB (reload.bridge_kv_mib={cfg.reload.bridge_kv_mib})"
+        return f", with the swap engine's KV cache of {target >> 20} MiB, reload.bridge_kv_mib={cfg.reload.bridge_kv_mib}"
     return f", with the new config's KV cache of {target >> 20} MiB"
 
 

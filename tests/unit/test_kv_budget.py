@@ -98,6 +98,9 @@ def test_a_swaps_engine_takes_the_bridge_budget_but_never_less_than_one_request(
     assert budget.swap_bytes(100 * MiB, 2048, max_model_len=1024, per_token=per_token, page=page) == 100 * MiB
     one = 32768 * per_token  # 1,792 MiB: 128 whole blocks
     assert budget.swap_bytes(full, 16, max_model_len=32768, per_token=per_token, page=page) == one
+    # a length that is no whole number of blocks: one request is 4 blocks of 256 (56 MiB)
+    assert budget.swap_bytes(full, 16, max_model_len=1000, per_token=per_token, page=page) == 1024 * per_token
+    assert budget.swap_bytes(full, 100, max_model_len=1000, per_token=per_token, page=page) == 100 * MiB
 
 
 def test_the_swap_preflight_charges_the_swap_engines_smaller_cache_and_names_the_key(tmp_path):
@@ -111,7 +114,7 @@ def test_the_swap_preflight_charges_the_swap_engines_smaller_cache_and_names_the
     assert "KV cache of 1000 MiB" in Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, ""), 400 * MiB)
     serving["memory"]["host_available"] = 900 * MiB
     problem = Probe("m").overlap_problem(cfg, as_health(serving), Memory(None, ""), 400 * MiB, swap=True)
-    assert "about 300 MiB" in problem and "swap engine's KV cache of 100 MiB (reload.bridge_kv_mib=100)" in problem
+    assert "about 300 MiB" in problem and "swap engine's KV cache of 100 MiB, reload.bridge_kv_mib=100" in problem
 
 
 def test_the_engine_on_the_next_weight_slot_allocates_the_swap_budget(tmp_path):
