@@ -72,6 +72,11 @@ def bytes_per_token(config: dict, dtype: str) -> int:
     return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
+def one_request_bytes(max_model_len: int, per_token: int, page: int) -> int:
+    """KV bytes one request of MAX_MODEL_LEN tokens holds: whole blocks of PAGE tokens."""
+    return -(-max_model_len // page) * page * per_token
+
+
 def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_len: int, per_token: int,
                    device_total: Optional[int], page: int) -> int:
     """The KV budget in bytes (see the module docstring), for blocks of PAGE
@@ -79,7 +84,7 @@ def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_
     needs, uncapped."""
     if kv_cache_mib is not None:
         return kv_cache_mib << 20
-    one = -(-max_model_len // page) * page * per_token  # one request, in whole blocks
+    one = one_request_bytes(max_model_len, per_token, page)
     need = max_num_seqs * one
     if device_total is None:
         return need
@@ -106,8 +111,7 @@ def swap_bytes(full: int, bridge_kv_mib: int, *, max_model_len: int, per_token: 
     reload.bridge_kv_mib and the full budget FULL, but never less than one
     request of MAX_MODEL_LEN tokens in whole blocks, so that it serves every
     request the main engine admits (fewer at once; the rest wait)."""
-    one = -(-max_model_len // page) * page * per_token
-    return min(full, max(bridge_kv_mib << 20, one))
+    return min(full, max(bridge_kv_mib << 20, one_request_bytes(max_model_len, per_token, page)))
 
 
 def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int], max_num_seqs: int,

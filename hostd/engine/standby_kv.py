@@ -73,7 +73,7 @@ def references(runner: Runner) -> list:
     return refs
 
 
-def return_freed_memory(gone: "list[weakref.ref] | weakref.ref | None" = None) -> bool:
+def return_freed_memory(gone: "list[weakref.ref] | None" = None) -> bool:
     """Hand a stopped runner's memory back: to the host, and on CUDA to the
     driver. GONE, weak references to that runner and its cache
     (references()): when all are dead they were freed when their last
@@ -85,8 +85,7 @@ def return_freed_memory(gone: "list[weakref.ref] | weakref.ref | None" = None) -
     without GONE, a collection frees what a reference cycle still holds.
     Returns whether it collected (the journal says so: a collection on this
     path is a reference this module meant to drop)."""
-    refs = [gone] if isinstance(gone, weakref.ref) else gone
-    collected = refs is None or any(ref() is not None for ref in refs)
+    collected = gone is None or any(ref() is not None for ref in gone)
     if collected:
         gc.collect()
     if torch.cuda.is_initialized():
