@@ -8,7 +8,8 @@
 Waiting is systemctl's way: the client subscribes (AddMatch) to the manager's
 OperationFinished and the operations' PropertiesChanged when it connects,
 before it calls anything; after the call it reads the operation once (GetAll)
-and from then on follows the signals. No polling, no introspection.
+and from then on follows the signals (the changes that came before it waited
+are kept, so every stage is seen). No polling, no introspection.
 
 Errors come back as dbus_fast DBusError with the manager's error names
 (org.hostd1.Error.NotEditable, ...). Patches travel as JSON (ReloadJSON), so
@@ -18,6 +19,7 @@ every YAML value, null included, can be expressed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 from typing import Any, Callable, Optional
 
@@ -26,6 +28,11 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
 from hostd.manager import api
+
+# Kept for operations not waited on yet (_unclaimed): a few recent ones, each
+# its strategy's stages with room to spare.
+UNCLAIMED_PATHS = 8
+UNCLAIMED_CHANGES = 64
 
 MATCHES = (
     f"type='signal',sender='{api.BUS_NAME}',interface='{api.MANAGER}',member='OperationFinished'",
@@ -39,6 +46,11 @@ class AsyncClient:
         self._address = bus_address
         self.bus: Optional[MessageBus] = None
         self._watching: dict[str, asyncio.Queue] = {}  # operation path -> its signals
+        # Changes of operations nobody waits on yet, newest paths last: the
+        # stages an operation passed between its method's reply and wait()
+        # (the reply and the first signals can come in one read), which
+        # wait() shows before the GetAll that is newer than them.
+        self._unclaimed: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
 
     async def __aenter__(self) -> "AsyncClient":
         if self._address:
@@ -68,13 +80,21 @@ class AsyncClient:
         if msg.message_type != MessageType.SIGNAL:
             return
         if msg.interface == api.MANAGER and msg.member == "OperationFinished":
-            queue = self._watching.get(msg.body[1])
-            if queue is not None:
-                queue.put_nowait({"State": msg.body[3]})
-        elif msg.interface == api.PROPERTIES and msg.member == "PropertiesChanged":
-            queue = self._watching.get(msg.path)
-            if queue is not None and msg.body[0] == api.OPERATION:
-                queue.put_nowait({k: v.value for k, v in msg.body[1].items()})
+            self._deliver(msg.body[1], {"State": msg.body[3]})
+        elif msg.interface == api.PROPERTIES and msg.member == "PropertiesChanged" and msg.body[0] == api.OPERATION:
+            self._deliver(msg.path, {k: v.value for k, v in msg.body[1].items()})
+
+    def _deliver(self, path: str, change: dict) -> None:
+        queue = self._watching.get(path)
+        if queue is not None:
+            queue.put_nowait(change)
+            return
+        kept = self._unclaimed.setdefault(path, [])
+        self._unclaimed.move_to_end(path)
+        if len(kept) < UNCLAIMED_CHANGES:
+            kept.append(change)
+        while len(self._unclaimed) > UNCLAIMED_PATHS:
+            self._unclaimed.popitem(last=False)
 
     async def _properties(self, path: str, interface: str) -> dict[str, Any]:
         [values] = await self._call("GetAll", "s", [interface], path=path, interface=api.PROPERTIES)
@@ -113,10 +133,20 @@ class AsyncClient:
 
         One GetAll, then the signals matched since connecting: the manager
         sends its signals and replies in order, so whatever arrives after the
-        GetAll reply is newer than it."""
+        GetAll reply is newer than it. Changes that came before wait() (the
+        stages passed since the call that started the operation) are older
+        than the GetAll: ON_CHANGE sees them first, over its answer's other
+        properties."""
         queue = self._watching[path] = asyncio.Queue()
+        earlier = self._unclaimed.pop(path, [])
         try:
             props = await self.operation(path)
+            if on_change:
+                passed: dict = {}
+                for change in earlier:
+                    passed.update(change)
+                    if passed.get("Stage") != props.get("Stage"):
+                        on_change({**props, **passed})
             while True:
                 if on_change:
                     on_change(dict(props))

@@ -99,3 +99,35 @@ def test_reload_returns_on_the_final_signal_and_sees_every_stage(bus_address):
     assert all(s[-1] == "finished" and len(s) >= 2 for s in stages)  # progress, then the end
     # One ReloadJSON and one GetAll per reload: no polling, no introspection.
     assert Counter(calls) == {"ReloadJSON": 30, "GetAll": 30}, Counter(calls)
+
+
+def test_the_stages_passed_before_wait_are_shown_before_the_current_one(bus_address):
+    """hostctl reload calls ReloadJSON, then waits: the stages the manager
+    passed in between (on a busy machine, all but the long one; here all of
+    them) came in before anyone waited on that path. wait() shows them, in
+    order, before the GetAll's current stage, and still reads the operation
+    once."""
+    async def go():
+        service = await MessageBus(bus_address=bus_address).connect()
+        manager = FakeManager(service, step=0.003)
+        service.export(api.ROOT_PATH, manager)
+        await service.request_name(api.BUS_NAME)
+        calls = []
+        service.add_message_handler(
+            lambda m: calls.append(m.member) if m.message_type == MessageType.METHOD_CALL else None)
+        async with AsyncClient(bus_address) as client:
+            path = (await client.reload("tiny", {"max_num_seqs": 4}, wait=False))["path"]
+            deadline = time.monotonic() + 30
+            while not manager.finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # its last signals delivered, to nobody yet
+            seen = []
+            result = await client.wait(path, on_change=lambda p: seen.append((p["Stage"], p["Id"])))
+        service.disconnect()
+        return result, seen, calls
+
+    result, seen, calls = asyncio.run(go())
+    assert result["State"] == "done"
+    assert [stage for stage, _ in seen] == STAGES, seen
+    assert {op_id for _, op_id in seen} == {1}  # the GetAll's other properties under the earlier stages
+    assert Counter(calls) == {"ReloadJSON": 1, "GetAll": 1}, Counter(calls)
