@@ -68,15 +68,22 @@ class FakeManager(ServiceInterface):
         return [op_id, path, model, result]
 
 
+async def serve_fake_manager(bus_address: str) -> tuple[MessageBus, FakeManager, list]:
+    """A FakeManager as org.hostd1 on BUS_ADDRESS (stages 3 ms apart), and
+    the list of the method calls it receives, by member."""
+    service = await MessageBus(bus_address=bus_address).connect()
+    manager = FakeManager(service, step=0.003)
+    service.export(api.ROOT_PATH, manager)
+    await service.request_name(api.BUS_NAME)
+    calls = []
+    service.add_message_handler(
+        lambda m: calls.append(m.member) if m.message_type == MessageType.METHOD_CALL else None)
+    return service, manager, calls
+
+
 def test_reload_returns_on_the_final_signal_and_sees_every_stage(bus_address):
     async def go():
-        service = await MessageBus(bus_address=bus_address).connect()
-        manager = FakeManager(service, step=0.003)
-        service.export(api.ROOT_PATH, manager)
-        await service.request_name(api.BUS_NAME)
-        calls = []
-        service.add_message_handler(
-            lambda m: calls.append(m.member) if m.message_type == MessageType.METHOD_CALL else None)
+        service, manager, calls = await serve_fake_manager(bus_address)
         lags, stages = [], []
         async with AsyncClient(bus_address) as client:
             for n in range(1, 31):
@@ -108,19 +115,14 @@ def test_the_stages_passed_before_wait_are_shown_before_the_current_one(bus_addr
     order, before the GetAll's current stage, and still reads the operation
     once."""
     async def go():
-        service = await MessageBus(bus_address=bus_address).connect()
-        manager = FakeManager(service, step=0.003)
-        service.export(api.ROOT_PATH, manager)
-        await service.request_name(api.BUS_NAME)
-        calls = []
-        service.add_message_handler(
-            lambda m: calls.append(m.member) if m.message_type == MessageType.METHOD_CALL else None)
+        service, manager, calls = await serve_fake_manager(bus_address)
         async with AsyncClient(bus_address) as client:
             path = (await client.reload("tiny", {"max_num_seqs": 4}, wait=False))["path"]
+            # Until its final signal reached the client, which waits on nothing
+            # yet (30 s: a safety net only).
             deadline = time.monotonic() + 30
-            while not manager.finished and time.monotonic() < deadline:
+            while {"State": "done"} not in client._unclaimed.get(path, []) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)  # its last signals delivered, to nobody yet
             seen = []
             result = await client.wait(path, on_change=lambda p: seen.append((p["Stage"], p["Id"])))
         service.disconnect()
