@@ -8,9 +8,9 @@
 #                                          enough to import its real argument parser
 # Each environment is complete when its stamp file exists (written last); a
 # complete one is left alone, an incomplete one is rebuilt from scratch. The
-# two build at the same time (mostly downloads: on a fresh 2-core machine
-# one after the other took 138 + 146 s), each into a log of its own that is
-# printed when it ends; either failing fails the script.
+# two build at the same time (on the 2-core VM, from scratch with pip's cache
+# warm: 216 s, against 340 s one after the other), each into a log of its own
+# that is printed when it ends; either failing fails the script.
 set -euo pipefail
 
 python=${PYTHON:-python3}
