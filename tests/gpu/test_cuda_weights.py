@@ -92,7 +92,7 @@ def test_cuda_ipc_restarts_share_one_copy_agree_with_disk_and_free_everything(tm
         assert held.fingerprint.device.startswith("cuda:GPU-")
         [(device, nbytes)] = held.bytes_by_device.items()
         assert device.startswith("cuda") and nbytes >= weight_bytes * 0.99
-        with_daemon = settle(nvml)
+        settle(nvml)
         assert with_daemon - baseline >= nbytes  # the daemon holds the weights
 
         socket_inode = os.stat(tree.weights_socket).st_ino
@@ -150,36 +150,61 @@ def answers(tree: ModelTree, slot: str) -> bool:
         return False
 
 
+def copies_problem(handle, daemon_pid: int, twins: dict[str, int], weight_bytes: int) -> str | None:
+    """Why NVML's per-process figures show more than the daemon's one copy of
+    the weights, or None. The daemon's process holds the weight-sized
+    allocation; an engine that attached through CUDA IPC is charged its own
+    context, KV cache and activations only. TWINS (name: PID) are engines
+    of one config, so their own memory is the same whatever it amounts to
+    (CUDA graphs made one engine's ~1.27 GiB, about this checkpoint's
+    weights); one that loaded its own copy holds the weights more than its
+    twin. The measure compares engines with each other, never with a guess
+    of an engine's working memory."""
+    daemon = process_used(handle, daemon_pid)
+    held = {name: process_used(handle, pid) for name, pid in twins.items()}
+    if daemon is None or None in held.values():
+        return f"NVML does not attribute memory to these processes: daemon {daemon}, engines {held}"
+    if daemon < weight_bytes * 0.99:
+        return f"the daemon's process holds {daemon / MiB:.0f} MiB, less than the weights' {weight_bytes / MiB:.0f}"
+    spread = max(held.values()) - min(held.values())
+    if spread >= weight_bytes / 2:
+        mib = {name: round(used / MiB) for name, used in held.items()}
+        return (f"engines of one config hold {mib} MiB: {spread / MiB:.0f} MiB apart, at least half the weights' "
+                f"{weight_bytes / MiB:.0f} MiB (a copy)")
+    return None
+
+
 def test_overlap_reload_on_cuda_two_engines_share_one_allocation(tmp_path: Path, checkpoint: Path, nvml):
     """The overlap strategy's steps by hand (the manager runs them through
     systemd): a second engine attaches beside the serving one, the gateway
     switches to it, the main engine restarts, the gateway switches back, the
     second engine stops. Both engines point into the daemon's one allocation
-    at once; NVML shows two engines' working memory, never a second copy."""
+    at once; NVML per process shows the weights under the daemon only. The
+    measure's own control closes the test: an engine that loads its own copy
+    (--from-disk) beside the main one is caught by the same check."""
     weight_bytes = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     baseline = settle(nvml, 0.5)
     port = free_port()
     tree = ModelTree(tmp_path, name="gpu")
     # A small KV cache (the batched engine's default budget for this config is
-    # larger than this checkpoint's 1.4 GiB of weights): what is measured is
-    # that a second engine adds its working memory, never a weight-sized copy.
+    # larger than this checkpoint's 1.4 GiB of weights), the same for every engine.
     tree.write_config(checkpoint, **cuda_configs.overlap(port))
     try:
         daemon = tree.start_weights(timeout=600)
-        with_daemon = settle(nvml)
+        settle(nvml)
         main = tree.start_engine(timeout=600)
-        one_engine = settle(nvml, 1.0) - with_daemon
         tree.start_gateway()
         expected = greedy(tree)
 
         following = tree.start_engine("--slot", "next", wait=False)
         wait_for(lambda: answers(tree, "next"), 600, "the next engine", following.proc)
         assert tree.control("switch", slot="next")["slot"] == "next"
-        both = settle(nvml, 1.0) - with_daemon
+        settle(nvml, 1.0)
         a, b = engine_health(tree, "main"), engine_health(tree, "next")
         assert a["weights_pid"] == b["weights_pid"] == daemon.pid
         assert a["tensors_outside_shared"] == b["tensors_outside_shared"] == 0
-        assert both < one_engine * 2 + 256 * MiB < weight_bytes + one_engine, (both / MiB, one_engine / MiB)
+        problem = copies_problem(nvml, daemon.pid, {"main": main.pid, "next": following.pid}, weight_bytes)
+        assert problem is None, problem
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:  # through the gateway: next
             answer = http.post("/v1/completions", json={"model": "gpu", "prompt": "Once upon a time",
                                                          "max_tokens": 16, "temperature": 0})
@@ -190,7 +215,17 @@ def test_overlap_reload_on_cuda_two_engines_share_one_allocation(tmp_path: Path,
         assert tree.control("switch", slot="main")["slot"] == "main"
         assert following.stop() == 0
         assert greedy(tree) == expected
-        assert settle(nvml, 1.0) - with_daemon < one_engine + 256 * MiB  # back to one engine
+        assert process_used(nvml, following.pid) is None  # back to one engine: the second freed its context
+
+        # The control: a second engine that loads its own copy (the mutation
+        # this test exists to catch) is told apart by the same measure.
+        copy = tree.start_engine("--slot", "next", "--from-disk", wait=False)
+        wait_for(lambda: answers(tree, "next"), 600, "the engine with its own copy", copy.proc)
+        assert engine_health(tree, "next")["weights"] == "disk"
+        settle(nvml, 1.0)
+        caught = copies_problem(nvml, daemon.pid, {"main": main.pid, "copy": copy.pid}, weight_bytes)
+        assert caught is not None and "a copy" in caught, caught
+        assert copy.stop() == 0
     finally:
         tree.stop_all()
     after = settle(nvml)
@@ -224,7 +259,7 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
 
     try:
         daemon = tree.start_weights(timeout=600)
-        with_daemon = settle(nvml)
+        settle(nvml)
         main = tree.start_engine(timeout=600)
         one_engine = settle(nvml, 1.0) - with_daemon
         standby = tree.start_engine("--slot", "standby", wait=False)
