@@ -92,7 +92,7 @@ def test_cuda_ipc_restarts_share_one_copy_agree_with_disk_and_free_everything(tm
         assert held.fingerprint.device.startswith("cuda:GPU-")
         [(device, nbytes)] = held.bytes_by_device.items()
         assert device.startswith("cuda") and nbytes >= weight_bytes * 0.99
-        settle(nvml)
+        with_daemon = settle(nvml)
         assert with_daemon - baseline >= nbytes  # the daemon holds the weights
 
         socket_inode = os.stat(tree.weights_socket).st_ino
@@ -259,7 +259,7 @@ def test_standby_reload_and_failover_on_cuda_share_one_allocation(tmp_path: Path
 
     try:
         daemon = tree.start_weights(timeout=600)
-        settle(nvml)
+        with_daemon = settle(nvml)
         main = tree.start_engine(timeout=600)
         one_engine = settle(nvml, 1.0) - with_daemon
         standby = tree.start_engine("--slot", "standby", wait=False)
