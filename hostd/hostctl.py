@@ -38,7 +38,7 @@ from typing import Optional
 from dbus_fast.errors import DBusError
 
 import hostd
-from hostd import backends, config, units
+from hostd import backends, config, host_check, units
 from hostd.config import schema, show
 from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_list, cmd_log_level, cmd_operations,
                                cmd_reload, cmd_status, cmd_unit_verb)
@@ -54,12 +54,12 @@ def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
         return EXIT_USAGE
     if args.file:
         names = [args.as_.partition(".d/")[0]]
-        problems = config.check_candidate(Path(args.file), args.as_, root, backends.for_config)
+        problems = host_check.check_candidate(Path(args.file), args.as_, root, backends.for_config)
         warnings: list[str] = []
     else:
         names = [args.name] if args.name else config.list_models(root)
-        problems = config.check(root, [args.name] if args.name else None, backends.for_config)
-        warnings = config.exposure_warnings(root, [args.name] if args.name else None)
+        problems = host_check.check(root, [args.name] if args.name else None, backends.for_config)
+        warnings = host_check.exposure_warnings(root, [args.name] if args.name else None)
     if args.json:
         emit_json(args, {"ok": not problems, "root": str(root), "models": names, "warnings": warnings,
                          "problems": [{"file": p.file, "line": p.line, "key": p.key, "message": p.message}

@@ -14,7 +14,7 @@ that keep it to root and the model's user, and exits 1: the socket does not
 start, so neither does the model. The group in that chown exists at this
 point, since sysusers ran first. The rule is the one `hostctl config
 --check` warns with and the manager's Model.StartProblem shows
-(config.exposure_warnings).
+(host_check.exposure_warnings).
 
 Trusts: stat and the account database, as root sees them. It only reads.
 """
@@ -24,12 +24,12 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from hostd import accounts, config
+from hostd import accounts, host_check
 
 
 def problems(name: str, root=None) -> list[str]:
     """One line for each file of model NAME whose secrets others can read."""
-    return config.exposure_warnings(root, [name])
+    return host_check.exposure_warnings(root, [name])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -213,9 +213,9 @@ class SglangBackend(upstream.UpstreamBackend):
         return ["--max-total-tokens", str(max(1, bridge.kv_bytes // per_token))] if per_token else []
 
     def overlap_refusal(self, cfg) -> Optional[str]:
-        if upstream.kv_bytes_per_token(cfg) is None:
-            return (f"model: {cfg.model}/config.json does not give num_hidden_layers, the KV heads and "
-                    "the head size, so hostd cannot size the bridge engine's --max-total-tokens")
+        problem = upstream.kv_size_problem(cfg)
+        if problem is not None:
+            return f"model: {problem}; so hostd cannot size the bridge engine's --max-total-tokens"
         return None
 
     def refusals(self, cfg) -> list[str]:

@@ -28,7 +28,7 @@ from typing import ClassVar, Optional
 
 from packaging.version import InvalidVersion, Version
 
-from hostd import nvml
+from hostd import kv_bytes, nvml
 from hostd.config.problems import ConfigError
 from hostd.config.yaml_files import read_regular_file
 from hostd.backends.base import Backend, Command
@@ -333,27 +333,34 @@ def checkpoint_bytes(model_dir: str) -> int:
     return total
 
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def kv_bytes_per_token(cfg) -> Optional[int]:
-    """Bytes of KV cache one token takes on one tensor-parallel rank: layers x
-    KV heads on the rank x head dim x 2 (K and V) x the dtype's bytes, from the
-    checkpoint's config.json (its text_config for a multimodal one); None when
-    config.json does not say (then SGLang's bridge cannot be sized)."""
+    """Bytes of KV cache one token takes on one tensor-parallel rank
+    (hostd/kv_bytes.py, the rule the builtin engine's budget uses too), from
+    the checkpoint's config.json; None when it cannot be sized
+    (kv_size_problem says why)."""
+    return None if kv_size_problem(cfg) else _kv_bytes_per_token(cfg)
+
+
+def kv_size_problem(cfg) -> Optional[str]:
+    """Why the KV bytes per token of CFG's checkpoint cannot be counted, naming
+    the file and key, or None."""
     try:
-        config = json.loads((Path(cfg.model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (text.get("hidden_size") // heads if heads and text.get("hidden_size") else None)
-    if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
-        return None
-    dtype = cfg.dtype if cfg.dtype != "auto" else str(text.get("torch_dtype") or text.get("dtype") or "bfloat16")
-    per_rank_heads = max(1, kv_heads // cfg.tensor_parallel_size)
-    return layers * per_rank_heads * head_dim * 2 * DTYPE_BYTES.get(dtype, 2)
+        _kv_bytes_per_token(cfg)
+    except (OSError, ValueError) as error:
+        return str(error)
+    return None
+
+
+def _kv_bytes_per_token(cfg) -> int:
+    path = Path(cfg.model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return kv_bytes.bytes_per_token(config, cfg.dtype, tensor_parallel_size=cfg.tensor_parallel_size,
+                                    source=str(path))
 
 
 # What a bridge engine holds beside its KV cache and the shared weights, per

@@ -1,5 +1,4 @@
 """hostd's configuration: schema (what is valid), load (files, merge, origins),
-host_check (every problem of the host's files, for `hostctl config --check`),
 atomic (how the manager writes drop-ins)."""
 
 from hostd.config.atomic import write_atomic
@@ -15,7 +14,6 @@ from hostd.config.load import (
     load_model,
     model_file,
 )
-from hostd.config.host_check import check, check_candidate, exposure_warnings
 from hostd.config.schema import editable_fields, model_name_problem
 
 __all__ = [
@@ -23,12 +21,9 @@ __all__ = [
     "LoadedModel",
     "NoSuchModel",
     "Problem",
-    "check",
-    "check_candidate",
     "config_root",
     "dropin_dir",
     "editable_fields",
-    "exposure_warnings",
     "list_models",
     "load_daemon",
     "load_model",

@@ -3,7 +3,7 @@
 One job: the types of a configuration problem (Problem: file, key path,
 message, line) and of the error that carries them (ConfigError), shared by
 the YAML reader (yaml_files.py), the loader (load.py) and the host-wide
-check (host_check.py).
+check (hostd/host_check.py).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def secret_env(name: str) -> bool:
 def holds_named_secrets(data: Any) -> bool:
     """Does DATA (one file's mapping) set an env: value whose name says it is a
     secret (secret_env), or a secret flag's value? What a file that others may
-    read must not hold (config.exposure_warnings, hostd/secretfiles.py): every
+    read must not hold (host_check.exposure_warnings, hostd/secretfiles.py): every
     env: value is still redacted wherever hostd shows it (config() below), but
     only these make a readable file a leak."""
     if not isinstance(data, dict):

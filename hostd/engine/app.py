@@ -423,11 +423,12 @@ def full_kv_bytes(model, limits: Limits) -> int:
     """The KV budget of a runner that serves requests within LIMITS (batching: continuous)."""
     if limits.kv_cache_bytes is not None:
         return limits.kv_cache_bytes
+    from hostd import kv_bytes
     from hostd.engine import budget
     from hostd.engine.generate import model_device
 
     config = model.config.get_text_config().to_dict()
-    per_token = budget.bytes_per_token(config, str(model.dtype).removeprefix("torch."))
+    per_token = kv_bytes.bytes_per_token(config, str(model.dtype).removeprefix("torch."))
     kind = "cuda" if model_device(model).type == "cuda" else "cpu"
     return budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=limits.max_num_seqs,
                                  max_model_len=limits.max_model_len, per_token=per_token, device_total=None,

@@ -76,7 +76,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hostd.engine import budget, rules
+from hostd import kv_bytes
+from hostd.engine import rules
 from hostd.engine.budget import PAGE_SIZE
 from hostd.engine.generate import (
     Completion,
@@ -302,7 +303,7 @@ class BatchRunner(Runner):
         config = self.model.config.get_text_config()
         page = PAGE_SIZE[kind]
         # budget.py's arithmetic, on the built model's config and dtype (the manager's preflight uses the same)
-        per_token = budget.bytes_per_token(config.to_dict(), str(self.model.dtype).removeprefix("torch."))
+        per_token = kv_bytes.bytes_per_token(config.to_dict(), str(self.model.dtype).removeprefix("torch."))
         self.kv_bytes_per_token = per_token
         num_blocks = self.kv_cache_bytes // (per_token * page)
         if self.idle:

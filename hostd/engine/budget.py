@@ -6,9 +6,8 @@ what a new engine will take before starting it, hostd/manager/probe.py
 through BuiltinBackend) both do, in one place and without torch, so that the
 two can never disagree.
 
-- bytes per token: keys and values of every layer, ``2 * layers * kv_heads *
-  head_dim * dtype bytes`` (Qwen2.5-7B in bf16: 56 KiB; the tiny test model:
-  256 B).
+- bytes per token: hostd/kv_bytes.py, the rule every backend shares
+  (Qwen2.5-7B in bf16: 56 KiB; the tiny test model: 256 B).
 - the budget: ``engine.kv_cache_mib`` when set; unset, what every one of
   ``max_num_seqs`` requests needs at ``max_model_len`` tokens in whole
   blocks of the device's PAGE_SIZE (a request holds whole blocks: 64
@@ -28,14 +27,14 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from hostd import kv_bytes
+
 # The unset budget's cap, as a fraction of the device's memory. Two engines
 # (the serving one and an overlap or standby engine beside it) take at most
 # 2 * 0.2 = 40 %, which leaves the shared weights of a 7B model (15 GB of an
 # H200's 141 GB, 11 %) and reload.overlap_reserve_mib room. A larger default
 # would make the overlap preflight fall back to restart on a busy GPU.
 DEFAULT_SHARE = 0.2
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # Tokens per KV block (transformers' page_size), per device kind. vLLM's
 # default block is 16 tokens; on CPU small blocks waste least of a small
@@ -47,29 +46,6 @@ PAGE_SIZE = {"cpu": 16, "cuda": 256}
 def _positive(config: dict, key: str) -> Optional[int]:
     value = config.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def bytes_per_token(config: dict, dtype: str) -> int:
-    """KV bytes one token takes in every layer of a model whose config.json is CONFIG, in DTYPE.
-
-    ValueError naming the key when the config lacks what it takes (then the
-    engine cannot size its cache: the error says which key)."""
-    config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
-    layers = _positive(config, "num_hidden_layers")
-    heads = _positive(config, "num_attention_heads")
-    if layers is None or heads is None:
-        raise ValueError("config.json lacks num_hidden_layers or num_attention_heads (positive integers): "
-                         "the KV cache cannot be sized for this model")
-    kv_heads = _positive(config, "num_key_value_heads") or heads
-    head_dim = _positive(config, "head_dim")
-    if head_dim is None:
-        hidden = _positive(config, "hidden_size")
-        if hidden is None:
-            raise ValueError("config.json lacks head_dim and hidden_size: the KV cache cannot be sized for this model")
-        head_dim = hidden // heads
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
 def one_request_bytes(max_model_len: int, per_token: int, page: int) -> int:
@@ -91,18 +67,9 @@ def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_
     return max(min(need, int(DEFAULT_SHARE * device_total)), one)
 
 
-def resolve_dtype(config: dict, dtype: str) -> str:
-    """DTYPE, with 'auto' read as the checkpoint's own (as hostd/weights/checkpoint.py's resolve_dtype)."""
-    if dtype != "auto":
-        return dtype
-    found = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-    return found if found in DTYPE_BYTES else "float32"
-
-
 def positions(config: dict) -> int:
     """The model's max_position_embeddings (2048 when config.json has none): max_model_len unset."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    return _positive(text, "max_position_embeddings") or 2048
+    return _positive(kv_bytes.text_config(config), "max_position_embeddings") or 2048
 
 
 def swap_bytes(full: int, bridge_kv_mib: int, *, max_model_len: int, per_token: int, page: int) -> int:
@@ -123,7 +90,7 @@ def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int],
     the swap engine's budget instead (swap_bytes)."""
     config = json.loads((checkpoint / "config.json").read_text())
     length = max_model_len or positions(config)
-    per_token = bytes_per_token(config, resolve_dtype(config, dtype))
+    per_token = kv_bytes.bytes_per_token(config, dtype, source=str(checkpoint / "config.json"))
     full = kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, max_model_len=length,
                           per_token=per_token, device_total=device_total, page=PAGE_SIZE[device])
     if bridge_kv_mib is None:

@@ -37,6 +37,7 @@ from typing import Optional
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from hostd import kv_bytes
 from hostd.engine import budget
 
 # The transformers releases batch.py is tested with (pyproject.toml pins the
@@ -135,7 +136,7 @@ def start_problems(cfg, model_config: dict, transformers_version: Optional[str])
     if problem:
         problems.append(problem)
     try:
-        per_token = budget.bytes_per_token(model_config, budget.resolve_dtype(model_config, cfg.dtype))
+        per_token = kv_bytes.bytes_per_token(model_config, cfg.dtype)
     except ValueError:
         return problems
     length = cfg.engine.max_model_len or budget.positions(model_config)

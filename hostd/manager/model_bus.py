@@ -19,7 +19,7 @@ from typing import Optional
 import msgspec
 from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method
 
-from hostd import backends, units
+from hostd import backends, host_check, units
 from hostd import config as hostd_config
 from hostd.config import redact, schema
 from hostd.manager import api, log_levels
@@ -182,7 +182,7 @@ class ModelInterface(ServiceInterface):
         line a file, naming it, who else reads it and the chown/chmod that
         fixes it; hostd/secretfiles.py, the socket's own check); empty when
         none. Read by the manager as root: the files' modes, never a value."""
-        return "\n".join(hostd_config.exposure_warnings(self.manager.root, [self.model_name]))
+        return "\n".join(host_check.exposure_warnings(self.manager.root, [self.model_name]))
 
     @dbus_property(access=PropertyAccess.READ)
     def Config(self) -> "s":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hostd import accounts, config, generator
+from hostd import accounts, config, generator, host_check
 
 NOBODY = 65534  # an account that exists on every Debian host: another account
 
@@ -92,5 +92,5 @@ def test_config_check_names_a_foreign_owned_state_directory_too(roots, tmp_path)
     (root / "models" / "tiny.yaml").write_text(f"backend: builtin\nmodel: {tmp_path / 'ckpt'}\ndevice: cpu\n")
     (roots / "state" / "tiny").mkdir(parents=True)
     os.chown(roots / "state" / "tiny", NOBODY, NOBODY)
-    found = "\n".join(str(p) for p in config.check(root))
+    found = "\n".join(str(p) for p in host_check.check(root))
     assert str(root / "models" / "tiny.yaml") in found and f"is owned by nobody (uid {NOBODY})" in found

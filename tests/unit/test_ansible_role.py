@@ -48,7 +48,7 @@ def test_model_files_are_written_for_root_and_the_models_user_only(monkeypatch):
     every local user read them."""
     import grp
 
-    from hostd.config import host_check
+    from hostd import host_check
 
     defaults = yaml.safe_load((ANSIBLE / "roles/hostd/defaults/main.yml").read_text())
     copies = [task["ansible.builtin.copy"] for task in role_tasks("model-present.yml") if "ansible.builtin.copy" in task]

@@ -312,10 +312,11 @@ def test_a_completion_that_ends_at_max_tokens_carries_its_last_tokens_text(tiny,
 def test_an_idle_runner_needs_one_block_not_one_request_of_max_model_len(tiny):
     """The warm standby's idle runner (standby_kv.py) serves its warm-up only:
     one KV block does; a runner that serves requests keeps the max_model_len rule."""
+    from hostd import kv_bytes
     from hostd.engine import budget
 
     model, _ = tiny
-    block = budget.bytes_per_token(model.config.to_dict(), "float32") * budget.PAGE_SIZE["cpu"]
+    block = kv_bytes.bytes_per_token(model.config.to_dict(), "float32") * budget.PAGE_SIZE["cpu"]
     with pytest.raises(ValueError, match="max_model_len=256"):
         batch_runner(tiny, kv_cache_bytes=block)()
     with pytest.raises(ValueError, match="reload.standby_kv_mib"):

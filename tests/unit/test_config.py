@@ -14,7 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hostd import config, paths
+from hostd import config, host_check, paths
 from hostd.config import load, schema, show
 from hostd.config.atomic import write_atomic
 
@@ -279,7 +279,7 @@ def test_config_root_comes_from_argument_then_environment(monkeypatch, tmp_path:
 
 def test_daemon_config_errors_name_hostd_yaml(tmp_path: Path):
     bad = write(tmp_path, "hostd.yaml", "log_level: loud\n")
-    problems = config.check(tmp_path)
+    problems = host_check.check(tmp_path)
     assert [(p.file, p.key) for p in problems] == [(str(bad), "log_level")]
 
 
@@ -309,7 +309,7 @@ def test_loader_raises_only_config_error_for_any_yaml_documents(tmp_path_factory
         config.load_model("m", root)
     except config.ConfigError as exc:
         assert exc.problems and all(p.file for p in exc.problems)
-    config.check(root)  # never raises: problems are returned
+    host_check.check(root)  # never raises: problems are returned
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -352,7 +352,7 @@ def test_write_atomic_failure_keeps_the_old_file(tmp_path: Path):
 
 def test_shipped_example_config_is_valid():
     example = Path(__file__).resolve().parents[2] / "etc"
-    assert config.check(example) == []
+    assert host_check.check(example) == []
     assert config.list_models(example) == ["tiny"]
 
 
@@ -400,7 +400,7 @@ def test_a_wrong_value_shadowed_by_a_later_dropin_is_refused_by_the_loader_as_by
     write(root, "models/tiny.d/90-reload.yaml", "engine: {max_num_seqs: 8}\n")
     found = problems_of(root)
     assert [(p.file, p.key) for p in found] == [(str(bad), "engine.max_num_seqs")]
-    assert config.check(root, ["tiny"]) == found
+    assert host_check.check(root, ["tiny"]) == found
     # With the reload's overlay (what the manager validates before writing) too.
     with pytest.raises(config.ConfigError) as overlay:
         config.load_model("tiny", root, overlay=("90-reload.yaml", "engine: {max_num_seqs: 16}\n"))
@@ -415,7 +415,7 @@ def test_a_dropin_is_validated_over_the_files_before_it_not_over_the_main_file_a
     write(root, "models/tiny.d/90-reload.yaml", "engine: {max_num_seqs: 8}\n")
     loaded = config.load_model("tiny", root)
     assert loaded.config.engine.max_num_batched_tokens == 512 and loaded.config.engine.max_num_seqs == 8
-    assert config.check(root, ["tiny"]) == []
+    assert host_check.check(root, ["tiny"]) == []
 
 
 @pytest.mark.parametrize("listen, expected", [

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hostd import backends, config
+from hostd import backends, config, host_check
 from hostd.checkpoints import random_model
 from tests.gpu import cuda_configs
 
@@ -60,7 +60,7 @@ def test_the_gpu_system_tiers_files_pass_the_engines_start_checks(tmp_path: Path
         path = root / "models" / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    assert config.check(root, ["qwen"]) == []
+    assert host_check.check(root, ["qwen"]) == []
     assert start_refusals(root, "qwen") == []
 
 
@@ -87,7 +87,7 @@ def test_the_two_gpu_tiers_files_pass_the_engines_start_checks(tmp_path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     names = sorted(tier_configs.TWO_GPU_MODELS)
-    assert config.check(root, names) == []
+    assert host_check.check(root, names) == []
     for name in names:
         assert start_refusals(root, name) == []
         assert list(config.load_model(name, root).config.gpus) == list(tier_configs.TWO_GPU_MODELS[name])

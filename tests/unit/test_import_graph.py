@@ -5,9 +5,13 @@ The graph is read from the source with `ast`: one node per file, one edge
 per `import hostd.X` / `from hostd.X import Y` anywhere in a file, at the
 top or inside a function (a deferred import still makes the importer depend
 on the imported). `from hostd.X import Y` names the module X.Y when that is
-a file, else the package X. A package's own __init__.py, which Python runs
-before any of its modules, is not counted as a dependency of those modules:
-re-exporting one's own modules is how a package is built, not a circle.
+a file, else the package X. Importing a module of a package from outside it
+also runs the package's __init__.py first, so that import depends on the
+package too (issue 49: hostd.accounts imported hostd.config.schema, whose
+package's __init__ imported host_check, which imported hostd.accounts: a
+circle that counting only the files hid). A package's own __init__.py is not
+counted as a dependency of its own modules: re-exporting one's own modules
+is how a package is built, not a circle.
 """
 
 from __future__ import annotations
@@ -20,13 +24,24 @@ import hostd
 ROOT = Path(hostd.__file__).resolve().parent
 
 
-def module_name(path: Path) -> str:
-    parts = ["hostd", *path.relative_to(ROOT).with_suffix("").parts]
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = {module_name(path): path for path in ROOT.rglob("*.py")}
+def outer_packages(target: str, importer: str, files) -> list[str]:
+    """The packages whose __init__ importing TARGET runs and IMPORTER is not inside."""
+    found = []
+    package = target.rpartition(".")[0]
+    while "." in package:
+        if package in files and not (importer == package or importer.startswith(package + ".")):
+            found.append(package)
+        package = package.rpartition(".")[0]
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    files = {module_name(path, root): path for path in root.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -46,6 +61,7 @@ def import_graph() -> dict[str, set[str]]:
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     graph[name].add(target)
+                    graph[name].update(outer_packages(target, name, files))
     return graph
 
 
@@ -89,3 +105,17 @@ def test_the_import_graph_of_hostd_has_no_circle():
 
 def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_circle_through_a_packages_init_is_found(tmp_path):
+    """hostd/a.py imports hostd/p/x.py, whose package's __init__ imports
+    hostd/p/y.py, which imports hostd/a.py: no file imports a file that
+    imports it back, yet importing hostd.a runs that loop."""
+    root = tmp_path / "hostd"
+    (root / "p").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "a.py").write_text("def f():\n    from hostd.p import x\n")
+    (root / "p/__init__.py").write_text("from hostd.p.y import g\n")
+    (root / "p/x.py").write_text("")
+    (root / "p/y.py").write_text("from hostd import a\n")
+    assert circles(import_graph(root)) == [["hostd.a", "hostd.p", "hostd.p.y"]]

@@ -131,10 +131,10 @@ def test_without_the_builtin_extra_every_daemon_but_the_builtin_ones_imports_and
         import json
         import hostd.manager.service, hostd.gateway.server, hostd.hostctl, hostd.generator, hostd.dispatch
         import hostd.backends.vllm, hostd.backends.sglang
-        from hostd import backends, config
+        from hostd import backends, config, host_check
         from hostd.manager.reload import model_backend_refusals
         root = {str(root)!r}
-        problems = {{name: [str(p) for p in config.check(root, [name], backends.for_config)] for name in ("b", "v")}}
+        problems = {{name: [str(p) for p in host_check.check(root, [name], backends.for_config)] for name in ("b", "v")}}
         print(json.dumps({{"check": problems,
                            "reload": {{name: model_backend_refusals(config.load_model(name, root).config)
                                       for name in ("b", "v")}},

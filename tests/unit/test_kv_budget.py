@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import msgspec
+import pytest
 
-from hostd import config
+from hostd import config, kv_bytes
 from hostd.engine import budget
 from hostd.engine.health import EngineHealth
 from hostd.manager.probe import Memory, Probe
@@ -24,12 +25,12 @@ def as_health(reported: dict) -> EngineHealth:
 
 
 def test_bytes_per_token_is_keys_and_values_of_every_layer():
-    assert budget.bytes_per_token(QWEN_7B, "bfloat16") == 56 * 1024  # 2 * 28 * 4 * 128 * 2
-    assert budget.bytes_per_token({**QWEN_7B, "head_dim": 64}, "float32") == 2 * 28 * 4 * 64 * 4
+    assert kv_bytes.bytes_per_token(QWEN_7B, "bfloat16") == 56 * 1024  # 2 * 28 * 4 * 128 * 2
+    assert kv_bytes.bytes_per_token({**QWEN_7B, "head_dim": 64}, "float32") == 2 * 28 * 4 * 64 * 4
 
 
 def test_the_unset_budget_fits_the_batch_and_is_capped_at_a_share_of_the_device():
-    per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
+    per_token = kv_bytes.bytes_per_token(QWEN_7B, "bfloat16")
     small = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=8, max_model_len=4096, per_token=per_token,
                                   device_total=141 << 30, page=budget.PAGE_SIZE["cuda"])
     assert small == 8 * 4096 * per_token
@@ -45,7 +46,7 @@ def test_the_unset_budget_counts_each_request_in_whole_blocks():
     of 128 tokens need 64 blocks. Counted in tokens (32 blocks) half of them
     waited for the other half (benchmarks/throughput.py at 64 streams on the
     H200, 2026-12-02), and one request of 128 tokens got no block at all."""
-    per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
+    per_token = kv_bytes.bytes_per_token(QWEN_7B, "bfloat16")
     page = budget.PAGE_SIZE["cuda"]
     batch = budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=64, max_model_len=128, per_token=per_token,
                                   device_total=141 << 30, page=page)
@@ -91,7 +92,7 @@ def test_a_swaps_engine_takes_the_bridge_budget_but_never_less_than_one_request(
     while the main pair restarts: reload.bridge_kv_mib, unless the full
     budget is smaller, and never below one max_model_len request (else it
     would refuse a request the main engine admits)."""
-    per_token = budget.bytes_per_token(QWEN_7B, "bfloat16")
+    per_token = kv_bytes.bytes_per_token(QWEN_7B, "bfloat16")
     page = budget.PAGE_SIZE["cuda"]
     full = 20 << 30
     assert budget.swap_bytes(full, 2048, max_model_len=32768, per_token=per_token, page=page) == 2048 * MiB
@@ -128,3 +129,43 @@ def test_the_engine_on_the_next_weight_slot_allocates_the_swap_budget(tmp_path):
     assert limits_for(cfg, model, swap=True).kv_cache_bytes == 1000 * MiB  # the default 2048 is more than the full
     cfg = msgspec.structs.replace(cfg, reload=msgspec.structs.replace(cfg.reload, bridge_kv_mib=100))
     assert limits_for(cfg, model, swap=True).kv_cache_bytes == 100 * MiB
+
+
+# ---------------------------------------------------------------- one rule (issue 49)
+
+NO_DTYPE = {key: value for key, value in QWEN_7B.items() if key != "dtype"}
+
+
+def test_every_backend_counts_kv_bytes_per_token_by_one_rule(tmp_path):
+    """The builtin engine's budget and the upstream bridge's --max-total-tokens
+    read a checkpoint without a dtype in config.json the same way ('auto' is
+    float32 in both), and halve the KV heads per tensor-parallel rank."""
+    from types import SimpleNamespace
+
+    from hostd import kv_bytes
+    from hostd.backends import upstream
+
+    (tmp_path / "config.json").write_text(json.dumps(NO_DTYPE))
+    cfg = SimpleNamespace(model=str(tmp_path), dtype="auto", tensor_parallel_size=1)
+    assert upstream.kv_bytes_per_token(cfg) == kv_bytes.bytes_per_token(NO_DTYPE, "auto") == 2 * 28 * 4 * 128 * 4
+    assert budget.for_checkpoint(tmp_path, dtype="auto", kv_cache_mib=None, max_num_seqs=1, max_model_len=256,
+                                 device_total=None, device="cuda") == 256 * 2 * 28 * 4 * 128 * 4
+    assert upstream.kv_bytes_per_token(SimpleNamespace(**{**vars(cfg), "tensor_parallel_size": 2})) == 28 * 2 * 128 * 2 * 4
+
+
+def test_an_unknown_dtype_is_refused_naming_the_key_and_the_file(tmp_path):
+    from types import SimpleNamespace
+
+    from hostd import kv_bytes
+    from hostd.backends import upstream
+
+    (tmp_path / "config.json").write_text(json.dumps({**NO_DTYPE, "torch_dtype": "float8_e4m3fn"}))
+    cfg = SimpleNamespace(model=str(tmp_path), dtype="auto", tensor_parallel_size=1)
+    problem = upstream.kv_size_problem(cfg)
+    assert f"{tmp_path}/config.json: torch_dtype 'float8_e4m3fn' is not one of" in problem, problem
+    assert upstream.kv_bytes_per_token(cfg) is None
+    with pytest.raises(ValueError, match=r"config.json: torch_dtype 'float8_e4m3fn'"):
+        budget.for_checkpoint(tmp_path, dtype="auto", kv_cache_mib=None, max_num_seqs=1, max_model_len=256,
+                              device_total=None, device="cpu")
+    with pytest.raises(ValueError, match=r"dtype: 'int4' is not one of"):
+        kv_bytes.bytes_per_token(QWEN_7B, "int4")

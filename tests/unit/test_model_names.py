@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hostd import config, units
+from hostd import config, host_check, units
 from hostd import accounts
 
 
@@ -25,7 +25,7 @@ def configure(root: Path, name: str, checkpoint: Path) -> Path:
 
 
 def problems(root: Path) -> str:
-    return "\n".join(str(p) for p in config.check(root))
+    return "\n".join(str(p) for p in host_check.check(root))
 
 
 def test_a_model_named_admin_is_refused_because_its_user_would_be_the_admin_group(tmp_path):

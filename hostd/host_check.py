@@ -4,8 +4,9 @@ hostd.yaml and the models' files, alone, merged and against each other.
 One job: find what is wrong before anything reads it (the loader in
 load.py refuses a broken file when a process starts; this reports all of
 them at once, for an administrator, Ansible's validate: and the like). What
-only a backend knows comes through the Backend handed in (BackendOf): this
-package sits below hostd/backends/ and never imports it.
+only a backend knows comes through the Backend handed in (BackendOf). It
+reads config/ and the accounts (the model's user), so it sits above both,
+not inside config/ (which imports nothing above it).
 
 Trust: the files are the administrator's; nothing here writes anything
 (check_candidate works on a scratch copy).
