@@ -7,7 +7,9 @@ two kinds of keys:
 - fixed keys (top level): what the weights are and how the units run. Changing
   one needs `systemctl restart model@NAME` (a full restart reloads weights).
 - editable keys (everything under `engine:`): the engine's limits, named as the
-  backend itself names them. A reload may change these and only these.
+  backend itself names them. A reload changes these in the engine (every
+  strategy), and `model:` too, the one fixed key a reload may change (a
+  checkpoint swap: a second weights daemon beside the serving pair).
 
 The docs/configuration.md reference is generated from this module
 (`python -m hostd.config.reference`); a unit test fails when they drift.

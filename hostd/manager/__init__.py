@@ -7,7 +7,9 @@
     errors.py        its refusals and the one mapping to D-Bus errors
     api.py           the names it shares with clients
     operation.py     a reload's states, stages and allowed transitions
-    reload.py        the reload's stages and their driver (both strategies)
+    reload.py        the reload's skeleton (validate, preflight, record, commit, rollback) and its driver
+    strategies.py    the reload strategies (restart, overlap, standby, swap): their stages and recovery
+    preflight.py     whether a reload fits (memory by NVML) and which strategy runs it
     recovery.py      the end of a reload a crashed manager left half done
     dropins.py       the drop-in files a reload writes
     records.py       its records on disk (intent, committed config, operation ids)
