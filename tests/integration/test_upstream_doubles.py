@@ -287,7 +287,9 @@ def test_two_engines_of_one_model_serve_side_by_side_and_only_the_next_runs_on_t
         where = "--uds"
         assert next_argv[next_argv.index(where) + 1] == str(tree.runtime_dir / "vllm-engine-next.sock")
     else:
-        kv = ["--max-total-tokens", str((64 << 20) // (2 * 1 * 64 * 2 * 2))]  # 2 layers, 1 KV head per rank, 64 dims
+        # 2 layers, 1 KV head per rank, 64 dims, K and V, 4 bytes: config.json names no dtype, which
+        # hostd/kv_bytes.py counts as float32 for every backend (the larger figure: fewer tokens)
+        kv = ["--max-total-tokens", str((64 << 20) // (2 * 1 * 64 * 2 * 4))]
         where = "--port"
     assert main_argv[main_argv.index(where) + 1] != next_argv[next_argv.index(where) + 1]
     assert " ".join(kv) in " ".join(next_argv) and kv[0] not in main_argv
