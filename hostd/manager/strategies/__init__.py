@@ -40,7 +40,7 @@ refused unless reload.strategy is restart).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hostd.manager import errors
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
@@ -49,6 +49,9 @@ from hostd.manager.strategies.restart import Restart
 from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.strategies.standby import Standby, put_standby_on, rebuilds, restart_in_background
 from hostd.manager.strategies.swap import Swap, checkpoint_bytes, swap_problem
+
+if TYPE_CHECKING:
+    from hostd.manager.preflight import Memory
 
 __all__ = [
     "OVERLAP", "RESTART", "STANDBY", "STRATEGIES", "SWAP", "Overlap", "Restart", "SecondEngine", "Standby",
@@ -69,7 +72,7 @@ def named(name: str) -> Strategy:
     return STRATEGIES.get(name, RESTART)
 
 
-async def choose(run, memory) -> tuple[Strategy, str]:
+async def choose(run, memory: Memory) -> tuple[Strategy, str]:
     """The preflight's choice for RUN (a reload.Reload after validate;
     MEMORY: the preflight's one reading) and why: standby when the model's
     warm standby can take it (standby_problem), else overlap when configured,
@@ -98,7 +101,7 @@ async def choose(run, memory) -> tuple[Strategy, str]:
     return OVERLAP, "room for a second engine beside the serving one"
 
 
-def choose_swap(run, memory) -> tuple[Strategy, str]:
+def choose_swap(run, memory: Memory) -> tuple[Strategy, str]:
     """A checkpoint swap: under reload.strategy restart, the model's weights
     and engine restart on the new checkpoint (503 meanwhile); otherwise the
     swap strategy, when the new weights and a second engine fit, else a

@@ -3,6 +3,12 @@ honoured, and the hooks the reload and recovery call) and the helpers more
 than one strategy calls: until_asked (a stage that a Cancel() or a stop may
 end) and restart_main (recovery's restart of the main engine).
 
+Throughout the package RUN is a reload.Reload and MODEL a
+reload.ModelHandles, named in the docstrings but not annotated: reload.py
+imports this package, so importing either here, even under TYPE_CHECKING,
+would close a circle (tests/unit/test_import_graph.py counts those imports
+too). Every other parameter is annotated.
+
 Trust: the package's (strategies/__init__.py); nothing here is read from
 outside the manager.
 """
@@ -12,15 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Optional
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Optional
 
 from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, transitions
 from hostd.manager.systemd1 import job_timeout
 
+if TYPE_CHECKING:
+    from hostd.manager.preflight import Memory
+
 log = logging.getLogger("hostd.manager.reload")
 
 
-async def until_asked(op: Operation, work) -> None:
+async def until_asked(op: Operation, work: Coroutine[Any, Any, Any]) -> Any:
     """Run the coroutine WORK unless, or until, a Cancel() or a stop asks
     otherwise (OP.asked): then WORK is abandoned (what it started is undone
     by the caller's restore) and Cancelled or Interrupted is raised; a stage
@@ -64,7 +74,7 @@ class Strategy:
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"
 
-    def memory_problem(self, run, memory) -> Optional[str]:
+    def memory_problem(self, run, memory: Memory) -> Optional[str]:
         """Why the preflight refuses this strategy's reload for memory (MEMORY:
         its reading), or None."""
         return None

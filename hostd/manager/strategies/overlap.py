@@ -66,7 +66,7 @@ class Overlap(SecondEngine):
             log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,
                      extra=op.fields())
 
-    async def put_back(self, run, failed, served, interrupted) -> None:
+    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The next engine stops before the intent goes (restore drops it): a
         # manager killed meanwhile leaves a record whose recovery stops it.
         await self.retire(run, served)
@@ -99,7 +99,7 @@ class Overlap(SecondEngine):
         """Stop what this strategy started beside the main engine."""
         await model.systemd.stop(self.second_unit(model), timeout=timeout)
 
-    async def recover_second(self, model, outcome, main_answers, where) -> None:
+    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
         """Exactly one engine is left: the next one stops, unless the main
         engine does not answer (then it keeps serving)."""
         if outcome == "restored" or main_answers:

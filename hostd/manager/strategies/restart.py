@@ -21,10 +21,13 @@ restart:
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hostd.manager.operation import Cancelled, Interrupted, Stage, State
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+
+if TYPE_CHECKING:
+    from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -38,7 +41,7 @@ class Restart(Strategy):
     cancel_until = Stage.DRAIN
     cancel_ends = "its drain"
 
-    def memory_problem(self, run, memory) -> Optional[str]:
+    def memory_problem(self, run, memory: Memory) -> Optional[str]:
         return run.model.probe.memory_problem(run.target, memory)
 
     async def apply(self, run) -> None:

@@ -42,7 +42,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 
@@ -50,6 +51,9 @@ from hostd import backends
 from hostd.manager.operation import Stage, State
 from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
+
+if TYPE_CHECKING:
+    from hostd.config.schema import ModelConfig
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -102,7 +106,7 @@ class Standby(SecondEngine):
         log.info("reload %d of %s: the %s standby serves on the config it started with (%s) while the main "
                  "engine restarts", op.id, op.model, run.target.backend, words, extra=op.fields())
 
-    async def put_back(self, run, failed, served, interrupted) -> None:
+    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The files first: a standby that cannot rebuild is restarted by
         # systemd, which reads them.
         run.restore(failed)
@@ -159,7 +163,7 @@ class Standby(SecondEngine):
     def second_unit(self, model) -> Optional[str]:
         return model.standby_unit
 
-    async def recover_second(self, model, outcome, main_answers, where) -> None:
+    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
         """The standby on the config on disk (what main serves), never stopped.
         An upstream standby was never changed by the reload: systemd keeps
         it (Restart=on-failure)."""
@@ -181,7 +185,8 @@ class Standby(SecondEngine):
             log.error("recovery: restarting %s failed: %s", model.standby_unit, exc, extra=where)
 
 
-async def put_standby_on(model, engine: dict, timeout: float, restarting=None) -> str:
+async def put_standby_on(model, engine: dict, timeout: float,
+                         restarting: Optional[Callable[[str], None]] = None) -> str:
     """The warm standby of MODEL (reload.ModelHandles) on ENGINE (an engine
     section: what the main engine serves): left alone when it runs it
     already ("runs"), else rebuilt there ("rebuilt"), else restarted by
@@ -203,7 +208,7 @@ async def put_standby_on(model, engine: dict, timeout: float, restarting=None) -
         return "restarted"
 
 
-def rebuilds(cfg) -> bool:
+def rebuilds(cfg: ModelConfig) -> bool:
     """Does CFG's standby rebuild in its process (builtin), or serve the
     config it started with (vllm, sglang)?"""
     return backends.for_config(cfg).standby_rebuilds

@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hostd import backends
 from hostd.manager.operation import Stage, State
 from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.systemd1 import job_timeout
+
+if TYPE_CHECKING:
+    from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -55,7 +58,7 @@ class Swap(Overlap):
     cancel_ends = "its switch to the new checkpoint's engine"
     slot, prepare, old = "next", Stage.LOAD_NEXT, "old"
 
-    def memory_problem(self, run, memory) -> Optional[str]:
+    def memory_problem(self, run, memory: Memory) -> Optional[str]:
         return swap_problem(run, memory)
 
     async def prepare_engine(self, run) -> None:
@@ -113,7 +116,7 @@ def checkpoint_bytes(directory: str) -> int:
         return 0
 
 
-def swap_problem(run, memory) -> Optional[str]:
+def swap_problem(run, memory: Memory) -> Optional[str]:
     """Why the new checkpoint's weights and a second engine do not fit beside
     the serving pair (the overlap preflight with the weights counted), or None.
     On GPUs each one holds its shard of the new copy (tensor parallel).
