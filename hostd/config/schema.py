@@ -666,7 +666,7 @@ def editable_fields(backend: str) -> tuple[str, ...]:
 
 # Fixed keys a reload may change all the same, by a checkpoint swap: a second
 # weight cache daemon loads the new value beside the serving one
-# (manager/strategies.py, Swap): hostd's own, or upstream's (`vllm preload`,
+# (manager/strategies/swap.py, Swap): hostd's own, or upstream's (`vllm preload`,
 # SGLang's daemon) in a socket directory of its own; where upstream retains
 # no weights (CPU), the swap's engine loads the new checkpoint from disk.
 # dtype does not ride it yet: 'auto' resolves inside the daemon from the

@@ -1,9 +1,9 @@
 """One reload as the manager and D-Bus see it: its states, the names of its
 stages, the skeleton's rule of which stage may follow which (transitions()),
 and the Operation that moves through them, writing one journal line per
-transition. Each strategy (strategies.py) says which stages its reload
-passes, where Cancel() is honoured, and runs them; the Operation is handed
-its strategy by the preflight and asks it. The skeleton's stages are
+transition. Each strategy (its file in strategies/) says which stages its
+reload passes, where Cancel() is honoured, and runs them; the Operation is
+handed its strategy by the preflight and asks it. The skeleton's stages are
 functions in reload.py.
 
 Trust: nothing here reads or writes outside the manager's memory; the journal
@@ -43,7 +43,7 @@ class State(str, enum.Enum):
 
 class Stage(str, enum.Enum):
     """Every stage's name (the D-Bus value of Operation.Stage); which
-    strategy passes which is the strategy's (strategies.py)."""
+    strategy passes which is the strategy's (its file in strategies/)."""
 
     VALIDATE = "validate"
     PREFLIGHT = "preflight"

@@ -63,7 +63,7 @@ class OperationInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def Stages(self) -> "as":
         """The stages a reload passes through when it ends done, in order, as
-        its strategy says (strategies.py); ["validate", "preflight",
+        its strategy says (its file in strategies/); ["validate", "preflight",
         "finished"] before the preflight chose; [] for start, stop, restart
         and recovery operations. A reload that fails, is cancelled or rolls
         back leaves this path for restore or rollback (then finished)."""

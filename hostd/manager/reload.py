@@ -6,8 +6,9 @@ checked reload to its strategy (Reload._apply, the one place).
 The strategy, chosen by the preflight (strategies.choose; Operation.strategy
 says which, and why in the journal), runs the stages between record and the
 main engine's restart and says what a failure there leaves; its stages, its
-diagram and what recovery does after it are in strategies.py. Every strategy
-shares this skeleton:
+diagram and what recovery does after it are in its file in strategies/
+(restart.py, overlap.py, standby.py, swap.py). Every strategy shares this
+skeleton:
 
     validate -> preflight -> record -> (the strategy's) -> restart -> verify -> (hand back) -> commit -> finished
         |           |                          |                \\_______/                                    (done)
@@ -34,8 +35,8 @@ drain, restart it with the previous config and resume. Recovery never stops an
 engine that still has admitted requests without draining it first.
 
 The states and stage names are in operation.py, the strategies in
-strategies.py, the drop-in files root writes in dropins.py, the recovery
-after a manager crash in recovery.py.
+strategies/ (one file each), the drop-in files root writes in dropins.py,
+the recovery after a manager crash in recovery.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The strategies as the bus shows them (hostd/manager/strategies.py,
+"""The strategies as the bus shows them (hostd/manager/strategies/,
 org.hostd1.Operation's Stages and Cancellable): each reload publishes its
 strategy's stages and whether Cancel() would be honoured now, with a
 PropertiesChanged at every transition, and Cancel() agrees with Cancellable.
@@ -6,9 +6,9 @@ Driven through the manager with the fake systemd and probe of
 reload_fakes.py; the expected paths are spelled here, from docs/dbus-api.md,
 not read from the module under test.
 
-A fourth strategy needs no file but strategies.py: a dummy one, defined
-here, runs through the same manager and Operation object and publishes its
-own stages and Cancellable."""
+A fourth strategy needs no file outside hostd/manager/strategies/: a dummy
+one, defined here, runs through the same manager and Operation object and
+publishes its own stages and Cancellable."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def test_start_stop_and_restart_operations_publish_no_stages_and_are_not_cancell
 class Drainless(strategies.Strategy):
     """A dummy fourth strategy: restart the engine without a drain (no
     Cancel past record). Everything it needs is what a Strategy subclass in
-    strategies.py would define."""
+    its own file of hostd/manager/strategies/ would define."""
 
     name = "drainless"
     stages = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.RESTART, Stage.VERIFY, Stage.RESUME,

@@ -1,0 +1,145 @@
+"""SecondEngine, the driver overlap and standby share (its docstring says
+what it does, its hooks what a strategy of this kind fills in). The stages
+and diagrams are at the top of overlap.py and standby.py; swap.py extends
+overlap.
+
+Trust: the package's (strategies/__init__.py); nothing here is read from
+outside the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from hostd.manager.operation import Cancelled, Interrupted, Stage, State
+from hostd.manager.probe import RebuildFailed
+from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+
+log = logging.getLogger("hostd.manager.reload")
+
+
+class SecondEngine(Strategy):
+    """The driver overlap and standby share: a second engine (SLOT) is made
+    ready on the target config (PREPARE, verified on its own socket), the
+    gateway switches to it, what runs on the main engine settles, then the
+    main engine restarts on the target and takes over again: no 503 at any
+    point. Cancel() is honoured until the switch; a stop interrupts it there
+    too."""
+
+    slot: str  # the gateway's name of the second engine
+    prepare: Stage  # the stage that makes it ready
+    old: str  # what the settle's refusal calls the main engine
+
+    async def prepare_engine(self, run) -> None:
+        raise NotImplementedError
+
+    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
+        """RESTORE, after the gateway went back to main: the files (FAILED: why
+        the second engine failed, if it did) and the second engine as they
+        were; SERVED: the gateway had switched to it."""
+        raise NotImplementedError
+
+    async def after_hand_back(self, run, outcome: str) -> None:
+        """The gateway serves from main again after OUTCOME: what the second engine does now."""
+        raise NotImplementedError
+
+    async def apply(self, run) -> None:
+        op, probe = run.op, run.model.probe
+        switched = False
+        try:
+            await run.record_stage()
+            op.enter(self.prepare)
+            began = time.monotonic()
+            await until_asked(op, self.prepare_engine(run))
+            op.enter(Stage.SWITCH)
+            prepared = time.monotonic()
+            await probe.switch(self.slot)
+            switched = True
+            # Where the time to "the new config serves" went (issue 34): the journal's phases.
+            log.info("reload %d of %s: new requests go to the %s engine on %s: %s %.2f s, "
+                     "switch %.3f s", op.id, op.model, self.slot, self.serves(run), self.prepare.value,
+                     prepared - began, time.monotonic() - prepared, extra=op.fields())
+            # What runs on the main engine finishes there before it restarts.
+            op.enter(Stage.SETTLE)
+            await self.settle_main(run)
+        except Exception as exc:  # the second engine failed, or main did not settle: main never stopped
+            interrupted = isinstance(exc, Interrupted) or await run.stopping()
+            if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
+                cause, failed = str(exc), None
+            elif isinstance(exc, RebuildFailed):  # the standby's own answer
+                cause = failed = str(exc)
+            else:
+                cause = failed = await self.failure_cause(run, exc)
+            op.enter(Stage.RESTORE)
+            outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
+                State.ROLLED_BACK if failed is not None and run.recorded else State.FAILED
+            try:
+                if switched and not interrupted:
+                    await probe.switch("main", outcome.value)
+                await self.put_back(run, failed, switched, interrupted)
+            except Exception as again:  # logged for operators
+                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+            if interrupted:
+                return run.end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
+            return run.end(outcome, cause)
+        # The second engine serves the target config and nothing runs on the
+        # main one: it restarts with the target config, then takes over.
+        await run.replace_main(self.hand_back, "handing the gateway back to the main engine failed")
+
+    def serves(self, run) -> str:
+        """What the second engine serves once the gateway switched to it (the journal's words)."""
+        return "the target config"
+
+    async def failure_cause(self, run, exc: Exception) -> str:
+        """Why the second engine failed: its own last error lines, else EXC."""
+        return await run.model.probe.engine_error(str(exc), self.slot)
+
+    async def hand_back(self, run, outcome: str) -> None:
+        run.op.enter(Stage.RESUME)
+        await run.model.probe.switch("main", outcome)
+        await self.after_hand_back(run, outcome)
+
+    @staticmethod
+    async def settle(run, slot: str) -> int:
+        """Wait until the requests running on SLOT's engine end, up to
+        reload.drain_timeout; how many still run then (0 also when the
+        gateway is older than settle: Probe.settle says so in the journal)."""
+        op, timeout = run.op, run.current.reload.drain_timeout
+        settled = await run.model.probe.settle(slot, timeout)
+        if settled is None or settled.settled:
+            return 0
+        log.warning("reload %d of %s: %d request(s) still running on the %s engine after "
+                    "reload.drain_timeout (%g s)", op.id, op.model, settled.remaining, slot, timeout,
+                    extra=op.fields())
+        return settled.remaining
+
+    async def settle_main(self, run) -> None:
+        """SETTLE: the requests running on the main engine end before it
+        restarts; raises when some still run after reload.drain_timeout (the
+        main engine then keeps serving, and the reload rolls back)."""
+        remaining = await self.settle(run, "main")
+        if remaining:
+            raise TimeoutError(
+                f"{remaining} request(s) still running on the {self.old} engine after reload.drain_timeout "
+                f"({run.current.reload.drain_timeout:g} s); the {self.old} engine keeps serving"
+            )
+
+    # ------------------------------------------------------------ recovery
+
+    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
+        return await restart_main(model, where, reload_weights)  # nothing was drained: the gateway serves meanwhile
+
+    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+        main_answers = await model.probe.engine_health() is not None
+        if outcome != "restored" and main_answers:
+            try:
+                await model.probe.switch("main", "recovered")
+            except Exception as exc:  # a gateway that is down starts on main by itself
+                log.warning("recovery: switching %s's gateway to the main engine: %s", model.name, exc,
+                            extra=where)
+        await self.recover_second(model, outcome, main_answers, where)
+
+    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
+        raise NotImplementedError

@@ -1,0 +1,134 @@
+"""The swap strategy (Swap), a checkpoint swap: the target's checkpoint is
+not the one the main weight daemon holds. Its preflight (swap_problem) is
+here, its choice in choose_swap (strategies/__init__.py).
+
+Trust: the package's (strategies/__init__.py); nothing here is read from
+outside the manager.
+
+swap: no 503 at any point; an overlap on the weights as well as the engine.
+
+    validate -> preflight -> record -> load-next -> start-next -> switch -> settle -> restart -> verify -> resume -> retire -> commit -> finished (done)
+                                          (fails, cancel, stop: as overlap's restore, the swap's pair stopped)
+
+    load-next: model-weights-next@NAME loads the new checkpoint (its
+      fingerprint to the Operation's notes and the journal);
+    start-next: model-engine-swap@NAME (the second slot, on those weights)
+      starts and is verified; Cancel() is honoured until here;
+    switch, settle: as overlap's (overlap.py);
+    restart: model-weights@NAME restarts on the new checkpoint and
+      model-engine@NAME, bound to it, with it (systemd restarts a unit that
+      BindsTo= the one restarted: the warm standby too); verify adds the digest;
+    retire: the swap engine, then model-weights-next@NAME, stop.
+    vllm, sglang: model-weights-next@NAME runs upstream's daemon with its
+      sockets in a directory of its own (/run/hostd/NAME/next), and the swap
+      engine is a bridge attached to it; where upstream retains no weights
+      (CPU) the bridge loads the new checkpoint from disk.
+    At rest the main pair serves, as after every reload.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from hostd import backends
+from hostd.manager.operation import Stage, State
+from hostd.manager.strategies.overlap import Overlap
+from hostd.manager.systemd1 import job_timeout
+
+if TYPE_CHECKING:
+    from hostd.manager.preflight import Memory
+
+log = logging.getLogger("hostd.manager.reload")
+
+
+class Swap(Overlap):
+    """A checkpoint swap (a reload that changes `model:`): a second
+    weight daemon, model-weights-next@NAME, loads the new checkpoint beside
+    the serving pair, model-engine-swap@NAME serves from it in the second
+    slot while the main pair (weight daemon, then engine) restarts on the
+    new checkpoint, then both retire. An overlap on the weights as well as
+    the engine: no 503, and at rest the main pair serves as ever."""
+
+    name = "swap"
+    stages = (Stage.VALIDATE, Stage.PREFLIGHT, Stage.RECORD, Stage.LOAD_NEXT, Stage.START_NEXT, Stage.SWITCH,
+              Stage.SETTLE, Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.RETIRE, Stage.COMMIT, Stage.FINISHED)
+    cancel_until = Stage.START_NEXT
+    cancel_ends = "its switch to the new checkpoint's engine"
+    slot, prepare, old = "next", Stage.LOAD_NEXT, "old"
+
+    def memory_problem(self, run, memory: Memory) -> Optional[str]:
+        return swap_problem(run, memory)
+
+    async def prepare_engine(self, run) -> None:
+        """LOAD_NEXT: the new checkpoint's weight daemon starts (it loads
+        and checks the checkpoint: a missing shard or a bad config.json fails
+        here, in its journal); START_NEXT: its engine starts and is verified
+        on its own socket, attached to that daemon, on the daemon's digest."""
+        op, model, probe = run.op, run.model, run.model.probe
+        timeout = job_timeout(run.target.timeouts.start)
+        await model.systemd.start(model.next_weights_unit, timeout=timeout)
+        status = await probe.weights_status("next")
+        if status is None:
+            raise RuntimeError(f"{model.next_weights_unit} started but does not answer")
+        fp = status.fingerprint
+        described = (f"{fp.model_path} (architecture {fp.architecture}, dtype {fp.dtype}, "
+                     f"content digest {fp.content_digest})")
+        op.notes.append(f"new checkpoint: {described}")
+        log.info("reload %d of %s: the new checkpoint is loaded: %s", op.id, op.model, described,
+                 extra=op.fields(hostd_checkpoint=fp.model_path, hostd_content_digest=fp.content_digest))
+        run.digest = fp.content_digest
+        op.enter(Stage.START_NEXT)
+        await model.systemd.start(model.swap_unit, timeout=timeout)
+        await probe.verify_engine(run.target, (status.pid, status.socket_inode), "next", weights_slot="next")
+
+    async def after_hand_back(self, run, outcome: str) -> None:
+        await super().after_hand_back(run, outcome)
+        if outcome == State.DONE.value:
+            run.op.notes.append(f"the main pair serves the new checkpoint; {run.model.next_weights_unit} "
+                                "and its engine stopped")
+
+    def second_unit(self, model) -> Optional[str]:
+        return model.swap_unit
+
+    async def failure_cause(self, run, exc: Exception) -> str:
+        """The new weight daemon's own words when the checkpoint did not
+        load, else the swap engine's."""
+        model = run.model
+        unit = model.next_weights_unit if run.op.stage == Stage.LOAD_NEXT else model.swap_unit
+        return await model.probe.engine_error(str(exc), "next", unit)
+
+    async def stop_second(self, model, timeout: float) -> None:
+        """The swap's engine, then the new checkpoint's weight daemon (its
+        copy of the weights)."""
+        await model.systemd.stop(model.swap_unit, timeout=timeout)
+        await model.systemd.stop(model.next_weights_unit, timeout=timeout)
+
+
+def checkpoint_bytes(directory: str) -> int:
+    """The bytes of the weight files of the checkpoint DIRECTORY (what a
+    second weight daemon holds of it, at the dtype it is stored in); 0 when
+    it cannot be read (the daemon's load then says why)."""
+    try:
+        return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors") if p.is_file())
+    except OSError:
+        return 0
+
+
+def swap_problem(run, memory: Memory) -> Optional[str]:
+    """Why the new checkpoint's weights and a second engine do not fit beside
+    the serving pair (the overlap preflight with the weights counted), or None.
+    On GPUs each one holds its shard of the new copy (tensor parallel).
+    Where upstream retains no weights (vllm, sglang on CPU) the new weight
+    daemon holds none: the swap's engine, a bridge, loads its own copy, which
+    its need (bridge_need) counts already."""
+    cfg = run.target
+    backend = backends.for_config(cfg)
+    weights = 0 if backend.weights_not_retained(cfg) else checkpoint_bytes(run.checkpoint)
+    if backend.uses_gpu(cfg):
+        weights //= max(1, getattr(cfg, "tensor_parallel_size", 1))  # builtin: one GPU
+    problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights, swap=True)
+    if problem:
+        return f"a checkpoint swap does not fit: {problem}"
+    return None
