@@ -8,7 +8,7 @@
     api.py           the names it shares with clients
     operation.py     a reload's states, stages and allowed transitions
     reload.py        the reload's skeleton (validate, preflight, record, commit, rollback) and its driver
-    strategies.py    the reload strategies (restart, overlap, standby, swap): their stages and recovery
+    strategies/      the reload strategies, one file each (restart, overlap, standby, swap): stages, recovery
     preflight.py     whether a reload fits (memory by NVML) and which strategy runs it
     recovery.py      the end of a reload a crashed manager left half done
     dropins.py       the drop-in files a reload writes
