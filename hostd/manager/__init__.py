@@ -7,6 +7,7 @@
     errors.py        its refusals and the one mapping to D-Bus errors
     api.py           the names it shares with clients
     operation.py     a reload's states, stages and allowed transitions
+    patch.py         the checks a reload patch passes before anything reads it
     reload.py        the reload's skeleton (validate, preflight, record, commit, rollback) and its driver
     strategies/      the reload strategies, one file each (restart, overlap, standby, swap): stages, recovery
     preflight.py     whether a reload fits (memory by NVML) and which strategy runs it

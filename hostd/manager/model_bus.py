@@ -27,6 +27,7 @@ from hostd.manager import reload as reload_mod
 from hostd.manager.authority import admin
 from hostd.manager.errors import replies
 from hostd.manager.operation_bus import OperationInterface
+from hostd.manager.patch import patch_from_variants
 from hostd.manager.probe import Probe
 from hostd.manager.records import Degraded
 
@@ -306,7 +307,7 @@ class ModelInterface(ServiceInterface):
     @method()
     @admin(api.RELOAD_ACTION)
     async def Reload(self, patch: "a{sv}") -> "o":
-        return await self.manager.reload(self.model_name, reload_mod.patch_from_variants(patch))
+        return await self.manager.reload(self.model_name, patch_from_variants(patch))
 
     @method()
     @admin(api.LOG_LEVEL_ACTION)
@@ -362,7 +363,7 @@ class ModelInterface(ServiceInterface):
     @replies
     async def CheckReload(self, patch: "a{sv}") -> "s":
         """What Reload(PATCH) would do, JSON (Manager.CheckReload); read-only."""
-        return await self.manager.check_reload(self.model_name, reload_mod.patch_from_variants(patch))
+        return await self.manager.check_reload(self.model_name, patch_from_variants(patch))
 
 
 def _known(value):

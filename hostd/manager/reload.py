@@ -44,10 +44,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import stat
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import msgspec
 
@@ -63,6 +61,7 @@ from hostd.manager.dropins import (
 )
 from hostd.manager import strategies
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Operation, Stage, State
+from hostd.manager.patch import check_checkpoint_values, check_patch_size, check_patch_types
 from hostd.manager.probe import Probe, VerifyFailed
 from hostd.manager.records import Committed, Degraded, Intent, Records
 from hostd.manager.systemd1 import job_timeout
@@ -522,87 +521,3 @@ def verdict(run: Reload) -> dict:
     return {"model": run.model.name, "outcome": "unchanged" if run.unchanged else "reload",
             "patch": run.op.patch, "changes": changes, "strategy": strategy, "reason": reason,
             "notes": list(run.op.notes), "weights_not_retained": run.weights_not_retained()}
-
-
-def patch_from_variants(patch: dict[str, Any]) -> dict:
-    """D-Bus a{sv} -> plain values (Variant.value)."""
-    return {k: getattr(v, "value", v) for k, v in patch.items()}
-
-
-# Any local user may ask CheckReload, and the bus carries 32 MiB: a patch is
-# weighed before anything parses, converts or renders it, since rendering a
-# multi-megabyte value to YAML held root's only event loop for seconds
-# (issue 33, N1). An engine's editable values take a few hundred bytes.
-MAX_PATCH_BYTES = 8192
-
-
-def check_patch_size(patch: dict) -> None:
-    """Refuse (InvalidValue naming the key) a PATCH over MAX_PATCH_BYTES."""
-    total = 0
-    for key, value in patch.items():
-        size = len(str(key)) + _weight(value)
-        if size > MAX_PATCH_BYTES:
-            raise errors.InvalidValue(
-                f"engine.{key}: the value takes more than {MAX_PATCH_BYTES} bytes; a reload patch holds at most "
-                f"{MAX_PATCH_BYTES} in all (an engine's limits take a few hundred)")
-        total += size
-    if total > MAX_PATCH_BYTES:
-        raise errors.InvalidValue(f"the patch takes more than {MAX_PATCH_BYTES} bytes; send fewer or smaller values")
-
-
-def _weight(value: Any) -> int:
-    """About the bytes VALUE takes as JSON, counted without recursion and no
-    further than just past MAX_PATCH_BYTES (the caller refuses it then)."""
-    total, stack = 0, [value]
-    while stack and total <= MAX_PATCH_BYTES:
-        item = stack.pop()
-        item = getattr(item, "value", item)  # a D-Bus Variant inside a container
-        if isinstance(item, (str, bytes)):
-            total += len(item) + 2
-        elif isinstance(item, dict):
-            total += 2 + len(item)
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            total += 2 + len(item)
-            stack.extend(item)
-        else:
-            total += 8
-    return total
-
-
-CONFIG_JSON_MAX = 16 << 20  # a checkpoint's config.json takes kilobytes
-
-
-def check_checkpoint_values(patch: dict, swappable: tuple[str, ...]) -> None:
-    """Refuse (InvalidValue naming the key) a SWAPPABLE key of PATCH that is
-    not an absolute path, or whose config.json is not a regular file of
-    sane size: the backend's checks read it as root, on root's only event
-    loop, and a FIFO or a device there would hold or exhaust the manager.
-    Only stat() here; nothing is opened."""
-    for key in swappable:
-        if key not in patch:
-            continue
-        value = patch[key]
-        if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
-            raise errors.InvalidValue(f"{key}: expected the absolute path of a checkpoint directory, "
-                                      f"got {str(value)[:200]!r}")
-        try:
-            info = os.stat(os.path.join(value, "config.json"))
-        except OSError as exc:
-            raise errors.InvalidValue(f"{key}: {value[:200]} has no config.json ({exc.strerror})") from None
-        if not stat.S_ISREG(info.st_mode) or info.st_size > CONFIG_JSON_MAX:
-            raise errors.InvalidValue(f"{key}: {value[:200]}/config.json is not a regular file of at most "
-                                      f"{CONFIG_JSON_MAX >> 20} MiB")
-
-
-def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:
-    """Refuse (InvalidValue naming the key) a PATCH that ENGINE's struct does not
-    take, before it is rendered: the loader would refuse the file it makes anyway."""
-    try:
-        msgspec.convert({**msgspec.to_builtins(engine), **patch}, type(engine))
-    except msgspec.ValidationError as exc:
-        path, message, _ = hostd_config.load.validation_problem(exc, type(engine))
-        if not path:
-            raise errors.InvalidValue(f"the patch makes an invalid engine section: {message}") from None
-        raise errors.InvalidValue(f"engine.{'.'.join(path)}: {message}") from None

@@ -41,6 +41,7 @@ from hostd.manager.authority import Authority, CallerAwareBus, admin
 from hostd.manager.errors import replies
 from hostd.manager.model_bus import GATEWAY_UP, ModelInterface
 from hostd.manager.operation_bus import OperationInterface
+from hostd.manager.patch import MAX_PATCH_BYTES, patch_from_variants
 from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import Systemd
 
@@ -261,7 +262,7 @@ class Manager(ServiceInterface):
     @method()
     @admin(api.RELOAD_ACTION)
     async def Reload(self, name: "s", patch: "a{sv}") -> "o":
-        return await self.reload(name, reload_mod.patch_from_variants(patch))
+        return await self.reload(name, patch_from_variants(patch))
 
     @method()
     @admin(api.RELOAD_ACTION)
@@ -272,7 +273,7 @@ class Manager(ServiceInterface):
     @method()
     @replies
     async def CheckReload(self, name: "s", patch: "a{sv}") -> "s":
-        return await self.check_reload(name, reload_mod.patch_from_variants(patch))
+        return await self.check_reload(name, patch_from_variants(patch))
 
     @method()
     @replies
@@ -353,11 +354,11 @@ class Manager(ServiceInterface):
 
 def patch_from_json(patch: str) -> dict:
     """ReloadJSON's and CheckReloadJSON's patch: a JSON object ("" is {}), weighed
-    before it is parsed (reload.MAX_PATCH_BYTES), its nesting refused as any
+    before it is parsed (patch.MAX_PATCH_BYTES), its nesting refused as any
     other invalid value (a RecursionError is no bug to log with its traceback)."""
     size = len(patch.encode("utf-8", "surrogatepass"))
-    if size > reload_mod.MAX_PATCH_BYTES:
-        raise errors.InvalidValue(f"patch is {size} bytes of JSON; at most {reload_mod.MAX_PATCH_BYTES} are "
+    if size > MAX_PATCH_BYTES:
+        raise errors.InvalidValue(f"patch is {size} bytes of JSON; at most {MAX_PATCH_BYTES} are "
                                   "accepted (an engine's limits take a few hundred)")
     try:
         data = (json.loads(patch) if patch.strip() else None) or {}

@@ -198,7 +198,7 @@ def test_without_a_commit_an_invalid_engine_report_is_never_pinned(tmp_path: Pat
 
 
 def test_a_patch_over_the_loaders_node_limit_is_refused_naming_the_key(tmp_path: Path):
-    # The patch's own weight limit (reload.MAX_PATCH_BYTES) refuses it first, before the loader's.
+    # The patch's own weight limit (manager/patch.py, MAX_PATCH_BYTES) refuses it first, before the loader's.
     world = World(tmp_path)
     with pytest.raises(errors.InvalidValue, match=r"engine\.max_num_seqs: the value takes more than 8192 bytes"):
         asyncio.run(world.reload({"max_num_seqs": list(range(1, 150_001))}))

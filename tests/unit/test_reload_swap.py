@@ -12,7 +12,7 @@ import pytest
 from hostd.config import schema
 from hostd.manager import errors
 from hostd.manager.dropins import merge_patch
-from hostd.manager.reload import check_checkpoint_values
+from hostd.manager.patch import check_checkpoint_values
 from hostd.manager.strategies import STRATEGIES, checkpoint_bytes
 
 
