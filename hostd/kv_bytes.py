@@ -15,6 +15,8 @@ knows, and nothing else is read.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -77,3 +79,18 @@ def bytes_per_token(config: dict, dtype: str, *, tensor_parallel_size: int = 1,
         head_dim = hidden // heads
     per_rank_heads = max(1, kv_heads // tensor_parallel_size)
     return 2 * layers * per_rank_heads * head_dim * DTYPE_BYTES[resolve_dtype(config, dtype, source=source)]
+
+
+def for_checkpoint(model_dir: str, dtype: str, *, tensor_parallel_size: int = 1) -> int:
+    """bytes_per_token of the checkpoint directory MODEL_DIR, from its
+    config.json; ValueError naming that file when it cannot be read or counted."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+    except ValueError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return bytes_per_token(config, dtype, tensor_parallel_size=tensor_parallel_size, source=str(path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Optional
 
 
@@ -156,3 +157,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def drain_seconds(self, cfg) -> float:
         """How long the engine lets admitted requests finish after SIGTERM."""
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """The bytes of the *.safetensors files of the checkpoint directory
+    MODEL_DIR: what a weight daemon or an engine loading them from disk holds
+    (unquantized, at the dtype they are stored in); a file that cannot be
+    read counts 0 (the load then says why)."""
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except OSError:
+            pass
+    return total

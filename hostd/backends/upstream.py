@@ -31,7 +31,7 @@ from packaging.version import InvalidVersion, Version
 from hostd import kv_bytes, nvml
 from hostd.config.problems import ConfigError
 from hostd.config.yaml_files import read_regular_file
-from hostd.backends.base import Backend, Command
+from hostd.backends.base import Backend, Command, checkpoint_bytes
 
 # Variables that make PyTorch's allocator hand out expandable segments. CUDA
 # IPC cannot export memory from them: both upstream weight caches refuse to
@@ -301,66 +301,24 @@ def version_refusal(what: str, argv: list[str], env: dict[str, str], minimum: tu
     return None
 
 
-def nvml_uuids(indices: list[int]) -> dict[int, str]:
-    """{GPU index: NVML UUID ('GPU-...')} for INDICES; empty without NVML."""
-    try:
-        with nvml.session() as pynvml:
-            found = {}
-            for index in indices:
-                uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
-                found[index] = uuid.decode() if isinstance(uuid, bytes) else uuid
-            return found
-    except Exception:  # no driver library (CPU hosts, containers without GPUs), or no such GPU
-        return {}
-
-
-def nvml_smallest_total(indices: list[int]) -> Optional[int]:
-    """The total memory in bytes of the smallest of the GPUs INDICES; None
-    without NVML (CPU hosts, containers without GPUs)."""
-    found = nvml_memory(indices)
-    return min(info.total for info in found.values()) if found else None
-
-
-def checkpoint_bytes(model_dir: str) -> int:
-    """The size of the checkpoint's *.safetensors files: what an engine that
-    loads them from disk holds (unquantized, the tensors are the files)."""
-    total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        try:
-            total += path.stat().st_size
-        except OSError:
-            pass
-    return total
-
-
 def kv_bytes_per_token(cfg) -> Optional[int]:
-    """Bytes of KV cache one token takes on one tensor-parallel rank
-    (hostd/kv_bytes.py, the rule the builtin engine's budget uses too), from
-    the checkpoint's config.json; None when it cannot be sized
-    (kv_size_problem says why)."""
-    return None if kv_size_problem(cfg) else _kv_bytes_per_token(cfg)
+    """Bytes of KV cache one token of CFG's checkpoint takes on one tensor-parallel
+    rank (hostd/kv_bytes.py, the rule the builtin engine's budget uses too);
+    None when it cannot be counted (kv_size_problem says why)."""
+    try:
+        return kv_bytes.for_checkpoint(cfg.model, cfg.dtype, tensor_parallel_size=cfg.tensor_parallel_size)
+    except ValueError:
+        return None
 
 
 def kv_size_problem(cfg) -> Optional[str]:
     """Why the KV bytes per token of CFG's checkpoint cannot be counted, naming
     the file and key, or None."""
     try:
-        _kv_bytes_per_token(cfg)
-    except (OSError, ValueError) as error:
+        kv_bytes.for_checkpoint(cfg.model, cfg.dtype, tensor_parallel_size=cfg.tensor_parallel_size)
+    except ValueError as error:
         return str(error)
     return None
-
-
-def _kv_bytes_per_token(cfg) -> int:
-    path = Path(cfg.model) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path}: not JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    return kv_bytes.bytes_per_token(config, cfg.dtype, tensor_parallel_size=cfg.tensor_parallel_size,
-                                    source=str(path))
 
 
 # What a bridge engine holds beside its KV cache and the shared weights, per
@@ -536,7 +494,7 @@ class UpstreamBackend(Backend):
 
     def bridge(self, cfg) -> Bridge:
         """The next slot's budget for CFG (read where the engine runs: NVML)."""
-        total = nvml_smallest_total(cfg.gpus) if cfg.device == "cuda" else None
+        total = nvml.smallest_total(cfg.gpus) if cfg.device == "cuda" else None
         weights = checkpoint_bytes(cfg.model) // max(1, cfg.tensor_parallel_size)
         return Bridge(cfg.reload.bridge_kv_mib << 20, total, weights)
 
@@ -599,7 +557,7 @@ class UpstreamBackend(Backend):
 
     def gpu_free(self, cfg) -> dict[int, int]:
         """{GPU index: free bytes} of CFG's GPUs by NVML; empty on CPU or without NVML."""
-        return {i: info.free for i, info in nvml_memory(list(cfg.gpus)).items()} if self.uses_gpu(cfg) else {}
+        return {i: info.free for i, info in nvml.memory(list(cfg.gpus)).items()} if self.uses_gpu(cfg) else {}
 
     def room_problem(self, cfg, who: str, host_available: Optional[int], gpu_free: dict[int, int],
                      weights: int = 0) -> Optional[str]:
@@ -636,13 +594,3 @@ class UpstreamBackend(Backend):
         own start check still guards)."""
         problem = self.room_problem(cfg, "standby", host_available, gpu_free)
         return f"{problem}; lower reload.bridge_kv_mib or set standby: false" if problem else None
-
-
-def nvml_memory(indices: list[int]) -> dict:
-    """{GPU index: NVML memory info (total, free, used)} for INDICES; empty
-    without NVML (CPU hosts, containers without GPUs) or for a GPU it lacks."""
-    try:
-        with nvml.session() as pynvml:
-            return {i: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices}
-    except Exception:  # no driver library, or no such GPU
-        return {}

@@ -16,7 +16,7 @@ from typing import Optional
 
 from pathlib import Path
 
-from hostd import paths
+from hostd import nvml, paths
 from hostd.backends import upstream
 from hostd.backends.base import Command
 
@@ -353,7 +353,7 @@ class VllmBackend(upstream.UpstreamBackend):
     def socket_devices(self, names: list[str], cfg) -> list[str]:
         """The GPUs behind upstream socket NAMES: their NVML UUIDs where NVML
         names the model's GPUs, else 'md5:DIGEST' (still one physical GPU)."""
-        by_digest = {socket_name(uuid): uuid for uuid in upstream.nvml_uuids(cfg.gpus).values()}
+        by_digest = {socket_name(uuid): uuid for uuid in nvml.uuids(cfg.gpus).values()}
         devices = []
         for name in names:
             match = SOCKET_NAME.match(name)

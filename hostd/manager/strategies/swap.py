@@ -29,10 +29,10 @@ swap: no 503 at any point; an overlap on the weights as well as the engine.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from hostd import backends
+from hostd.backends.base import checkpoint_bytes
 from hostd.manager.operation import Stage, State
 from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.systemd1 import job_timeout
@@ -104,16 +104,6 @@ class Swap(Overlap):
         copy of the weights)."""
         await model.systemd.stop(model.swap_unit, timeout=timeout)
         await model.systemd.stop(model.next_weights_unit, timeout=timeout)
-
-
-def checkpoint_bytes(directory: str) -> int:
-    """The bytes of the weight files of the checkpoint DIRECTORY (what a
-    second weight daemon holds of it, at the dtype it is stored in); 0 when
-    it cannot be read (the daemon's load then says why)."""
-    try:
-        return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors") if p.is_file())
-    except OSError:
-        return 0
 
 
 def swap_problem(run, memory: Memory) -> Optional[str]:
