@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from hostd import config as hostd_config
+from hostd.config import schema
 from hostd.manager import errors
 
 
@@ -105,3 +106,25 @@ def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:
         if not path:
             raise errors.InvalidValue(f"the patch makes an invalid engine section: {message}") from None
         raise errors.InvalidValue(f"engine.{'.'.join(path)}: {message}") from None
+
+
+def check_patch_keys(patch: dict, cfg, name: str, umbrella_unit: str) -> None:
+    """Refuse (NotEditable naming the key and what is editable) a key of PATCH
+    that a reload of the model NAME, whose config is CFG, may not change: a
+    fixed key needs `systemctl restart UMBRELLA_UNIT`, an unknown one is no
+    field of the backend."""
+    editable = schema.editable_fields(cfg.backend)
+    swappable = schema.swappable_fields(cfg.backend)
+    fixed = {f.name for f in msgspec.structs.fields(type(cfg))} - {"engine"}
+    for key in patch:
+        if key in editable or key in swappable:
+            continue
+        if key in fixed:
+            why = (
+                f"{key!r} is fixed (it describes the weights or the units); change it in "
+                f"/etc/hostd/models/{name}.yaml and run `systemctl restart {umbrella_unit}`, "
+                "which loads the weights again"
+            )
+        else:
+            why = f"{key!r} is not a field of the {cfg.backend} backend"
+        raise errors.NotEditable(f"{why}; editable: {', '.join(swappable + editable)}")

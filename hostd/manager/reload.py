@@ -61,7 +61,7 @@ from hostd.manager.dropins import (
 )
 from hostd.manager import strategies
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Operation, Stage, State
-from hostd.manager.patch import check_checkpoint_values, check_patch_size, check_patch_types
+from hostd.manager.patch import check_checkpoint_values, check_patch_keys, check_patch_size, check_patch_types
 from hostd.manager.probe import Probe, VerifyFailed
 from hostd.manager.records import Committed, Degraded, Intent, Records
 from hostd.manager.systemd1 import job_timeout
@@ -140,21 +140,8 @@ class Reload:
         # "reloading": `systemctl reload model@NAME` is what called us.
         if await self.model.systemd.active_state(self.model.umbrella_unit) not in ("active", "reloading"):
             raise errors.NotRunning(f"model {name} is not running: systemctl start {self.model.umbrella_unit} first")
-        editable = schema.editable_fields(current.config.backend)
         swappable = schema.swappable_fields(current.config.backend)
-        fixed = {f.name for f in msgspec.structs.fields(type(current.config))} - {"engine"}
-        for key in patch:
-            if key in editable or key in swappable:
-                continue
-            if key in fixed:
-                why = (
-                    f"{key!r} is fixed (it describes the weights or the units); change it in "
-                    f"/etc/hostd/models/{name}.yaml and run `systemctl restart {self.model.umbrella_unit}`, "
-                    "which loads the weights again"
-                )
-            else:
-                why = f"{key!r} is not a field of the {current.config.backend} backend"
-            raise errors.NotEditable(f"{why}; editable: {', '.join(swappable + editable)}")
+        check_patch_keys(patch, current.config, name, self.model.umbrella_unit)
         check_patch_types(current.config.engine, {k: v for k, v in patch.items() if k not in swappable})
         check_checkpoint_values(patch, swappable)
         committed = self.model.records.committed(name)
@@ -165,13 +152,14 @@ class Reload:
         if patch:
             self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch, swappable)
             self.reload_text = render(RELOAD_DROPIN, RELOAD_HEADER, self.reload_data)
-            self.target = self.config_with(self.reload_text, patch)
+            self.target = target_config(self.model, self.reload_text, patch)
         else:
             self.target = current.config
         if committed is not None and not await restarted_since(self.model, committed):
             check_fixed_unchanged(self.model, committed, self.target, swappable)
-        if swappable:
-            await self.find_swap("model" in patch)
+        swap = await swap_of(self.model, self.target, "model" in patch) if swappable else None
+        if swap is not None:
+            self.checkpoint, self.previous_checkpoint = swap
         if not patch and self.running_engine is None:
             raise errors.NotRunning(f"the engine of {name} does not answer (or reports no valid engine section) "
                                     "and nothing is committed; cannot tell what it runs")
@@ -181,47 +169,6 @@ class Reload:
         # Nothing to apply when the engine answers and runs the target already, on its checkpoint.
         self.unchanged = (self.checkpoint is None and health is not None
                           and Probe.runs(health, msgspec.to_builtins(self.target.engine)))
-
-    async def find_swap(self, asked: bool) -> None:
-        """Is this reload a checkpoint swap? So when the target's checkpoint
-        directory (resolved: a symlink moved to another directory counts) is
-        not the one the main weight daemon holds. ASKED: the patch names
-        `model`; then a daemon that does not answer is refused (no telling
-        what it holds), else the reload is one of limits, as ever."""
-        status = await self.model.probe.weights_status()
-        if status is None:
-            if asked:
-                raise errors.NotRunning(f"the weight daemon of {self.model.name} ({self.model.weights_unit}) "
-                                        "does not answer: cannot tell which checkpoint it holds")
-            return
-        target = str(Path(self.target.model).resolve())
-        if target != status.fingerprint.model_path:
-            self.checkpoint, self.previous_checkpoint = target, status.fingerprint.model_path
-
-    def config_with(self, reload_text: str, patch: dict):
-        """The effective config if 90-reload.yaml held RELOAD_TEXT (the loader's
-        answer, load_model with that overlay); a key a later drop-in overrides
-        is refused."""
-        reload_file = self.model.dropins / RELOAD_DROPIN
-        try:
-            loaded = hostd_config.load_model(self.model.name, self.model.root, overlay=(RELOAD_DROPIN, reload_text))
-        except hostd_config.NoSuchModel as exc:
-            raise errors.NoSuchModel(exc.reason) from None
-        except hostd_config.ConfigError as exc:
-            # The patch's own problems by key (the file is not written yet), any other file's in full.
-            raise errors.InvalidValue("; ".join(
-                f"{p.key}: {p.message}" if p.file == str(reload_file) else str(p) for p in exc.problems)) from None
-        cfg, merged = loaded.config, loaded.merged
-        swappable = schema.swappable_fields(cfg.backend)
-        for key in patch:
-            where = (key,) if key in swappable else ("engine", key)
-            origin = merged.origin(where)
-            if origin != str(reload_file):
-                raise errors.InvalidValue(
-                    f"{'.'.join(where)} is set by {origin}, which comes after {RELOAD_DROPIN} and "
-                    "would override the reload; change that file and `systemctl reload` instead",
-                )
-        return cfg
 
     def weights_not_retained(self) -> str:
         return backends.for_config(self.target).weights_not_retained(self.target) or ""
@@ -456,6 +403,49 @@ async def restarted_since(model: ModelHandles, committed: Committed) -> bool:
         return False
     now = await model.probe.weights_identity()
     return now is not None and tuple(now) != tuple(committed.weights)
+
+
+def target_config(model: ModelHandles, reload_text: str, patch: dict):
+    """The effective config of MODEL if 90-reload.yaml held RELOAD_TEXT (the loader's
+    answer, load_model with that overlay); a key a later drop-in overrides
+    is refused."""
+    reload_file = model.dropins / RELOAD_DROPIN
+    try:
+        loaded = hostd_config.load_model(model.name, model.root, overlay=(RELOAD_DROPIN, reload_text))
+    except hostd_config.NoSuchModel as exc:
+        raise errors.NoSuchModel(exc.reason) from None
+    except hostd_config.ConfigError as exc:
+        # The patch's own problems by key (the file is not written yet), any other file's in full.
+        raise errors.InvalidValue("; ".join(
+            f"{p.key}: {p.message}" if p.file == str(reload_file) else str(p) for p in exc.problems)) from None
+    cfg, merged = loaded.config, loaded.merged
+    swappable = schema.swappable_fields(cfg.backend)
+    for key in patch:
+        where = (key,) if key in swappable else ("engine", key)
+        origin = merged.origin(where)
+        if origin != str(reload_file):
+            raise errors.InvalidValue(
+                f"{'.'.join(where)} is set by {origin}, which comes after {RELOAD_DROPIN} and "
+                "would override the reload; change that file and `systemctl reload` instead",
+            )
+    return cfg
+
+
+async def swap_of(model: ModelHandles, target, asked: bool) -> Optional[tuple[str, str]]:
+    """(new checkpoint, the one held now) when a reload of MODEL to TARGET is a
+    checkpoint swap, else None: so when the target's checkpoint directory
+    (resolved: a symlink moved to another directory counts) is not the one
+    the main weight daemon holds. ASKED: the patch names `model`; then a
+    daemon that does not answer is refused (no telling what it holds), else
+    the reload is one of limits, as ever."""
+    status = await model.probe.weights_status()
+    if status is None:
+        if asked:
+            raise errors.NotRunning(f"the weight daemon of {model.name} ({model.weights_unit}) "
+                                    "does not answer: cannot tell which checkpoint it holds")
+        return None
+    wanted = str(Path(target.model).resolve())
+    return (wanted, status.fingerprint.model_path) if wanted != status.fingerprint.model_path else None
 
 
 def check_fixed_unchanged(model: ModelHandles, committed: Committed, target, swappable: tuple[str, ...] = ()) -> None:

@@ -1,6 +1,6 @@
 """The reload state machine's table and the pieces of a reload that need no
 daemon: the loader's overlay that previews 90-reload.yaml (load_model, which
-Reload.config_with asks), hostctl's KEY=VALUE parsing."""
+reload.target_config asks), hostctl's KEY=VALUE parsing."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_an_overlay_meets_the_rules_of_a_file_on_disk_with_its_own_line(tmp_path
 
 
 def test_config_with_reports_the_patchs_problem_beside_an_unreadable_dropin(tmp_path: Path):
-    """Reload.config_with is load_model with the overlay: the patch's value is
+    """reload.target_config is load_model with the overlay: the patch's value is
     checked even when another drop-in cannot be read (the manager's cached
     parse predates it), and both problems are named, as the loader names them."""
     (tmp_path / "models/tiny.d").mkdir(parents=True)
@@ -88,7 +88,7 @@ def test_config_with_reports_the_patchs_problem_beside_an_unreadable_dropin(tmp_
     broken.write_text("engine: [\n")
     run = R.Reload(R.ModelHandles("tiny", tmp_path, systemd=None, probe=None), Operation(id=1, model="tiny", patch={}))
     with pytest.raises(errors.InvalidValue) as caught:
-        run.config_with("engine:\n  max_num_seqs: 0\n", {"max_num_seqs": 0})
+        R.target_config(run.model, "engine:\n  max_num_seqs: 0\n", {"max_num_seqs": 0})
     assert f"{broken}:2: malformed YAML" in str(caught.value)
     assert "engine.max_num_seqs: expected `int` >= 1" in str(caught.value)
     assert not (tmp_path / "models/tiny.d/90-reload.yaml").exists()
