@@ -87,6 +87,27 @@ ENGINE_METRICS_TIMEOUT = 5.0
 CLIENT_CLOSED = "499"  # status label of a request whose client left before the end (nginx's code)
 
 
+def dropped_headers(api_keys: Optional[list[bytes]]) -> frozenset[str]:
+    """The request headers the engine never sees."""
+    # The key was for the gateway. vLLM takes X-Request-Id as its own request
+    # id: a client's choice could collide with another's (and aborts go by
+    # id), so the engine sees only hostd's, one per request.
+    return frozenset({"x-request-id"} | ({"authorization"} if api_keys is not None else set()))
+
+
+def gateway_metrics(gateway: "Gateway") -> Metrics:
+    """GATEWAY's Prometheus metrics, its gauges read from it when scraped."""
+    a = gateway.admission
+    return Metrics({
+        "hostd_gateway_in_flight": ("Requests admitted and not finished", lambda: a.in_flight),
+        "hostd_gateway_queued": ("Requests waiting for admission", lambda: a.queued),
+        "hostd_gateway_connections": ("Open public connections",
+                                      lambda: len(gateway.connections.open) if gateway.connections else 0),
+        "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: gateway.budget.used),
+    }, ModelFacts(gateway.name, gateway.cfg.backend, gateway.backend.upstream_package,
+                  numeric_fields(msgspec.to_builtins(gateway.cfg.gateway))))
+
+
 class Gateway:
     def __init__(self, name: str, cfg, engine_sockets: dict[str, Path], control_socket: Path,
                  api_keys: Optional[list[bytes]] = None):
@@ -104,26 +125,13 @@ class Gateway:
         self.routes = routes.Table(self.backend.public_routes)
         self.token_routes = frozenset(self.backend.token_routes)
         self.api_keys = api_keys
-        # The key was for the gateway: the engine never sees it.
-        self.drop_headers = frozenset({"authorization"}) if api_keys is not None else frozenset()
-        # vLLM takes X-Request-Id as its own request id: a client's choice could
-        # collide with another's (and aborts go by id), so the engine sees
-        # only hostd's, one per request.
-        self.drop_headers |= {"x-request-id"}
+        self.drop_headers = dropped_headers(api_keys)
         self.admission = Admission(cfg.gateway.admission, cfg.gateway.queue_timeout, cfg.gateway.queue_max)
         g = cfg.gateway
         # One client may always send one body of the largest size.
         self.budget = limits.BodyBudget(g.body_bytes_in_flight, max(g.body_bytes_per_client, g.max_body_bytes))
         self.connections: Optional[limits.Connections] = None
-        a = self.admission
-        self.metrics = Metrics({
-            "hostd_gateway_in_flight": ("Requests admitted and not finished", lambda: a.in_flight),
-            "hostd_gateway_queued": ("Requests waiting for admission", lambda: a.queued),
-            "hostd_gateway_connections": ("Open public connections",
-                                          lambda: len(self.connections.open) if self.connections else 0),
-            "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: self.budget.used),
-        }, ModelFacts(name, cfg.backend, self.backend.upstream_package,
-                      numeric_fields(msgspec.to_builtins(cfg.gateway))))
+        self.metrics = gateway_metrics(self)
         self._last_status = ""
         # The control socket's requests (drain, resume, switch, keys, ...) and the reload clock.
         self.controller = Controller(self)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 import msgspec
+import yaml
 from dbus_fast import Message, Variant
 
 from hostd import backends, config, units
@@ -341,3 +342,18 @@ class World:
 
     def restarts(self) -> int:
         return self.bus.sent.count(f"{MANAGER}.RestartUnit")
+
+    def crashed_reload(self, target: dict, strategy: str = "restart", write_dropin: bool = True,
+                       **fields) -> Intent:
+        """The intent record a manager that died mid-reload of TARGET (engine
+        values) under STRATEGY leaves (FIELDS: any other Intent field), with
+        90-reload.yaml already holding TARGET unless WRITE_DROPIN is false;
+        what recovery reads back."""
+        running = dict(self.probe.engine)
+        self.records.write_intent(self.name, Intent(**{
+            "operation": 5, "strategy": strategy, "patch": target, "previous_engine": running,
+            "target_engine": {**running, **target}, "weights": (7, 8), **fields}))
+        if write_dropin:
+            self.dropin.parent.mkdir(parents=True, exist_ok=True)
+            self.dropin.write_text(yaml.safe_dump({"engine": target}))
+        return self.records.intent(self.name)

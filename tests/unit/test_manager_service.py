@@ -432,13 +432,9 @@ def test_a_reload_during_recovery_answers_busy_and_the_recovery_is_a_visible_ope
     manager: it must not run beside the recovery of the same model (seen: the
     reload said done at 32 and the recovery then put the engine back on 8)."""
     from hostd.gateway import control
-    from hostd.manager.records import Intent
 
     monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
-    running = dict(world.probe.engine)
-    world.records.write_intent("tiny", Intent(
-        operation=5, patch={"max_num_seqs": 4}, previous_engine=running,
-        target_engine={**running, "max_num_seqs": 4}, weights=(7, 8)))
+    world.crashed_reload({"max_num_seqs": 4}, write_dropin=False)
     world.probe.engine = None  # the crash came with the new engine failed: recovery drains and restarts
     release = asyncio.Event()
 

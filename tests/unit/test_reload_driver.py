@@ -230,17 +230,8 @@ def test_a_cold_reload_costs_one_loadunit_and_one_getall_per_unit(world):
 # ---------------------------------------------------------------- recovery
 
 
-def intent_of(world: World, target: dict, previous_reload=None, previous_rollback=None,
-              rollback_pin=None) -> Intent:
-    running = dict(world.probe.engine)
-    world.records.write_intent("tiny", Intent(
-        operation=5, patch=target, previous_reload=previous_reload, previous_rollback=previous_rollback,
-        rollback_pin=rollback_pin, previous_engine=running, target_engine={**running, **target},
-        weights=(7, 8),
-    ))
-    world.dropin.parent.mkdir(parents=True, exist_ok=True)
-    world.dropin.write_text(yaml.safe_dump({"engine": target}))
-    return world.records.intent("tiny")
+def intent_of(world: World, target: dict, **fields) -> Intent:
+    return world.crashed_reload(target, **fields)
 
 
 def test_recovery_commits_when_the_engine_runs_the_target(world):

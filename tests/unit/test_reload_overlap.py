@@ -148,15 +148,7 @@ def test_a_reload_that_changes_nothing_ends_unchanged_at_once(world):
 
 
 def overlap_intent(world: World, target: dict) -> Intent:
-    running = dict(world.probe.engine)
-    world.records.write_intent("tiny", Intent(
-        operation=5, strategy="overlap", patch=target, previous_reload=None,
-        previous_rollback=None, previous_engine=running, target_engine={**running, **target},
-        weights=(7, 8),
-    ))
-    world.dropin.parent.mkdir(parents=True, exist_ok=True)
-    world.dropin.write_text(yaml.safe_dump({"engine": target}))
-    return world.records.intent("tiny")
+    return world.crashed_reload(target, strategy="overlap")
 
 
 def test_recovery_mid_overlap_restores_and_leaves_exactly_the_main_engine(world):

@@ -169,15 +169,7 @@ def test_reload_strategy_restart_is_a_restart_even_with_a_standby(tmp_path: Path
 
 
 def standby_intent(world: World, target: dict) -> Intent:
-    running = dict(world.probe.engine)
-    world.records.write_intent("tiny", Intent(
-        operation=5, strategy="standby", patch=target, previous_reload=None,
-        previous_rollback=None, previous_engine=running, target_engine={**running, **target},
-        weights=(7, 8),
-    ))
-    world.dropin.parent.mkdir(parents=True, exist_ok=True)
-    world.dropin.write_text(yaml.safe_dump({"engine": target}))
-    return world.records.intent("tiny")
+    return world.crashed_reload(target, strategy="standby")
 
 
 def test_recovery_with_the_standby_serving_the_target_rolls_back_and_rebuilds_it(world):

@@ -6,9 +6,10 @@ Driven through the manager with the fake systemd and probe of
 reload_fakes.py; the expected paths are spelled here, from docs/dbus-api.md,
 not read from the module under test.
 
-A fourth strategy needs no file outside hostd/manager/strategies/: a dummy
+A fifth strategy (beside restart, overlap, standby, swap) needs no file: a dummy
 one, defined here, runs through the same manager and Operation object and
-publishes its own stages and Cancellable."""
+publishes its own stages and Cancellable, and recovery after a crash under it
+calls its own hooks."""
 
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def test_start_stop_and_restart_operations_publish_no_stages_and_are_not_cancell
 
 
 class Drainless(strategies.Strategy):
-    """A dummy fourth strategy: restart the engine without a drain (no
+    """A dummy fifth strategy: restart the engine without a drain (no
     Cancel past record). Everything it needs is what a Strategy subclass in
     its own file of hostd/manager/strategies/ would define."""
 
@@ -198,14 +199,14 @@ class Drainless(strategies.Strategy):
         await run.record_stage()
         await run.replace_main(strategies.RESTART.hand_back, "the gateway did not resume")
 
-    async def recover_engine(self, model, where: dict) -> str:
-        return await strategies.restart_main(model, where)
+    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
+        return await strategies.restart_main(model, where, reload_weights)
 
     async def recover_finish(self, model, outcome: str, where: dict) -> None:
         await strategies.RESTART.recover_finish(model, outcome, where)
 
 
-def test_a_fourth_strategy_runs_and_publishes_itself_with_nothing_but_its_object(tmp_path, monkeypatch):
+def test_a_fifth_strategy_runs_publishes_itself_and_is_recovered_with_nothing_but_its_object(tmp_path, monkeypatch):
     world = world_for(tmp_path, "overlap", monkeypatch)
     seen = record_changes(monkeypatch)
     drainless = Drainless()
@@ -227,4 +228,14 @@ def test_a_fourth_strategy_runs_and_publishes_itself_with_nothing_but_its_object
     assert op.Stages == ["validate", *stages_of(seen)]
     assert "drain" not in world.probe.calls and world.probe.engine["max_num_seqs"] == 4
     assert yaml.safe_load(world.dropin.read_text()) == {"engine": {"max_num_seqs": 4}}
-    assert strategies.named("drainless") is drainless  # recovery would find it by its intent's name
+    assert strategies.named("drainless") is drainless  # recovery finds it by its intent's name
+
+    # A manager that died mid-reload under it: recovery calls its hooks, by its name alone.
+    before = world.dropin.read_text()
+    restarts = world.restarts()
+    intent = world.crashed_reload({"max_num_seqs": 2}, strategy="drainless", previous_reload=before)
+    world.probe.engine = None  # the new engine failed before the crash
+    assert asyncio.run(world.recover(intent)) == "restarted"
+    assert world.dropin.read_text() == before and world.records.intent("tiny") is None
+    assert world.restarts() == restarts + 1 and world.probe.engine["max_num_seqs"] == 4
+    assert world.probe.calls[-1] == "resume" and world.probe.outcomes[-1] == "recovered"
