@@ -11,7 +11,9 @@ package too (issue 49: hostd.accounts imported hostd.config.schema, whose
 package's __init__ imported host_check, which imported hostd.accounts: a
 circle that counting only the files hid). A package's own __init__.py is not
 counted as a dependency of its own modules: re-exporting one's own modules
-is how a package is built, not a circle.
+is how a package is built, not a circle. An import under `if TYPE_CHECKING:`
+never runs: a type checker reads it, the interpreter does not, so it is no
+edge (the strategies name reload.Reload in their annotations that way).
 """
 
 from __future__ import annotations
@@ -40,12 +42,25 @@ def outer_packages(target: str, importer: str, files) -> list[str]:
     return found
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of TREE but those under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     files = {module_name(path, root): path for path in root.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -119,3 +134,14 @@ def test_a_circle_through_a_packages_init_is_found(tmp_path):
     (root / "p/x.py").write_text("")
     (root / "p/y.py").write_text("from hostd import a\n")
     assert circles(import_graph(root)) == [["hostd.a", "hostd.p", "hostd.p.y"]]
+
+
+def test_an_import_only_a_type_checker_reads_is_no_edge(tmp_path):
+    root = tmp_path / "hostd"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hostd import b\n")
+    (root / "b.py").write_text("from hostd import a\n")
+    assert import_graph(root)["hostd.a"] == set() and circles(import_graph(root)) == []
+    (root / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\nelse:\n    from hostd import b\n")
+    assert circles(import_graph(root)) == [["hostd.a", "hostd.b"]]

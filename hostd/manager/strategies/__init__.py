@@ -51,6 +51,7 @@ from hostd.manager.strategies.standby import Standby, put_standby_on, rebuilds, 
 from hostd.manager.strategies.swap import Swap, checkpoint_bytes, swap_problem
 
 if TYPE_CHECKING:
+    from hostd.manager.reload import Reload
     from hostd.manager.preflight import Memory
 
 __all__ = [
@@ -72,7 +73,7 @@ def named(name: str) -> Strategy:
     return STRATEGIES.get(name, RESTART)
 
 
-async def choose(run, memory: Memory) -> tuple[Strategy, str]:
+async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
     """The preflight's choice for RUN (a reload.Reload after validate;
     MEMORY: the preflight's one reading) and why: standby when the model's
     warm standby can take it (standby_problem), else overlap when configured,
@@ -101,7 +102,7 @@ async def choose(run, memory: Memory) -> tuple[Strategy, str]:
     return OVERLAP, "room for a second engine beside the serving one"
 
 
-def choose_swap(run, memory: Memory) -> tuple[Strategy, str]:
+def choose_swap(run: Reload, memory: Memory) -> tuple[Strategy, str]:
     """A checkpoint swap: under reload.strategy restart, the model's weights
     and engine restart on the new checkpoint (503 meanwhile); otherwise the
     swap strategy, when the new weights and a second engine fit, else a
@@ -117,7 +118,7 @@ def choose_swap(run, memory: Memory) -> tuple[Strategy, str]:
     return SWAP, "room for the new checkpoint's weights and a second engine beside the serving pair"
 
 
-async def standby_problem(run) -> Optional[str]:
+async def standby_problem(run: Reload) -> Optional[str]:
     """Why the standby cannot take RUN's reload ("" when the model has
     none), or None when it can: standby: true, reload.strategy is not
     restart, the standby answers, and the gateway sends new requests to the

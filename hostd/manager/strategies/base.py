@@ -3,11 +3,12 @@ honoured, and the hooks the reload and recovery call) and the helpers more
 than one strategy calls: until_asked (a stage that a Cancel() or a stop may
 end) and restart_main (recovery's restart of the main engine).
 
-Throughout the package RUN is a reload.Reload and MODEL a
-reload.ModelHandles, named in the docstrings but not annotated: reload.py
-imports this package, so importing either here, even under TYPE_CHECKING,
-would close a circle (tests/unit/test_import_graph.py counts those imports
-too). Every other parameter is annotated.
+Throughout the package RUN is the reload.Reload a strategy runs (its
+attributes are listed in that class's __init__) and MODEL the
+reload.ModelHandles recovery hands it; both are imported under
+TYPE_CHECKING only: reload.py imports this package at run time, the
+strategies reach back into it for types alone (test_import_graph counts
+what runs, not what a type checker reads).
 
 Trust: the package's (strategies/__init__.py); nothing here is read from
 outside the manager.
@@ -25,6 +26,7 @@ from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, tr
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
+    from hostd.manager.reload import ModelHandles, Reload
     from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
@@ -74,36 +76,36 @@ class Strategy:
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"
 
-    def memory_problem(self, run, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
         """Why the preflight refuses this strategy's reload for memory (MEMORY:
         its reading), or None."""
         return None
 
-    async def apply(self, run) -> None:
+    async def apply(self, run: Reload) -> None:
         """Run RUN (a checked reload.Reload) from its record stage to its end."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ recovery
 
-    def second_unit(self, model) -> Optional[str]:
+    def second_unit(self, model: ModelHandles) -> Optional[str]:
         """The unit beside the main engine this strategy starts or changes."""
         return None
 
-    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
+    async def recover_engine(self, model: ModelHandles, where: dict, reload_weights: bool = False) -> str:
         """Recovery: bring the main engine back on the config on disk (the
         files are restored already; RELOAD_WEIGHTS: the main weight daemon
         holds another checkpoint than they name, after a swap, and loads it
         too); "restarted", or "left" when it cannot be done safely."""
         raise NotImplementedError
 
-    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+    async def recover_finish(self, model: ModelHandles, outcome: str, where: dict) -> None:
         """Recovery's end, after OUTCOME (committed, left, restarted,
         restored): the gateway serving again, nothing left beside the main
         engine that the reload started."""
         raise NotImplementedError
 
 
-async def restart_main(model, where: dict, reload_weights: bool = False) -> str:
+async def restart_main(model: ModelHandles, where: dict, reload_weights: bool = False) -> str:
     """Recovery: restart the main engine with the config on disk; with
     RELOAD_WEIGHTS the main pair: the weight daemon loads the checkpoint on
     disk and the engine, bound to it, follows."""

@@ -33,11 +33,14 @@ overlap: no 503 at any point.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hostd.manager.operation import Stage
 from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
+
+if TYPE_CHECKING:
+    from hostd.manager.reload import ModelHandles, Reload
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -54,7 +57,7 @@ class Overlap(SecondEngine):
     cancel_ends = "its switch to the second engine"
     slot, prepare, old = "next", Stage.START_NEXT, "old"
 
-    async def prepare_engine(self, run) -> None:
+    async def prepare_engine(self, run: Reload) -> None:
         """Start the second engine with the target config and verify it."""
         op, model = run.op, run.model
         await model.systemd.start(model.next_unit, timeout=job_timeout(run.target.timeouts.start))
@@ -66,17 +69,17 @@ class Overlap(SecondEngine):
             log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,
                      extra=op.fields())
 
-    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The next engine stops before the intent goes (restore drops it): a
         # manager killed meanwhile leaves a record whose recovery stops it.
         await self.retire(run, served)
         run.restore(failed)
 
-    async def after_hand_back(self, run, outcome: str) -> None:
+    async def after_hand_back(self, run: Reload, outcome: str) -> None:
         run.op.enter(Stage.RETIRE)
         await self.retire(run)
 
-    async def retire(self, run, served: bool = True) -> None:
+    async def retire(self, run: Reload, served: bool = True) -> None:
         """Stop the second engine; when it SERVED (the gateway switched to
         it), once what it admitted has finished (up to reload.drain_timeout;
         then its engine.shutdown_timeout applies)."""
@@ -92,14 +95,14 @@ class Overlap(SecondEngine):
                             f"reload.drain_timeout; it was stopped with engine.shutdown_timeout")
         await self.stop_second(run.model, job_timeout(run.target.timeouts.stop))
 
-    def second_unit(self, model) -> Optional[str]:
+    def second_unit(self, model: ModelHandles) -> Optional[str]:
         return model.next_unit
 
-    async def stop_second(self, model, timeout: float) -> None:
+    async def stop_second(self, model: ModelHandles, timeout: float) -> None:
         """Stop what this strategy started beside the main engine."""
         await model.systemd.stop(self.second_unit(model), timeout=timeout)
 
-    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
+    async def recover_second(self, model: ModelHandles, outcome: str, main_answers: bool, where: dict) -> None:
         """Exactly one engine is left: the next one stops, unless the main
         engine does not answer (then it keeps serving)."""
         if outcome == "restored" or main_answers:

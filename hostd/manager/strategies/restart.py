@@ -27,6 +27,7 @@ from hostd.manager.operation import Cancelled, Interrupted, Stage, State
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
 
 if TYPE_CHECKING:
+    from hostd.manager.reload import ModelHandles, Reload
     from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
@@ -41,10 +42,10 @@ class Restart(Strategy):
     cancel_until = Stage.DRAIN
     cancel_ends = "its drain"
 
-    def memory_problem(self, run, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
         return run.model.probe.memory_problem(run.target, memory)
 
-    async def apply(self, run) -> None:
+    async def apply(self, run: Reload) -> None:
         """Record and drain; a drain that is cancelled, interrupted or fails
         leaves with the file restored (and the gateway resumed unless
         stopping); else the main engine is replaced."""
@@ -67,7 +68,7 @@ class Restart(Strategy):
         await run.replace_main(self.hand_back, "the gateway did not resume")
 
     @staticmethod
-    async def drain(run) -> None:
+    async def drain(run: Reload) -> None:
         timeout = run.current.reload.drain_timeout
         result = await run.model.probe.drain(timeout)
         if not result.drained:
@@ -77,12 +78,12 @@ class Restart(Strategy):
             )
 
     @staticmethod
-    async def hand_back(run, outcome: str) -> None:
+    async def hand_back(run: Reload, outcome: str) -> None:
         """The drained gateway serves again."""
         run.op.enter(Stage.RESUME)
         await run.model.probe.resume(outcome)
 
-    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
+    async def recover_engine(self, model: ModelHandles, where: dict, reload_weights: bool = False) -> str:
         """Restart the engine with the config on disk, after draining what it admitted."""
         cfg = model.load().config
         try:
@@ -96,7 +97,7 @@ class Restart(Strategy):
             return "left"
         return await restart_main(model, where, reload_weights)
 
-    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+    async def recover_finish(self, model: ModelHandles, outcome: str, where: dict) -> None:
         if outcome == "restored":
             return
         try:

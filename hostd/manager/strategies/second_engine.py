@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hostd.manager.operation import Cancelled, Interrupted, Stage, State
 from hostd.manager.probe import RebuildFailed
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+
+if TYPE_CHECKING:
+    from hostd.manager.reload import ModelHandles, Reload
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -32,20 +35,20 @@ class SecondEngine(Strategy):
     prepare: Stage  # the stage that makes it ready
     old: str  # what the settle's refusal calls the main engine
 
-    async def prepare_engine(self, run) -> None:
+    async def prepare_engine(self, run: Reload) -> None:
         raise NotImplementedError
 
-    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
         """RESTORE, after the gateway went back to main: the files (FAILED: why
         the second engine failed, if it did) and the second engine as they
         were; SERVED: the gateway had switched to it."""
         raise NotImplementedError
 
-    async def after_hand_back(self, run, outcome: str) -> None:
+    async def after_hand_back(self, run: Reload, outcome: str) -> None:
         """The gateway serves from main again after OUTCOME: what the second engine does now."""
         raise NotImplementedError
 
-    async def apply(self, run) -> None:
+    async def apply(self, run: Reload) -> None:
         op, probe = run.op, run.model.probe
         switched = False
         try:
@@ -88,21 +91,21 @@ class SecondEngine(Strategy):
         # main one: it restarts with the target config, then takes over.
         await run.replace_main(self.hand_back, "handing the gateway back to the main engine failed")
 
-    def serves(self, run) -> str:
+    def serves(self, run: Reload) -> str:
         """What the second engine serves once the gateway switched to it (the journal's words)."""
         return "the target config"
 
-    async def failure_cause(self, run, exc: Exception) -> str:
+    async def failure_cause(self, run: Reload, exc: Exception) -> str:
         """Why the second engine failed: its own last error lines, else EXC."""
         return await run.model.probe.engine_error(str(exc), self.slot)
 
-    async def hand_back(self, run, outcome: str) -> None:
+    async def hand_back(self, run: Reload, outcome: str) -> None:
         run.op.enter(Stage.RESUME)
         await run.model.probe.switch("main", outcome)
         await self.after_hand_back(run, outcome)
 
     @staticmethod
-    async def settle(run, slot: str) -> int:
+    async def settle(run: Reload, slot: str) -> int:
         """Wait until the requests running on SLOT's engine end, up to
         reload.drain_timeout; how many still run then (0 also when the
         gateway is older than settle: Probe.settle says so in the journal)."""
@@ -115,7 +118,7 @@ class SecondEngine(Strategy):
                     extra=op.fields())
         return settled.remaining
 
-    async def settle_main(self, run) -> None:
+    async def settle_main(self, run: Reload) -> None:
         """SETTLE: the requests running on the main engine end before it
         restarts; raises when some still run after reload.drain_timeout (the
         main engine then keeps serving, and the reload rolls back)."""
@@ -128,10 +131,10 @@ class SecondEngine(Strategy):
 
     # ------------------------------------------------------------ recovery
 
-    async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
+    async def recover_engine(self, model: ModelHandles, where: dict, reload_weights: bool = False) -> str:
         return await restart_main(model, where, reload_weights)  # nothing was drained: the gateway serves meanwhile
 
-    async def recover_finish(self, model, outcome: str, where: dict) -> None:
+    async def recover_finish(self, model: ModelHandles, outcome: str, where: dict) -> None:
         main_answers = await model.probe.engine_health() is not None
         if outcome != "restored" and main_answers:
             try:
@@ -141,5 +144,5 @@ class SecondEngine(Strategy):
                             extra=where)
         await self.recover_second(model, outcome, main_answers, where)
 
-    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
+    async def recover_second(self, model: ModelHandles, outcome: str, main_answers: bool, where: dict) -> None:
         raise NotImplementedError

@@ -53,6 +53,7 @@ from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
+    from hostd.manager.reload import ModelHandles, Reload
     from hostd.config.schema import ModelConfig
 
 log = logging.getLogger("hostd.manager.reload")
@@ -70,7 +71,7 @@ class Standby(SecondEngine):
     cancel_ends = "its switch to the standby"
     slot, prepare, old = "standby", Stage.REBUILD, "main"
 
-    async def prepare_engine(self, run) -> None:
+    async def prepare_engine(self, run: Reload) -> None:
         """The standby rebuilds on the target config in its own process and
         is verified on its own socket (as start-next verifies the next
         engine). An upstream standby (vllm, sglang) cannot rebuild: it is
@@ -87,10 +88,10 @@ class Standby(SecondEngine):
                  op.model, seconds, json.dumps(phases), extra=op.fields())
         await run.verify(run.target, "standby")
 
-    def serves(self, run) -> str:
+    def serves(self, run: Reload) -> str:
         return "the target config" if rebuilds(run.target) else "the config it started with"
 
-    async def check_upstream_standby(self, run) -> None:
+    async def check_upstream_standby(self, run: Reload) -> None:
         """vllm, sglang: the standby answers /health and a smoke request on
         its own socket; what it serves goes to the notes (new requests get
         that config until the main engine serves the target)."""
@@ -106,14 +107,14 @@ class Standby(SecondEngine):
         log.info("reload %d of %s: the %s standby serves on the config it started with (%s) while the main "
                  "engine restarts", op.id, op.model, run.target.backend, words, extra=op.fields())
 
-    async def put_back(self, run, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The files first: a standby that cannot rebuild is restarted by
         # systemd, which reads them.
         run.restore(failed)
         if not interrupted and run.recorded and rebuilds(run.target):
             await self.standby_back(run)
 
-    async def after_hand_back(self, run, outcome: str) -> None:
+    async def after_hand_back(self, run: Reload, outcome: str) -> None:
         if not rebuilds(run.target):  # the upstream standby never changed; done: serve the target too
             if outcome == State.DONE.value:
                 await self.upstream_standby_follows(run)
@@ -121,7 +122,7 @@ class Standby(SecondEngine):
             await self.standby_back(run)
 
     @staticmethod
-    async def upstream_standby_follows(run) -> None:
+    async def upstream_standby_follows(run: Reload) -> None:
         """After a done reload of a vllm/sglang model: the standby keeps the
         config it started with when it answers the target's requests as the
         main engine does (only capacity keys differ: Backend.standby_restart_reason);
@@ -144,7 +145,7 @@ class Standby(SecondEngine):
         restart_in_background(model, model.standby_unit, job_timeout(run.target.timeouts.start))
 
     @staticmethod
-    async def standby_back(run) -> None:
+    async def standby_back(run: Reload) -> None:
         """The standby back on what the main engine serves (the previous
         config). Its trouble never changes how the reload ended: it is in
         the journal and the Operation's notes."""
@@ -160,10 +161,10 @@ class Standby(SecondEngine):
 
         await put_standby_on(model, run.running_engine, job_timeout(run.current.timeouts.start), restarting)
 
-    def second_unit(self, model) -> Optional[str]:
+    def second_unit(self, model: ModelHandles) -> Optional[str]:
         return model.standby_unit
 
-    async def recover_second(self, model, outcome: str, main_answers: bool, where: dict) -> None:
+    async def recover_second(self, model: ModelHandles, outcome: str, main_answers: bool, where: dict) -> None:
         """The standby on the config on disk (what main serves), never stopped.
         An upstream standby was never changed by the reload: systemd keeps
         it (Restart=on-failure)."""
@@ -185,7 +186,7 @@ class Standby(SecondEngine):
             log.error("recovery: restarting %s failed: %s", model.standby_unit, exc, extra=where)
 
 
-async def put_standby_on(model, engine: dict, timeout: float,
+async def put_standby_on(model: ModelHandles, engine: dict, timeout: float,
                          restarting: Optional[Callable[[str], None]] = None) -> str:
     """The warm standby of MODEL (reload.ModelHandles) on ENGINE (an engine
     section: what the main engine serves): left alone when it runs it
@@ -219,7 +220,7 @@ def rebuilds(cfg: ModelConfig) -> bool:
 _BACKGROUND: set = set()
 
 
-def restart_in_background(model, unit: str, timeout: float) -> None:
+def restart_in_background(model: ModelHandles, unit: str, timeout: float) -> None:
     """systemd restarts UNIT of MODEL; the caller goes on. Its end is logged."""
 
     async def restart() -> None:

@@ -38,6 +38,7 @@ from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
+    from hostd.manager.reload import ModelHandles, Reload
     from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
@@ -58,10 +59,10 @@ class Swap(Overlap):
     cancel_ends = "its switch to the new checkpoint's engine"
     slot, prepare, old = "next", Stage.LOAD_NEXT, "old"
 
-    def memory_problem(self, run, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
         return swap_problem(run, memory)
 
-    async def prepare_engine(self, run) -> None:
+    async def prepare_engine(self, run: Reload) -> None:
         """LOAD_NEXT: the new checkpoint's weight daemon starts (it loads
         and checks the checkpoint: a missing shard or a bad config.json fails
         here, in its journal); START_NEXT: its engine starts and is verified
@@ -83,30 +84,30 @@ class Swap(Overlap):
         await model.systemd.start(model.swap_unit, timeout=timeout)
         await probe.verify_engine(run.target, (status.pid, status.socket_inode), "next", weights_slot="next")
 
-    async def after_hand_back(self, run, outcome: str) -> None:
+    async def after_hand_back(self, run: Reload, outcome: str) -> None:
         await super().after_hand_back(run, outcome)
         if outcome == State.DONE.value:
             run.op.notes.append(f"the main pair serves the new checkpoint; {run.model.next_weights_unit} "
                                 "and its engine stopped")
 
-    def second_unit(self, model) -> Optional[str]:
+    def second_unit(self, model: ModelHandles) -> Optional[str]:
         return model.swap_unit
 
-    async def failure_cause(self, run, exc: Exception) -> str:
+    async def failure_cause(self, run: Reload, exc: Exception) -> str:
         """The new weight daemon's own words when the checkpoint did not
         load, else the swap engine's."""
         model = run.model
         unit = model.next_weights_unit if run.op.stage == Stage.LOAD_NEXT else model.swap_unit
         return await model.probe.engine_error(str(exc), "next", unit)
 
-    async def stop_second(self, model, timeout: float) -> None:
+    async def stop_second(self, model: ModelHandles, timeout: float) -> None:
         """The swap's engine, then the new checkpoint's weight daemon (its
         copy of the weights)."""
         await model.systemd.stop(model.swap_unit, timeout=timeout)
         await model.systemd.stop(model.next_weights_unit, timeout=timeout)
 
 
-def swap_problem(run, memory: Memory) -> Optional[str]:
+def swap_problem(run: Reload, memory: Memory) -> Optional[str]:
     """Why the new checkpoint's weights and a second engine do not fit beside
     the serving pair (the overlap preflight with the weights counted), or None.
     On GPUs each one holds its shard of the new copy (tensor parallel).
