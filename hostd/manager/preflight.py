@@ -41,9 +41,12 @@ class Preflight:
         except RuntimeError as exc:  # no driver library here
             return Memory(None, str(exc))
 
-    def memory_problem(self, cfg, memory: "Memory") -> Optional[str]:
+    def memory_problem(self, cfg, memory: "Memory", standby_grows: bool = False) -> Optional[str]:
         """Why the new engine would not fit on its GPUs (MEMORY, read_memory),
-        or None.
+        or None. STANDBY_GROWS: a builtin warm standby takes the traffic
+        during the reload and grows to the new config's full KV cache beside
+        the main engine's restart, so that cache counts twice (an upstream
+        standby serves as it was started: nothing grows).
 
         Memory the new engine may use = free now + what the old engine holds
         (it is stopped first). The old engine's share comes from NVML's
@@ -59,11 +62,16 @@ class Preflight:
         for gpu in memory.gpus or ():
             available = gpu.free + gpu.engine
             kv = None if fraction else backend.engine_kv_bytes(cfg, gpu.total)
-            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20) + (kv or 0)
+            grown = (kv or 0) if standby_grows and not fraction else 0
+            need = (fraction * gpu.total - gpu.daemon) if fraction else (512 << 20) + (kv or 0) + grown
             if need > available:
                 if fraction:
                     why = (f"fraction {fraction} of {gpu.total / 2**30:.1f} GiB, less the daemon-held weights; "
                            "lower the memory fraction")
+                elif grown:
+                    why = (f"its context and a KV cache of {kv >> 20} MiB, and the warm standby's KV cache, "
+                           f"which grows to the same {kv >> 20} MiB while it serves; lower engine.kv_cache_mib, "
+                           "max_num_seqs or max_model_len")
                 elif kv:
                     why = (f"its context and a KV cache of {kv >> 20} MiB; lower engine.kv_cache_mib, "
                            "max_num_seqs or max_model_len")

@@ -278,8 +278,8 @@ class Probe:
     async def read_memory(self, cfg, engine_pid: int, standby_pid: int = 0) -> Memory:
         return await self.preflight.read_memory(cfg, engine_pid, standby_pid)
 
-    def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
-        return self.preflight.memory_problem(cfg, memory)
+    def memory_problem(self, cfg, memory: Memory, standby_grows: bool = False) -> Optional[str]:
+        return self.preflight.memory_problem(cfg, memory, standby_grows)
 
     async def gpu_memory(self, cfg, engine_pid: int) -> list[GpuMemory]:
         return await self.preflight.gpu_memory(cfg, engine_pid)

@@ -220,7 +220,7 @@ class FakeProbe:
         self.calls.append("memory")
         return Memory(None, "")
 
-    def memory_problem(self, cfg, memory: Memory) -> Optional[str]:
+    def memory_problem(self, cfg, memory: Memory, standby_grows: bool = False) -> Optional[str]:
         return None
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory, weights: int = 0,

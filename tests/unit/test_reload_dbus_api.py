@@ -9,6 +9,7 @@ replaced, nothing of hostd's)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -210,6 +211,61 @@ def test_the_same_gpu_reload_is_accepted_when_nvml_reports_room(world, monkeypat
     strategy, state = asyncio.run(go())
     assert (strategy, state) == (world.strategy, "done")
     assert world.probe.engine["max_num_seqs"] == 4
+
+
+#: A config.json the KV budget can be sized from (Qwen2.5-7B's layer shapes).
+SIZED = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
+         "max_position_embeddings": 32768, "dtype": "bfloat16"}
+
+
+def gpu_world(tmp_path: Path, monkeypatch, strategy: str, *, free: int, engine_bytes: int) -> World:
+    """A model on the fakes' GPU (80 GiB) reloading by STRATEGY, with the warm
+    standby up when that is the strategy, and a checkpoint its KV can be sized for."""
+    world = World(tmp_path, strategy="restart" if strategy == "restart" else "overlap",
+                  standby=strategy == "standby")
+    world.strategy = strategy
+    as_root(world, monkeypatch)
+    (tmp_path / "checkpoint/config.json").write_text(json.dumps(SIZED))
+    world = on_gpu(world, monkeypatch, free=free, engine_bytes=engine_bytes)
+    if strategy == "standby":
+        world.probe.engine_started("standby")
+    return world
+
+
+@pytest.mark.parametrize("strategy", ["restart", "overlap", "standby"])
+def test_a_kv_cache_that_does_not_fit_is_refused_by_every_strategy_and_by_the_check(tmp_path, monkeypatch,
+                                                                                   strategy):
+    """Issue 53: the standby's reload had no memory check (Standby inherited
+    a memory_problem that was always None). A builtin standby grows to the
+    new config's full KV cache while the main engine restarts beside it."""
+    world = gpu_world(tmp_path, monkeypatch, strategy, free=2 * GiB, engine_bytes=10 * GiB)
+
+    async def go():
+        manager = await manager_of(world)
+        patch = {"kv_cache_mib": Variant("u", 60000)}
+        return await refused(manager.Reload, "tiny", patch), await refused(manager.CheckReload, "tiny", patch)
+
+    reload_error, check_error = asyncio.run(go())
+    for error in (reload_error, check_error):
+        assert error.type == "org.hostd1.Error.InsufficientMemory", (error.type, error.text)
+        assert "KV cache of 60000 MiB" in error.text and "only 12.0 GiB would be free" in error.text
+    assert ("warm standby" in reload_error.text) == (strategy == "standby")
+    assert not world.dropin.exists() and world.restarts() == 0 and world.bus.job_log == []
+    assert world.records.intent("tiny") is None and "rebuild standby" not in world.probe.calls
+
+
+@pytest.mark.parametrize("strategy", ["restart", "overlap", "standby"])
+def test_a_kv_cache_that_fits_beside_the_standby_is_accepted(tmp_path, monkeypatch, strategy):
+    # The positive control: 40 GiB free hold a second 8 GiB cache.
+    world = gpu_world(tmp_path, monkeypatch, strategy, free=40 * GiB, engine_bytes=10 * GiB)
+
+    async def go():
+        manager = await manager_of(world)
+        path = await dbus(manager.Reload, "tiny", {"kv_cache_mib": Variant("u", 8192)})
+        return operation(world, path).Strategy, await finished(world, path)
+
+    assert asyncio.run(go()) == (strategy, "done")
+    assert world.probe.engine["kv_cache_mib"] == 8192
 
 
 # ---------------------------------------------------------------- Busy and Cancel

@@ -53,6 +53,7 @@ from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
+    from hostd.manager.preflight import Memory
     from hostd.manager.reload import ModelHandles, Reload
     from hostd.config.schema import ModelConfig
 
@@ -70,6 +71,12 @@ class Standby(SecondEngine):
     cancel_until = Stage.REBUILD
     cancel_ends = "its switch to the standby"
     slot, prepare, old = "standby", Stage.REBUILD, "main"
+
+    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+        """The main engine restarts on the target as under restart, while the
+        standby serves: a builtin standby grows to the target's full KV cache
+        beside it (Preflight.memory_problem's STANDBY_GROWS)."""
+        return run.model.probe.memory_problem(run.target, memory, standby_grows=rebuilds(run.target))
 
     async def prepare_engine(self, run: Reload) -> None:
         """The standby rebuilds on the target config in its own process and
