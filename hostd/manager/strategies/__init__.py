@@ -18,7 +18,8 @@ named) and the preflight's choice (choose, choose_swap): the variant is
 chosen once, in one switch, and a strategy never looks another up.
 
 A strategy is handed the reload it runs (a reload.Reload) or the model it
-recovers (a reload.ModelHandles); this package imports neither (no circle).
+recovers (a reload.ModelHandles); this package names them under
+TYPE_CHECKING only, so no import circle opens at run time.
 Adding a strategy: a file here with its class (a Strategy, or a
 SecondEngine when a second engine serves meanwhile), its instance and entry
 in STRATEGIES below, and its place in choose().
