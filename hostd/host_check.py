@@ -99,9 +99,9 @@ def _other_readers(st: os.stat_result, name: str) -> Optional[str]:
 
 
 #: The Backend of a model config (hostd.backends.for_config), handed in by
-#: the caller: config/ sits below backends/ and never imports it, so what
-#: only a backend knows (its start-time refusals, the engine key that
-#: reserves a share of a GPU) comes through it.
+#: the caller (hostctl): what only a backend knows (its start-time refusals,
+#: the engine key that reserves a share of a GPU) comes through it, so this
+#: module and config/ below it stay free of the backends' imports.
 BackendOf = Callable[[Any], Any]
 
 

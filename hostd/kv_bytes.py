@@ -31,7 +31,8 @@ def text_config(config: dict) -> dict:
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
-def _positive(config: dict, key: str) -> Optional[int]:
+def positive(config: dict, key: str) -> Optional[int]:
+    """CONFIG[KEY] when it is a positive integer (not a bool), else None."""
     value = config.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
@@ -65,15 +66,15 @@ def bytes_per_token(config: dict, dtype: str, *, tensor_parallel_size: int = 1,
     ValueError naming the key and SOURCE when the config lacks what it takes
     (then no engine can size its cache) or names an unknown dtype."""
     text = text_config(config)
-    layers = _positive(text, "num_hidden_layers")
-    heads = _positive(text, "num_attention_heads")
+    layers = positive(text, "num_hidden_layers")
+    heads = positive(text, "num_attention_heads")
     if layers is None or heads is None:
         raise ValueError(f"{source} lacks num_hidden_layers or num_attention_heads (positive integers): "
                          "the KV cache cannot be sized for this model")
-    kv_heads = _positive(text, "num_key_value_heads") or heads
-    head_dim = _positive(text, "head_dim")
+    kv_heads = positive(text, "num_key_value_heads") or heads
+    head_dim = positive(text, "head_dim")
     if head_dim is None:
-        hidden = _positive(text, "hidden_size")
+        hidden = positive(text, "hidden_size")
         if hidden is None:
             raise ValueError(f"{source} lacks head_dim and hidden_size: the KV cache cannot be sized for this model")
         head_dim = hidden // heads

@@ -43,11 +43,6 @@ DEFAULT_SHARE = 0.2
 PAGE_SIZE = {"cpu": 16, "cuda": 256}
 
 
-def _positive(config: dict, key: str) -> Optional[int]:
-    value = config.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def one_request_bytes(max_model_len: int, per_token: int, page: int) -> int:
     """KV bytes one request of MAX_MODEL_LEN tokens holds: whole blocks of PAGE tokens."""
     return -(-max_model_len // page) * page * per_token
@@ -69,7 +64,7 @@ def kv_cache_bytes(*, kv_cache_mib: Optional[int], max_num_seqs: int, max_model_
 
 def positions(config: dict) -> int:
     """The model's max_position_embeddings (2048 when config.json has none): max_model_len unset."""
-    return _positive(kv_bytes.text_config(config), "max_position_embeddings") or 2048
+    return kv_bytes.positive(kv_bytes.text_config(config), "max_position_embeddings") or 2048
 
 
 def swap_bytes(full: int, bridge_kv_mib: int, *, max_model_len: int, per_token: int, page: int) -> int:

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from hostd import kv_bytes
 from hostd.weights import lean
 
 lean.apply()  # before anything in this process imports transformers
@@ -28,13 +29,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def resolve_dtype(checkpoint: Path, configured: str) -> str:
-    """The dtype name to load in: the configured one, or the checkpoint's own."""
+    """The dtype name to load in: the configured one, or the checkpoint's own,
+    read as every KV budget reads it (hostd/kv_bytes.py): what the weights are
+    loaded in is what the preflight and the engine size the cache for.
+    ValueError naming config.json and the key for a dtype hostd does not know."""
     if configured != "auto":
         return configured
-    config = json.loads((checkpoint / "config.json").read_text())
-    name = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    name = name.removeprefix("torch.")
-    return name if name in DTYPES else "float32"
+    path = checkpoint / "config.json"
+    return kv_bytes.resolve_dtype(json.loads(path.read_text()), configured, source=str(path))
 
 
 @contextlib.contextmanager

@@ -169,3 +169,18 @@ def test_an_unknown_dtype_is_refused_naming_the_key_and_the_file(tmp_path):
                               device_total=None, device="cpu")
     with pytest.raises(ValueError, match=r"dtype: 'int4' is not one of"):
         kv_bytes.bytes_per_token(QWEN_7B, "int4")
+
+
+def test_the_weights_load_in_the_dtype_the_kv_budget_counts(tmp_path):
+    """'auto' is read once (kv_bytes.resolve_dtype) for the dtype the weights
+    load in and the one every KV budget counts, so the two cannot differ."""
+    from hostd import kv_bytes
+    from hostd.weights import checkpoint
+
+    for config, loads in ((NO_DTYPE, "float32"), (QWEN_7B, "bfloat16"), ({**NO_DTYPE, "torch_dtype": "float16"}, "float16"),
+                          ({"text_config": {**NO_DTYPE, "dtype": "bfloat16"}}, "bfloat16")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert checkpoint.resolve_dtype(tmp_path, "auto") == kv_bytes.resolve_dtype(config, "auto") == loads
+    (tmp_path / "config.json").write_text(json.dumps({**NO_DTYPE, "torch_dtype": "float8_e4m3fn"}))
+    with pytest.raises(ValueError, match=r"config.json: torch_dtype 'float8_e4m3fn' is not one of"):
+        checkpoint.resolve_dtype(tmp_path, "auto")
