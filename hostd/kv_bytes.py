@@ -5,8 +5,9 @@ bytes`` from the checkpoint's config.json (its text_config for a multimodal
 one). The builtin engine's budget (engine/budget.py, which the engine and the
 manager's preflight share) and the upstream bridge's and standby's
 ``--max-total-tokens`` (backends/sglang.py) both call bytes_per_token, with
-one dtype table and one reading of 'auto' (resolve_dtype), so the numbers
-that size GPU memory cannot disagree between them. Torch-free.
+one dtype table and one reading of 'auto' (resolve_dtype, which the dtype
+the builtin weights load in also follows: weights/checkpoint.py), so the
+numbers that size GPU memory cannot disagree between them. Torch-free.
 
 Trust: config.json is the administrator's checkpoint; its numbers are
 checked for being positive integers, its dtype for being one this table

@@ -458,7 +458,9 @@ class _ModelBase(_Strict):
     served_model_name: Annotated[
         Optional[str], _doc("Name clients pass as 'model'; unset: the model's NAME.")
     ] = None
-    dtype: Annotated[Dtype, _doc("Weight dtype; 'auto' follows the checkpoint.")] = (
+    dtype: Annotated[Dtype, _doc("Weight dtype; 'auto' follows the checkpoint's config.json (its dtype or "
+                                "torch_dtype; float32 where it names none). builtin: a config.json dtype other "
+                                "than float32, float16 and bfloat16 stops the weights' start, naming the key.")] = (
         "auto"
     )
     listen: ListenAddress = "127.0.0.1:8000"
