@@ -1,11 +1,13 @@
 """The reload of one model: the skeleton every strategy shares, one
 function per stage (validate, preflight, record, the main engine's restart
-and verify, commit, rollback, restore), and the driver that hands the
-checked reload to its strategy (Reload._apply, the one place).
+and verify, commit, rollback, restore), and the one driver (Reload._apply)
+that runs it with one restore policy (_abandon, before the main engine's
+restart) and one rollback policy (_replace_main, after it).
 
 The strategy, chosen by the preflight (strategies.choose; Operation.strategy
-says which, and why in the journal), runs the stages between record and the
-main engine's restart and says what a failure there leaves; its stages, its
+says which, and why in the journal), supplies steps through its hooks
+(strategies/base.py's Strategy: prepare, failure_cause, restore,
+put_main_on, verify_main, hand_back); it never ends the run. Its stages, its
 diagram and what recovery does after it are in its file in strategies/
 (restart.py, overlap.py, standby.py, swap.py). Every strategy shares this
 skeleton:
@@ -60,11 +62,10 @@ from hostd.manager.dropins import (
     restore_file, rollback_header,
 )
 from hostd.manager import strategies
-from hostd.manager.operation import MESSAGE_IDS, Cancelled, Operation, Stage, State
+from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State
 from hostd.manager.patch import check_checkpoint_values, check_patch_keys, check_patch_size, check_patch_types
-from hostd.manager.probe import Probe, VerifyFailed
+from hostd.manager.probe import Probe
 from hostd.manager.records import Committed, Degraded, Intent, Records
-from hostd.manager.systemd1 import job_timeout
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -119,6 +120,7 @@ class Reload:
         self.recorded = False  # the previous files are known: restore() may write
         self.intent: Optional[Intent] = None  # what record() wrote
         self.unchanged = False  # validate found nothing to apply
+        self.switched = False  # the gateway sends new requests to the strategy's second engine (SecondEngine)
         self.strategy_reason = ""
         # A checkpoint swap (the target's checkpoint is not the one the main
         # weight daemon holds): its resolved directory, and the one held now.
@@ -208,35 +210,10 @@ class Reload:
             write_atomic(directory / RELOAD_DROPIN, self.reload_text)
 
     async def restart(self) -> None:
-        await self.restart_main(self.target)
-
-    async def restart_main(self, cfg) -> None:
-        """The main engine restarted on CFG. In a checkpoint swap the main
-        pair: the weight daemon loads the checkpoint on disk and the engine,
-        bound to it (BindsTo=), follows; the daemon that answers then is the
-        one verify holds the engine to."""
-        timeout = job_timeout(cfg.timeouts.start)
-        if self.checkpoint is None:
-            await self.model.systemd.restart(self.model.engine_unit, timeout=timeout)
-            return
-        await self.model.systemd.restart(self.model.weights_unit, timeout=timeout)
-        await self.model.systemd.start(self.model.engine_unit, timeout=timeout)
-        self.weights_before = await self.model.probe.weights_identity()
+        await self.op.strategy.put_main_on(self, self.target)
 
     async def verify(self, cfg, slot: str = "main") -> None:
         await self.model.probe.verify_engine(cfg, self.weights_before, slot)
-
-    async def verify_target(self) -> None:
-        """The main engine runs the target; in a checkpoint swap, on the
-        weights the new checkpoint's daemon reported (its content digest)."""
-        await self.verify(self.target)
-        if self.digest is None:
-            return
-        health = await self.model.probe.engine_health()
-        seen = health.get("content_digest") if health is not None else None
-        if seen != self.digest:
-            raise VerifyFailed(f"the main engine serves weights of content digest {seen}, "
-                               f"not the new checkpoint's {self.digest}")
 
     async def commit(self) -> None:
         self.model.records.write_committed(self.model.name, self.target, self.weights_before)
@@ -246,7 +223,7 @@ class Reload:
         """Put the previous config back and bring the previous engine up."""
         self.previous_on_disk(cause)
         restored = hostd_config.load_model(self.model.name, self.model.root).config
-        await self.restart_main(restored)
+        await self.op.strategy.put_main_on(self, restored)
         await self.verify(restored)
         self.op.restored = True
         self.model.records.drop_intent(self.model.name)
@@ -319,14 +296,11 @@ class Reload:
             self.op.enter(Stage.FINISHED)
         self.op.finish(state, error)
 
-    async def record_stage(self) -> None:
-        """A cancel asked for before anything was written ends here; else record."""
-        if self.op.cancel_requested:
-            raise Cancelled("cancelled by request")
-        self.op.enter(Stage.RECORD)
-        await self.record()
-
     async def _apply(self) -> None:
+        """The one driver: record, the strategy's prepare, then the main
+        engine replaced (_replace_main); a prepare that fails, is cancelled or
+        interrupted ends in _abandon. A strategy supplies steps (its hooks,
+        strategies/base.py) and never ends the run itself."""
         op = self.op
         if self.unchanged:
             log.info("reload %d of %s: the engine runs this config already; nothing to do", op.id, op.model,
@@ -337,20 +311,53 @@ class Reload:
             json.dumps(op.patch) if op.patch else "config on disk",
             extra=op.fields(message_id=MESSAGE_IDS["started"], hostd_strategy=op.strategy_name),
         )
-        await op.strategy.apply(self)
+        strategy = op.strategy
+        try:
+            if op.cancel_requested:  # asked before anything was written
+                raise Cancelled("cancelled by request")
+            op.enter(Stage.RECORD)
+            await self.record()
+            await strategy.prepare(self)
+        except Exception as exc:
+            return await self._abandon(strategy, exc)
+        await self._replace_main(strategy)
 
-    async def replace_main(self, hand_back, hand_back_failed: str) -> None:
-        """Restart the main engine with the target config and verify it, then
-        HAND_BACK the gateway to it and commit; on failure roll back (the main
-        engine back on the previous config), then HAND_BACK. HAND_BACK(run,
-        outcome), the strategy's, tells the gateway how the reload ended, for
-        its reload histogram."""
+    async def _abandon(self, strategy: strategies.Strategy, exc: Exception) -> None:
+        """The restore policy (before the main engine's restart): the
+        strategy undoes what its prepare did, the files go back; the outcome
+        is computed here alone. Cancelled: cancelled; an engine that failed
+        (the strategy's failure_cause): rolled-back; a stop: failed
+        (interrupted), touching no unit; anything else (a drain or settle
+        that timed out, a gateway that failed): failed."""
+        op = self.op
+        interrupted = isinstance(exc, Interrupted) or await self.stopping()
+        failed = None
+        if not interrupted and not isinstance(exc, (Cancelled, TimeoutError)):
+            failed = await strategy.failure_cause(self, exc)
+        outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
+            State.ROLLED_BACK if failed is not None and self.recorded else State.FAILED
+        op.enter(Stage.RESTORE)
+        try:
+            await strategy.restore(self, outcome, failed, interrupted)
+        except Exception as again:  # logged for operators
+            log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
+        if interrupted:
+            return self.end(State.FAILED, str(exc) if isinstance(exc, Interrupted)
+                            else f"interrupted: the model is being stopped ({exc})")
+        return self.end(outcome, failed or str(exc))
+
+    async def _replace_main(self, strategy: strategies.Strategy) -> None:
+        """The main engine on the target config (the strategy's put_main_on)
+        and verified, then the strategy's hand_back and commit; the rollback
+        policy (after the restart): on failure the main engine back on the
+        previous config, then hand_back. hand_back(run, outcome) tells the
+        gateway how the reload ended, for its reload histogram."""
         op = self.op
         try:
-            op.enter(Stage.RESTART)
+            op.enter(strategy.main_stage)
             await self.restart()
             op.enter(Stage.VERIFY)
-            await self.verify_target()
+            await strategy.verify_main(self)
         except Exception as exc:
             if await self.stopping():
                 # A stop replaced our restart job: put the file back, start nothing.
@@ -361,7 +368,7 @@ class Reload:
             op.enter(Stage.ROLLBACK)
             try:
                 await self.rollback(cause)
-                await hand_back(self, State.ROLLED_BACK.value)
+                await strategy.hand_back(self, State.ROLLED_BACK.value)
             except Exception as again:
                 log.error("reload %d of %s: rollback failed too: %s", op.id, op.model, again)
                 # restart: the gateway stays paused, nothing safe to serve;
@@ -383,11 +390,11 @@ class Reload:
             log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
                      op.id, op.model, not_retained)
         try:
-            await hand_back(self, State.DONE.value)
+            await strategy.hand_back(self, State.DONE.value)
         except Exception as exc:  # the engine runs the target: commit, but say so
             op.enter(Stage.COMMIT)
             await self.commit()
-            return self.end(State.FAILED, f"the new config runs, but {hand_back_failed}: {exc}")
+            return self.end(State.FAILED, f"the new config runs, but {strategy.hand_back_fails}: {exc}")
         op.enter(Stage.COMMIT)
         await self.commit()
         self.model.records.clear_degraded(self.model.name)  # the target config serves

@@ -195,9 +195,9 @@ class Drainless(strategies.Strategy):
     cancel_until = Stage.RECORD
     cancel_ends = "its record"
 
-    async def apply(self, run) -> None:
-        await run.record_stage()
-        await run.replace_main(strategies.RESTART.hand_back, "the gateway did not resume")
+    # prepare: none (no drain); restore: the base's (the file back);
+    # the main engine restarted by the base's put_main_on.
+    hand_back = staticmethod(strategies.Restart.hand_back)  # resume the gateway
 
     async def recover_engine(self, model, where: dict, reload_weights: bool = False) -> str:
         return await strategies.restart_main(model, where, reload_weights)

@@ -5,14 +5,15 @@ what a stage that is cancelled, interrupted or fails leaves (its restore),
 and what recovery (recovery.py) does with the intent a crashed manager left
 under it. reload.py keeps the skeleton every strategy shares (validate,
 preflight, record, the main engine's restart and verify, commit, rollback)
-and calls the chosen strategy in one place (Reload.run); choose() is the
-preflight's choice among them. One second-engine driver (SecondEngine)
-serves overlap and standby.
+and the one driver that runs it (Reload._apply), calling the chosen
+strategy's hooks (base.py); choose() is the preflight's choice among them.
+One second-engine strategy (SecondEngine) holds the steps overlap and
+standby share.
 
 One file per strategy, its own diagram and stage notes at its top:
 restart.py (Restart), overlap.py (Overlap), standby.py (Standby), swap.py
-(Swap, an overlap on the weights too); second_engine.py (SecondEngine) is
-the driver overlap and standby share, base.py (Strategy) what every strategy
+(Swap, an overlap on the weights too); second_engine.py (SecondEngine) holds
+the steps overlap and standby share, base.py (Strategy) what every strategy
 is and the helpers several call. This file holds the registry (STRATEGIES,
 named) and the preflight's choice (choose, choose_swap): the variant is
 chosen once, in one switch, and a strategy never looks another up.

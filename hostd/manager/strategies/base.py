@@ -22,10 +22,11 @@ import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Optional
 
-from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, transitions
+from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, State, transitions
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
+    from hostd.config.schema import ModelConfig
     from hostd.manager.reload import ModelHandles, Reload
     from hostd.manager.preflight import Memory
 
@@ -59,15 +60,22 @@ async def until_asked(op: Operation, work: Coroutine[Any, Any, Any]) -> Any:
 
 
 class Strategy:
-    """One reload strategy. STAGES: the path of a reload that ends done;
-    CANCEL_UNTIL: the last stage Cancel() may end (CANCEL_ENDS says what
-    follows it, in the Busy answer past it); the transitions follow from
-    STAGES and the skeleton (operation.transitions)."""
+    """One reload strategy: the steps it supplies to the one driver
+    (reload.Reload._apply, which runs record, prepare, the main engine's
+    restart, verify, hand back and commit, and alone decides how a run
+    ends). STAGES: the path of a reload that ends done; CANCEL_UNTIL: the
+    last stage Cancel() may end (CANCEL_ENDS says what follows it, in the
+    Busy answer past it); the transitions follow from STAGES and the
+    skeleton (operation.transitions). MAIN_STAGE: the stage that puts the
+    main engine on the target (put_main_on); HAND_BACK_FAILS: the result's
+    words when hand_back fails after the target was verified."""
 
     name: str
     stages: tuple[Stage, ...]
     cancel_until: Stage
     cancel_ends: str
+    main_stage: Stage = Stage.RESTART
+    hand_back_fails: str = "the gateway did not resume"
 
     def __init__(self) -> None:
         self.cancellable = frozenset(self.stages[: self.stages.index(self.cancel_until) + 1])
@@ -81,9 +89,46 @@ class Strategy:
         its reading), or None."""
         return None
 
-    async def apply(self, run: Reload) -> None:
-        """Run RUN (a checked reload.Reload) from its record stage to its end."""
-        raise NotImplementedError
+    # ------------------------------------------------------------ the driver's hooks
+
+    async def prepare(self, run: Reload) -> None:
+        """The strategy's stages between record and the main engine's
+        restart (a drain; a second engine made ready and switched to). Raise
+        to abandon the reload (Cancelled, Interrupted: until_asked's; any
+        other error: failure_cause says whether an engine failed)."""
+
+    async def failure_cause(self, run: Reload, exc: Exception) -> Optional[str]:
+        """When prepare raised EXC because an engine failed: its own words
+        (the reload then ends rolled-back); None when nothing failed that a
+        rollback answers (a gateway error: failed)."""
+        return None
+
+    async def restore(self, run: Reload, outcome: State, failed: Optional[str], interrupted: bool) -> None:
+        """Undo what prepare did, after it raised: the files back (run.restore;
+        FAILED: an engine's refusal, which pins an administrator's values)
+        and the gateway serving from main again, unless INTERRUPTED (the
+        model is being stopped: touch no unit). OUTCOME: how the run ends."""
+        run.restore(failed)
+
+    async def put_main_on(self, run: Reload, cfg: ModelConfig) -> None:
+        """The main engine on CFG (the target, or the previous config in a
+        rollback), restarted by systemd (restart_pair). In a checkpoint swap
+        the main pair: the weight daemon loads the checkpoint on disk and the
+        engine, bound to it (BindsTo=), follows; the daemon that answers then
+        is the one verify holds the engine to."""
+        swap = run.checkpoint is not None
+        await restart_pair(run.model, job_timeout(cfg.timeouts.start), swap)
+        if swap:
+            run.weights_before = await run.model.probe.weights_identity()
+
+    async def verify_main(self, run: Reload) -> None:
+        """VERIFY: the main engine runs the target, answers, and attached the
+        weight daemon the reload holds it to (reload.Reload.verify)."""
+        await run.verify(run.target)
+
+    async def hand_back(self, run: Reload, outcome: str) -> None:
+        """The main engine serves the gateway's new requests again, after
+        OUTCOME (done, rolled-back) of the main engine's replacement."""
 
     # ------------------------------------------------------------ recovery
 
@@ -105,17 +150,22 @@ class Strategy:
         raise NotImplementedError
 
 
+async def restart_pair(model: ModelHandles, timeout: float, reload_weights: bool) -> None:
+    """The main engine restarted by systemd within TIMEOUT; with
+    RELOAD_WEIGHTS the main pair: the weight daemon restarts (loading the
+    checkpoint on disk) and the engine, bound to it, starts with it."""
+    if reload_weights:
+        await model.systemd.restart(model.weights_unit, timeout=timeout)
+        await model.systemd.start(model.engine_unit, timeout=timeout)
+    else:
+        await model.systemd.restart(model.engine_unit, timeout=timeout)
+
+
 async def restart_main(model: ModelHandles, where: dict, reload_weights: bool = False) -> str:
-    """Recovery: restart the main engine with the config on disk; with
-    RELOAD_WEIGHTS the main pair: the weight daemon loads the checkpoint on
-    disk and the engine, bound to it, follows."""
-    timeout = job_timeout(model.load().config.timeouts.start)
+    """Recovery: restart the main engine (with RELOAD_WEIGHTS the main pair,
+    restart_pair) with the config on disk; a failure is logged."""
     try:
-        if reload_weights:
-            await model.systemd.restart(model.weights_unit, timeout=timeout)
-            await model.systemd.start(model.engine_unit, timeout=timeout)
-        else:
-            await model.systemd.restart(model.engine_unit, timeout=timeout)
+        await restart_pair(model, job_timeout(model.load().config.timeouts.start), reload_weights)
     except Exception as exc:
         log.error("recovery: restarting the engine of %s failed: %s", model.name, exc, extra=where)
     return "restarted"

@@ -55,7 +55,7 @@ class Overlap(SecondEngine):
               Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.RETIRE, Stage.COMMIT, Stage.FINISHED)
     cancel_until = Stage.START_NEXT
     cancel_ends = "its switch to the second engine"
-    slot, prepare, old = "next", Stage.START_NEXT, "old"
+    slot, prepare_stage, old = "next", Stage.START_NEXT, "old"
 
     async def prepare_engine(self, run: Reload) -> None:
         """Start the second engine with the target config and verify it."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
-from hostd.manager.operation import Cancelled, Interrupted, Stage, State
+from hostd.manager.operation import Interrupted, Stage, State
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
 
 if TYPE_CHECKING:
@@ -45,27 +45,21 @@ class Restart(Strategy):
     def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
         return run.model.probe.memory_problem(run.target, memory)
 
-    async def apply(self, run: Reload) -> None:
-        """Record and drain; a drain that is cancelled, interrupted or fails
-        leaves with the file restored (and the gateway resumed unless
-        stopping); else the main engine is replaced."""
+    async def prepare(self, run: Reload) -> None:
+        """DRAIN: no new request is admitted and those running end; a drain
+        that times out, is cancelled or meets a stop abandons the reload
+        (restore)."""
         op = run.op
-        try:
-            await run.record_stage()
-            op.enter(Stage.DRAIN)
-            await until_asked(op, self.drain(run))
-            if await run.stopping():
-                raise Interrupted("interrupted: the model is being stopped")
-        except Exception as exc:  # drain timed out, was cancelled, or the gateway failed
-            op.enter(Stage.RESTORE)
-            try:
-                run.restore()
-                if not isinstance(exc, Interrupted):
-                    await run.model.probe.resume("cancelled" if isinstance(exc, Cancelled) else "failed")
-            except Exception as again:  # logged for operators
-                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
-            return run.end(State.CANCELLED if isinstance(exc, Cancelled) else State.FAILED, str(exc))
-        await run.replace_main(self.hand_back, "the gateway did not resume")
+        op.enter(Stage.DRAIN)
+        await until_asked(op, self.drain(run))
+        if await run.stopping():
+            raise Interrupted("interrupted: the model is being stopped")
+
+    async def restore(self, run: Reload, outcome: State, failed: Optional[str], interrupted: bool) -> None:
+        """The file back, and the drained gateway serving again (not when stopping)."""
+        run.restore(failed)
+        if not interrupted:
+            await run.model.probe.resume(outcome.value)
 
     @staticmethod
     async def drain(run: Reload) -> None:

@@ -1,4 +1,4 @@
-"""SecondEngine, the driver overlap and standby share (its docstring says
+"""SecondEngine, the steps overlap and standby share (its docstring says
 what it does, its hooks what a strategy of this kind fills in). The stages
 and diagrams are at the top of overlap.py and standby.py; swap.py extends
 overlap.
@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-from hostd.manager.operation import Cancelled, Interrupted, Stage, State
+from hostd.manager.operation import Stage, State
 from hostd.manager.probe import RebuildFailed
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
 
@@ -24,15 +24,15 @@ log = logging.getLogger("hostd.manager.reload")
 
 
 class SecondEngine(Strategy):
-    """The driver overlap and standby share: a second engine (SLOT) is made
-    ready on the target config (PREPARE, verified on its own socket), the
+    """The steps overlap and standby share: a second engine (SLOT) is made
+    ready on the target config (PREPARE_STAGE, verified on its own socket), the
     gateway switches to it, what runs on the main engine settles, then the
     main engine restarts on the target and takes over again: no 503 at any
     point. Cancel() is honoured until the switch; a stop interrupts it there
     too."""
 
     slot: str  # the gateway's name of the second engine
-    prepare: Stage  # the stage that makes it ready
+    prepare_stage: Stage  # the stage that makes it ready
     old: str  # what the settle's refusal calls the main engine
 
     async def prepare_engine(self, run: Reload) -> None:
@@ -48,56 +48,43 @@ class SecondEngine(Strategy):
         """The gateway serves from main again after OUTCOME: what the second engine does now."""
         raise NotImplementedError
 
-    async def apply(self, run: Reload) -> None:
+    async def prepare(self, run: Reload) -> None:
+        """PREPARE_STAGE (the second engine ready, under until_asked), SWITCH,
+        SETTLE (what runs on the main engine finishes there)."""
         op, probe = run.op, run.model.probe
-        switched = False
-        try:
-            await run.record_stage()
-            op.enter(self.prepare)
-            began = time.monotonic()
-            await until_asked(op, self.prepare_engine(run))
-            op.enter(Stage.SWITCH)
-            prepared = time.monotonic()
-            await probe.switch(self.slot)
-            switched = True
-            # Where the time to "the new config serves" went (issue 34): the journal's phases.
-            log.info("reload %d of %s: new requests go to the %s engine on %s: %s %.2f s, "
-                     "switch %.3f s", op.id, op.model, self.slot, self.serves(run), self.prepare.value,
-                     prepared - began, time.monotonic() - prepared, extra=op.fields())
-            # What runs on the main engine finishes there before it restarts.
-            op.enter(Stage.SETTLE)
-            await self.settle_main(run)
-        except Exception as exc:  # the second engine failed, or main did not settle: main never stopped
-            interrupted = isinstance(exc, Interrupted) or await run.stopping()
-            if isinstance(exc, (Cancelled, TimeoutError)) or interrupted:
-                cause, failed = str(exc), None
-            elif isinstance(exc, RebuildFailed):  # the standby's own answer
-                cause = failed = str(exc)
-            else:
-                cause = failed = await self.failure_cause(run, exc)
-            op.enter(Stage.RESTORE)
-            outcome = State.CANCELLED if isinstance(exc, Cancelled) else \
-                State.ROLLED_BACK if failed is not None and run.recorded else State.FAILED
-            try:
-                if switched and not interrupted:
-                    await probe.switch("main", outcome.value)
-                await self.put_back(run, failed, switched, interrupted)
-            except Exception as again:  # logged for operators
-                log.exception("reload %d: restoring after %s failed: %s", op.id, exc, again)
-            if interrupted:
-                return run.end(State.FAILED, f"interrupted: the model is being stopped ({exc})")
-            return run.end(outcome, cause)
-        # The second engine serves the target config and nothing runs on the
-        # main one: it restarts with the target config, then takes over.
-        await run.replace_main(self.hand_back, "handing the gateway back to the main engine failed")
+        op.enter(self.prepare_stage)
+        began = time.monotonic()
+        await until_asked(op, self.prepare_engine(run))
+        op.enter(Stage.SWITCH)
+        prepared = time.monotonic()
+        await probe.switch(self.slot)
+        run.switched = True
+        # Where the time to "the new config serves" went (issue 34): the journal's phases.
+        log.info("reload %d of %s: new requests go to the %s engine on %s: %s %.2f s, "
+                 "switch %.3f s", op.id, op.model, self.slot, self.serves(run), self.prepare_stage.value,
+                 prepared - began, time.monotonic() - prepared, extra=op.fields())
+        op.enter(Stage.SETTLE)
+        await self.settle_main(run)
+
+    async def restore(self, run: Reload, outcome: State, failed: Optional[str], interrupted: bool) -> None:
+        """The gateway back on main (when it had switched; not when
+        stopping), then the second engine and the files as they were."""
+        if run.switched and not interrupted:
+            await run.model.probe.switch("main", outcome.value)
+        await self.put_back(run, failed, run.switched, interrupted)
 
     def serves(self, run: Reload) -> str:
         """What the second engine serves once the gateway switched to it (the journal's words)."""
         return "the target config"
 
-    async def failure_cause(self, run: Reload, exc: Exception) -> str:
-        """Why the second engine failed: its own last error lines, else EXC."""
+    async def failure_cause(self, run: Reload, exc: Exception) -> Optional[str]:
+        """Why the second engine failed: the standby's own rebuild answer, else
+        its own last error lines, else EXC."""
+        if isinstance(exc, RebuildFailed):
+            return str(exc)
         return await run.model.probe.engine_error(str(exc), self.slot)
+
+    hand_back_fails = "handing the gateway back to the main engine failed"
 
     async def hand_back(self, run: Reload, outcome: str) -> None:
         run.op.enter(Stage.RESUME)

@@ -70,7 +70,7 @@ class Standby(SecondEngine):
               Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.COMMIT, Stage.FINISHED)
     cancel_until = Stage.REBUILD
     cancel_ends = "its switch to the standby"
-    slot, prepare, old = "standby", Stage.REBUILD, "main"
+    slot, prepare_stage, old = "standby", Stage.REBUILD, "main"
 
     def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
         """The main engine restarts on the target as under restart, while the

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Optional
 from hostd import backends
 from hostd.backends.base import checkpoint_bytes
 from hostd.manager.operation import Stage, State
+from hostd.manager.probe import VerifyFailed
 from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.systemd1 import job_timeout
 
@@ -57,7 +58,7 @@ class Swap(Overlap):
               Stage.SETTLE, Stage.RESTART, Stage.VERIFY, Stage.RESUME, Stage.RETIRE, Stage.COMMIT, Stage.FINISHED)
     cancel_until = Stage.START_NEXT
     cancel_ends = "its switch to the new checkpoint's engine"
-    slot, prepare, old = "next", Stage.LOAD_NEXT, "old"
+    slot, prepare_stage, old = "next", Stage.LOAD_NEXT, "old"
 
     def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
         return swap_problem(run, memory)
@@ -83,6 +84,18 @@ class Swap(Overlap):
         op.enter(Stage.START_NEXT)
         await model.systemd.start(model.swap_unit, timeout=timeout)
         await probe.verify_engine(run.target, (status.pid, status.socket_inode), "next", weights_slot="next")
+
+    async def verify_main(self, run: Reload) -> None:
+        """The main engine runs the target on the weights the new
+        checkpoint's daemon reported (its content digest)."""
+        await super().verify_main(run)
+        if run.digest is None:
+            return
+        health = await run.model.probe.engine_health()
+        seen = health.content_digest if health is not None and isinstance(health.content_digest, str) else None
+        if seen != run.digest:
+            raise VerifyFailed(f"the main engine serves weights of content digest {seen}, "
+                               f"not the new checkpoint's {run.digest}")
 
     async def after_hand_back(self, run: Reload, outcome: str) -> None:
         await super().after_hand_back(run, outcome)
