@@ -49,7 +49,11 @@ async def recover(model: ModelHandles, intent: Intent) -> str:
     overlap; the standby on the config main serves)."""
     name, probe, systemd = model.name, model.probe, model.systemd
     where = journal_fields(name, intent.operation)
-    strategy = strategies.named(intent.strategy)
+    try:
+        cfg = model.load().config
+    except Exception:  # a broken file: the standby's variant cannot be told; the registry's is kept
+        cfg = None
+    strategy = strategies.named(intent.strategy, cfg)
     # An engine restarted just before the crash may still be starting: let it
     # finish (or fail) before deciding what it runs.
     await systemd.settle(model.engine_unit, timeout=300)

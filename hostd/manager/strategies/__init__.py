@@ -44,12 +44,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
+from hostd import backends
 from hostd.manager import errors
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
 from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.strategies.restart import Restart
 from hostd.manager.strategies.second_engine import SecondEngine
-from hostd.manager.strategies.standby import Standby, put_standby_on, rebuilds, restart_in_background
+from hostd.manager.strategies.standby import Standby, UpstreamStandby, put_standby_on, restart_in_background
 from hostd.manager.strategies.swap import Swap, checkpoint_bytes, swap_problem
 
 if TYPE_CHECKING:
@@ -57,22 +58,32 @@ if TYPE_CHECKING:
     from hostd.manager.preflight import Memory
 
 __all__ = [
-    "OVERLAP", "RESTART", "STANDBY", "STRATEGIES", "SWAP", "Overlap", "Restart", "SecondEngine", "Standby",
-    "Strategy", "Swap", "checkpoint_bytes", "choose", "choose_swap", "named", "put_standby_on", "rebuilds",
-    "restart_in_background", "restart_main", "standby_problem", "swap_problem", "until_asked",
+    "OVERLAP", "RESTART", "STANDBY", "STRATEGIES", "SWAP", "UPSTREAM_STANDBY", "Overlap", "Restart", "SecondEngine",
+    "Standby", "Strategy", "Swap", "UpstreamStandby", "checkpoint_bytes", "choose", "choose_swap", "named", "put_standby_on",
+    "restart_in_background", "restart_main", "standby_for", "standby_problem", "swap_problem", "until_asked",
 ]
 
 log = logging.getLogger("hostd.manager.reload")
 
 RESTART, OVERLAP, STANDBY, SWAP = Restart(), Overlap(), Standby(), Swap()
+UPSTREAM_STANDBY = UpstreamStandby()  # also named standby: standby_for picks it for vllm, sglang
 STRATEGIES = {strategy.name: strategy for strategy in (RESTART, OVERLAP, STANDBY, SWAP)}
 
 
-def named(name: str) -> Strategy:
-    """The strategy NAME (an Intent's record on disk); records of an older
-    manager had none and were all restarts, and so is a name this manager
-    does not know (recovery then drains before it restarts anything)."""
-    return STRATEGIES.get(name, RESTART)
+def standby_for(cfg) -> Standby:
+    """The standby variant of CFG's backend, the one switch: the builtin
+    standby rebuilds in its own process (Standby); vLLM's and SGLang's
+    serve the config they started with (UpstreamStandby)."""
+    return STANDBY if backends.for_config(cfg).standby_rebuilds else UPSTREAM_STANDBY
+
+
+def named(name: str, cfg=None) -> Strategy:
+    """The strategy NAME (an Intent's record on disk), the standby's variant
+    for CFG (the model's config) when given; records of an older manager had
+    none and were all restarts, and so is a name this manager does not know
+    (recovery then drains before it restarts anything)."""
+    strategy = STRATEGIES.get(name, RESTART)
+    return standby_for(cfg) if strategy is STANDBY and cfg is not None else strategy
 
 
 async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
@@ -87,8 +98,9 @@ async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
         return choose_swap(run, memory)
     standby = await standby_problem(run)
     if standby is None:
-        return STANDBY, ("the warm standby rebuilds on the new config" if rebuilds(current) else
-                         "the warm standby serves while the main engine restarts")
+        variant = standby_for(current)
+        return variant, ("the warm standby serves while the main engine restarts" if variant is UPSTREAM_STANDBY
+                         else "the warm standby rebuilds on the new config")
     if standby:
         op.notes.append(f"no standby reload: {standby}")
         if not run.dry_run:

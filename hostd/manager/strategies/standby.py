@@ -55,7 +55,6 @@ from hostd.manager.systemd1 import job_timeout
 if TYPE_CHECKING:
     from hostd.manager.preflight import Memory
     from hostd.manager.reload import ModelHandles, Reload
-    from hostd.config.schema import ModelConfig
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -76,17 +75,13 @@ class Standby(SecondEngine):
         """The main engine restarts on the target as under restart, while the
         standby serves: a builtin standby grows to the target's full KV cache
         beside it (Preflight.memory_problem's STANDBY_GROWS)."""
-        return run.model.probe.memory_problem(run.target, memory, standby_grows=rebuilds(run.target))
+        return run.model.probe.memory_problem(run.target, memory, standby_grows=True)
 
     async def prepare_engine(self, run: Reload) -> None:
         """The standby rebuilds on the target config in its own process and
         is verified on its own socket (as start-next verifies the next
-        engine). An upstream standby (vllm, sglang) cannot rebuild: it is
-        checked on the config it serves, which it keeps while the main engine
-        restarts on the target."""
+        engine)."""
         op = run.op
-        if not rebuilds(run.target):
-            return await self.check_upstream_standby(run)
         answer = await run.model.probe.rebuild(msgspec.to_builtins(run.target.engine))
         phases = answer.get("rebuild_s") if isinstance(answer.get("rebuild_s"), dict) else {}
         seconds = sum(v for v in phases.values() if isinstance(v, (int, float)))
@@ -95,61 +90,16 @@ class Standby(SecondEngine):
                  op.model, seconds, json.dumps(phases), extra=op.fields())
         await run.verify(run.target, "standby")
 
-    def serves(self, run: Reload) -> str:
-        return "the target config" if rebuilds(run.target) else "the config it started with"
-
-    async def check_upstream_standby(self, run: Reload) -> None:
-        """vllm, sglang: the standby answers /health and a smoke request on
-        its own socket; what it serves goes to the notes (new requests get
-        that config until the main engine serves the target)."""
-        op, probe = run.op, run.model.probe
-        health = await probe.engine_health("standby")
-        if health is None:
-            raise RuntimeError(f"the standby ({run.model.standby_unit}) does not answer /health")
-        await probe.smoke(run.target.served_model_name or run.model.name, "standby")
-        serves = health.engine_config if isinstance(health.engine_config, dict) else {}
-        words = ", ".join(f"{k} {v}" for k, v in sorted(serves.items())) or "its start's config"
-        op.notes.append(f"the standby serves while the main engine restarts, on {words}"
-                        + (f" and {health.bridge}" if health.bridge else ""))
-        log.info("reload %d of %s: the %s standby serves on the config it started with (%s) while the main "
-                 "engine restarts", op.id, op.model, run.target.backend, words, extra=op.fields())
-
     async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The files first: a standby that cannot rebuild is restarted by
         # systemd, which reads them.
         run.restore(failed)
-        if not interrupted and run.recorded and rebuilds(run.target):
+        if not interrupted and run.recorded:
             await self.standby_back(run)
 
     async def after_hand_back(self, run: Reload, outcome: str) -> None:
-        if not rebuilds(run.target):  # the upstream standby never changed; done: serve the target too
-            if outcome == State.DONE.value:
-                await self.upstream_standby_follows(run)
-        elif outcome != State.DONE.value:  # done: it runs the target, which main serves now
+        if outcome != State.DONE.value:  # done: it runs the target, which main serves now
             await self.standby_back(run)
-
-    @staticmethod
-    async def upstream_standby_follows(run: Reload) -> None:
-        """After a done reload of a vllm/sglang model: the standby keeps the
-        config it started with when it answers the target's requests as the
-        main engine does (only capacity keys differ: Backend.standby_restart_reason);
-        else systemd restarts it on the config on disk (the target), in the
-        background: the reload ends now, and until the standby serves again
-        a crash of the main engine answers 503 (docs/operations.md)."""
-        op, model = run.op, run.model
-        health = await model.probe.engine_health("standby")
-        running = health.engine_config if health is not None and isinstance(health.engine_config, dict) else None
-        target = msgspec.to_builtins(run.target.engine)
-        why = (backends.for_config(run.target).standby_restart_reason(running, target) if running is not None
-               else "it does not answer")
-        if why is None:
-            op.notes.append("the standby keeps the config it started with: the reload changed no key that "
-                            "alters which requests it accepts")
-            return
-        op.notes.append(f"the standby restarts on the new config in the background ({why})")
-        log.info("reload %d of %s: the standby restarts on the new config in the background (%s)", op.id,
-                 op.model, why, extra=op.fields())
-        restart_in_background(model, model.standby_unit, job_timeout(run.target.timeouts.start))
 
     @staticmethod
     async def standby_back(run: Reload) -> None:
@@ -178,8 +128,6 @@ class Standby(SecondEngine):
         if outcome == "restored":
             return
         cfg = model.load().config
-        if not rebuilds(cfg):
-            return
 
         def restarting(why: str) -> None:
             log.warning("recovery: %s's standby (%s): %s; restarting it", model.name, model.standby_unit, why,
@@ -191,6 +139,72 @@ class Standby(SecondEngine):
                 log.info("recovery: %s's standby rebuilt on the config on disk", model.name, extra=where)
         except Exception as exc:
             log.error("recovery: restarting %s failed: %s", model.standby_unit, exc, extra=where)
+
+
+class UpstreamStandby(Standby):
+    """The standby of a vllm or sglang model: upstream cannot rebuild a
+    running server, so it serves the config it started with while the main
+    engine restarts on the target; after a done reload it keeps that config
+    or systemd restarts it on the target (upstream_standby_follows). The
+    reload's stages are the builtin standby's; its rebuild stage only checks
+    the standby (/health, a smoke request)."""
+
+    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+        """The main engine restarts on the target as under restart; the
+        standby keeps the memory it holds."""
+        return run.model.probe.memory_problem(run.target, memory)
+
+    def serves(self, run: Reload) -> str:
+        return "the config it started with"
+
+    async def prepare_engine(self, run: Reload) -> None:
+        """The standby answers /health and a smoke request on its own socket;
+        what it serves goes to the notes (new requests get that config until
+        the main engine serves the target)."""
+        op, probe = run.op, run.model.probe
+        health = await probe.engine_health("standby")
+        if health is None:
+            raise RuntimeError(f"the standby ({run.model.standby_unit}) does not answer /health")
+        await probe.smoke(run.target.served_model_name or run.model.name, "standby")
+        serves = health.engine_config if isinstance(health.engine_config, dict) else {}
+        words = ", ".join(f"{k} {v}" for k, v in sorted(serves.items())) or "its start's config"
+        op.notes.append(f"the standby serves while the main engine restarts, on {words}"
+                        + (f" and {health.bridge}" if health.bridge else ""))
+        log.info("reload %d of %s: the %s standby serves on the config it started with (%s) while the main "
+                 "engine restarts", op.id, op.model, run.target.backend, words, extra=op.fields())
+
+    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
+        run.restore(failed)  # the standby never changed
+
+    async def after_hand_back(self, run: Reload, outcome: str) -> None:
+        if outcome == State.DONE.value:  # it never changed; done: serve the target too
+            await self.upstream_standby_follows(run)
+
+    @staticmethod
+    async def upstream_standby_follows(run: Reload) -> None:
+        """After a done reload of a vllm/sglang model: the standby keeps the
+        config it started with when it answers the target's requests as the
+        main engine does (only capacity keys differ: Backend.standby_restart_reason);
+        else systemd restarts it on the config on disk (the target), in the
+        background: the reload ends now, and until the standby serves again
+        a crash of the main engine answers 503 (docs/operations.md)."""
+        op, model = run.op, run.model
+        health = await model.probe.engine_health("standby")
+        running = health.engine_config if health is not None and isinstance(health.engine_config, dict) else None
+        target = msgspec.to_builtins(run.target.engine)
+        why = (backends.for_config(run.target).standby_restart_reason(running, target) if running is not None
+               else "it does not answer")
+        if why is None:
+            op.notes.append("the standby keeps the config it started with: the reload changed no key that "
+                            "alters which requests it accepts")
+            return
+        op.notes.append(f"the standby restarts on the new config in the background ({why})")
+        log.info("reload %d of %s: the standby restarts on the new config in the background (%s)", op.id,
+                 op.model, why, extra=op.fields())
+        restart_in_background(model, model.standby_unit, job_timeout(run.target.timeouts.start))
+
+    async def recover_second(self, model: ModelHandles, outcome: str, main_answers: bool, where: dict) -> None:
+        """The reload never changed it: systemd keeps it (Restart=on-failure)."""
 
 
 async def put_standby_on(model: ModelHandles, engine: dict, timeout: float,
@@ -214,12 +228,6 @@ async def put_standby_on(model: ModelHandles, engine: dict, timeout: float,
             restarting(str(exc))
         await model.systemd.restart(model.standby_unit, timeout=timeout)
         return "restarted"
-
-
-def rebuilds(cfg: ModelConfig) -> bool:
-    """Does CFG's standby rebuild in its process (builtin), or serve the
-    config it started with (vllm, sglang)?"""
-    return backends.for_config(cfg).standby_rebuilds
 
 
 # Jobs the manager started and does not wait for (restart_in_background):
