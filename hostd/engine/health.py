@@ -67,7 +67,8 @@ class EngineHealth(msgspec.Struct, kw_only=True):
     tensors_total: Union[int, UnsetType] = UNSET
     tensors_outside_shared: Union[int, UnsetType] = UNSET
     phases_s: Union[dict[str, float], UnsetType] = UNSET  # seconds per start-up phase
-    rebuild_s: Union[dict[str, float], None, UnsetType] = UNSET  # the standby's last rebuild, per phase
+    rebuild_s: Union[dict[str, float], None, UnsetType] = UNSET  # the last rebuild (in place, or the standby's), per phase
+    rebuilds: Union[bool, UnsetType] = UNSET  # answers POST /hostd/rebuild (builtin main and standby): in place
     # the standby slot's KV cache (engine/standby_kv.py): "idle" (reload.standby_kv_mib) or "full",
     # the full budget it grows to, and the last grow's seconds per phase
     kv_budget: Union[Literal["idle", "full"], UnsetType] = UNSET

@@ -16,8 +16,9 @@ benchmarks compare against, never used by the units.
 
 In the standby slot (model-engine-standby@NAME, `standby: true`) the engine
 holds a small KV cache while it waits (reload.standby_kv_mib; standby_kv.py
-grows it at the first request) and also answers the manager's rebuild verb
-(server.py, POST /hostd/rebuild): rebuild() takes the new engine section's
+grows it at the first request). The main engine and the standby answer the
+manager's rebuild verb (server.py, POST /hostd/rebuild; /health's
+`rebuilds`): rebuild() takes the new engine section's
 limits on the same model object (the same daemon allocation; nothing is
 built, copied or fetched again); server.py builds a runner for them, warms
 it up and swaps it in. What the config cannot serve (a max_model_len beyond
@@ -169,11 +170,13 @@ def limits_for(cfg, model, standby: bool = False, swap: bool = False):
     )
 
 
-def rebuilder(cfg, backend, model, health_of):
-    """The standby's rebuild (server.py's ``rebuild``): given an engine
-    section, MODEL (the one this process built and attached at start) with
-    that section's limits; HEALTH_OF(cfg, phases) is its /health facts.
-    Raises RebuildRefused for what the engine would refuse at start."""
+def rebuilder(cfg, backend, model, health_of, standby: bool):
+    """The rebuild in place (server.py's ``rebuild``; the main engine's under
+    the in-place strategy, the warm STANDBY's under the standby strategy):
+    given an engine section, MODEL (the one this process built and attached
+    at start) with that section's limits; HEALTH_OF(cfg, phases) is its
+    /health facts. Raises RebuildRefused for what the engine would refuse at
+    start."""
     from hostd.engine import server
 
     try:
@@ -196,7 +199,7 @@ def rebuilder(cfg, backend, model, health_of):
         if problems:
             raise server.RebuildRefused("; ".join(problems))
         try:
-            limits = limits_for(new, model, standby=True)
+            limits = limits_for(new, model, standby=standby)
         except ValueError as exc:
             raise server.RebuildRefused(f"engine: {exc}") from None
         phases: dict[str, float] = {}  # server.py fills it in; /health's rebuild_s is this dict
@@ -217,7 +220,11 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
     # STATUS= says which start-up phase runs (systemctl status, and the
     # manager relays it on a reload's Operation as EngineStatus).
     systemd.status("building the model")
-    standby = getattr(args, "slot", "main") == "standby" and backend is not None
+    slot = getattr(args, "slot", "main")
+    standby = slot == "standby" and backend is not None
+    # The main engine and the standby rebuild in place (server.py's rebuild
+    # verb); the overlap's and the swap's second engines serve for one reload.
+    rebuilds = slot in ("main", "standby") and backend is not None and getattr(args, "weights_slot", "main") == "main"
     try:
         with systemd.ExtendTimeout():
             model, info = load_model(cfg, args.name, args, phases)
@@ -236,7 +243,8 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
     health = engine_health.facts(**{
         "engine_config": msgspec.to_builtins(cfg.engine),  # what a rollback restores
         **info,
-        "slot": getattr(args, "slot", "main"),
+        "slot": slot,
+        "rebuilds": rebuilds,
         "phases_s": phases.seconds,
         # hostd_build_info's upstream_version (the gateway's /metrics)
         "upstream_version": backend.upstream_version(cfg) if backend is not None else "",
@@ -272,6 +280,6 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
         on_status=status,
         health_info=health_info(),
         log=log,
-        rebuild=rebuilder(cfg, backend, model, health_info) if standby else None,
+        rebuild=rebuilder(cfg, backend, model, health_info, standby) if rebuilds else None,
     )
 

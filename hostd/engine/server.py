@@ -17,11 +17,12 @@ any new request on an open connection, let admitted requests (streams
 included) finish for up to ``Limits.shutdown_timeout`` seconds, then cancel
 what is left, and return exit code 0. A second signal cancels at once.
 
-Rebuild (the warm standby only: run_server's ``rebuild``): ``POST
-/hostd/rebuild`` with ``{"engine": {...}}`` applies that engine section in
-this process on the same model object (``rebuild`` returns a Rebuilt: the
-refusals checked, new limits, new /health facts), builds a runner for it (its
-KV cache on the standby's idle budget, off the event loop), warms it up, and
+Rebuild (the main engine and the warm standby: run_server's ``rebuild``):
+``POST /hostd/rebuild`` with ``{"engine": {...}}`` applies that engine
+section in this process on the same model object (``rebuild`` returns a
+Rebuilt: the refusals checked, new limits, new /health facts), builds a
+runner for it (its KV cache: the main engine's full budget, the standby's
+idle one; off the event loop) beside the serving one, warms it up, and
 only then swaps it in: a new application on the same listening socket takes
 new connections, the old one closes its connections as their requests end,
 finishes what it admitted (up to its shutdown_timeout) and stops. No imports,
@@ -62,7 +63,7 @@ _log = logging.getLogger("hostd.engine")
 
 __all__ = ["Limits", "REBUILD_PATH", "Rebuilt", "RebuildRefused", "run_server"]
 
-REBUILD_PATH = "/hostd/rebuild"  # the standby's control verb (module docstring)
+REBUILD_PATH = "/hostd/rebuild"  # the manager's rebuild-in-place verb (module docstring)
 REBUILD_MAX_BODY = 64 << 10  # bytes: an engine section is a few hundred
 
 
@@ -148,7 +149,7 @@ def run_server(
     rebuild: "Callable[[object], Rebuilt] | None" = None,
 ) -> int:
     """Serve MODEL as SERVED_NAME within LIMITS until SIGTERM or SIGINT;
-    returns the process exit code. With REBUILD (the warm standby), POST
+    returns the process exit code. With REBUILD (the main engine, the warm standby), POST
     /hostd/rebuild rebuilds the model in this process (module docstring):
     REBUILD(the request's engine section) runs on a worker thread and raises
     RebuildRefused for a section it cannot serve.
@@ -288,7 +289,7 @@ async def _application(model, tokenizer, limits: Limits, served_name: str, healt
 
 
 class _Rebuilder:
-    """The standby's rebuild verb (module docstring): one at a time, never
+    """The rebuild-in-place verb (module docstring): one at a time, never
     while shutting down; the old application serves until the new one is
     warm and listening."""
 

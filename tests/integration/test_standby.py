@@ -2,8 +2,10 @@
 cache while it waits, grows it for the first request and gives it back when
 quiet; it rebuilds itself on a new engine section in its own process (same
 PID, same model object), and refuses what a start would refuse while its old
-runner keeps serving; the gateway sends new requests to it the moment the
-main engine dies, and back once the main engine answers again. (The manager
+runner keeps serving; the main engine rebuilds in place the same way, on
+its full KV budget, under streams; the gateway sends new requests to the
+standby the moment the main engine dies, and back once the main engine
+answers again. (The manager
 drives the same pieces through systemd: tests/system/test_standby_units.py.)"""
 
 from __future__ import annotations
@@ -124,16 +126,51 @@ def test_a_refused_rebuild_leaves_the_old_model_serving(tmp_path: Path, tiny_che
         tree.stop_all()
 
 
-def test_the_main_engine_has_no_rebuild_verb(tmp_path: Path, tiny_checkpoint: Path):
+def test_the_main_engine_rebuilds_in_place_under_streams_on_its_full_budget_and_refuses_as_a_start(
+        tmp_path: Path, tiny_checkpoint: Path):
+    """The in-place strategy's engine half: the main engine takes a new
+    engine section in its own process while three streams run through the
+    gateway; they finish on the old runner, new requests go to the new one,
+    none is refused; its KV cache is the main engine's full budget (no idle
+    one); a section a start would refuse leaves the old runner serving. The
+    overlap's second engine serves one reload and has no rebuild verb."""
+    port = free_port()
     tree = ModelTree(tmp_path)
-    tree.write_config(tiny_checkpoint, max_num_seqs=4)
+    tree.write_config(tiny_checkpoint, fixed={"listen": f"127.0.0.1:{port}"}, max_num_seqs=4, kv_cache_mib=4)
+    base_url = f"http://127.0.0.1:{port}"
     try:
         tree.start_weights()
-        tree.start_engine()
+        main = tree.start_engine()
+        tree.start_gateway()
+        wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+        with tree.http() as http, ThreadPoolExecutor(4) as pool:
+            before = http.get("/health").json()
+            assert before["rebuilds"] is True and before["kv_cache_bytes"] == 4 * MiB
+            running = [pool.submit(completion, base_url, 200) for _ in range(3)]
+            wait_for(lambda: tree.control("status")["in_flight"] >= 3, 120, "3 streams in flight")
+            section = {**before["engine_config"], "max_num_seqs": 8, "kv_cache_mib": 2}
+            answer = http.post("/hostd/rebuild", json={"engine": section})
+            assert answer.status_code == 200, answer.text
+            assert completion(base_url, 4) == "length"  # a new request, on the new runner
+            assert [f.result() for f in running] == ["length"] * 3  # the old runner finished them
         with tree.http() as http:
-            assert http.post("/hostd/rebuild", json={"engine": {"max_num_seqs": 2}}).status_code == 404
+            after = http.get("/health").json()
+            assert (after["engine_config"], after["max_num_seqs"]) == (section, 8)
+            assert "kv_budget" not in after and after["kv_cache_bytes"] == 2 * MiB
+            assert (after["pid"], after["shared_ptr"]) == (before["pid"], before["shared_ptr"]) and main.pid == after["pid"]
+            refused = http.post("/hostd/rebuild", json={"engine": {**section, "max_model_len": 99999}})
+            assert refused.status_code == 422 and "max_position_embeddings" in refused.json()["error"]
+            assert http.get("/health").json()["engine_config"] == section
+        assert sum(tree.control("status").get("rejected", {}).values()) == 0
+        nxt = tree.start_engine("--slot", "next", wait=False)
+        wait_for(lambda: healthy(tree.runtime_dir / paths.ENGINE_SOCKETS["next"]), 600, "the next engine", nxt.proc)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(tree.runtime_dir / paths.ENGINE_SOCKETS["next"])),
+                          base_url="http://engine", timeout=60) as http:
+            assert http.get("/health").json()["rebuilds"] is False
+            assert http.post("/hostd/rebuild", json={"engine": section}).status_code == 404
     finally:
         tree.stop_all()
+    assert main.proc.returncode == 0
 
 
 def test_the_gateway_fails_over_to_the_standby_at_once_and_back_when_the_engine_answers_again(
