@@ -49,11 +49,12 @@ class Backend(abc.ABC):
     )
     # The package whose code runs the model, hostd_build_info's upstream label.
     upstream_package: ClassVar[str] = ""
-    # Does the warm standby (`standby: true`) rebuild itself on a reload's
-    # new config in its own process (builtin: POST /hostd/rebuild)? Upstream
-    # servers cannot: theirs serves the config it started with while the main
-    # engine restarts (strategies.Standby).
-    standby_rebuilds: ClassVar[bool] = False
+    # Does the engine rebuild itself on a reload's new engine section in its
+    # own process (builtin: POST /hostd/rebuild), the main engine under the
+    # in-place strategy and the warm standby (`standby: true`) under its own?
+    # Upstream servers cannot: a limit change restarts them, and their
+    # standby serves the config it started with (strategies.UpstreamStandby).
+    rebuilds_in_place: ClassVar[bool] = False
 
     # ------------------------------------------------------------ entry points
 

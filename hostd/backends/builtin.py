@@ -16,7 +16,7 @@ from hostd.backends.base import Backend
 
 class BuiltinBackend(Backend):
     name = "builtin"
-    standby_rebuilds = True  # hostd/engine/server.py's rebuild verb
+    rebuilds_in_place = True  # hostd/engine/server.py's rebuild verb
     # hostd/engine/server.py's user-facing API; its /health (PIDs, weights
     # socket inode, engine config) and /metrics are the manager's and the
     # gateway's, never public.

@@ -197,13 +197,19 @@ class ReloadConfig(_Strict):
         ),
     ] = 120.0
     strategy: Annotated[
-        Literal["overlap", "restart"],
+        Literal["in-place", "overlap", "restart"],
         _doc(
-            "overlap: start a second engine beside the serving one on the same "
-            "weights and move new requests to it while the first restarts (no "
-            "503); it falls back to restart when the preflight finds no room for "
-            "a second engine or the backend cannot run two. restart: drain, "
-            "restart the engine, resume (503 meanwhile)."
+            "in-place: where every changed key is one the engine applies in its "
+            "own process (builtin: the engine section), the engine builds a new "
+            "runner with the new limits on the weights it maps and the old runner "
+            "finishes what it admitted (no process start, no 503); any other "
+            "change, or one whose new KV cache does not fit beside the old one, "
+            "runs as under overlap (the Operation says why). overlap: start a "
+            "second engine beside the serving one on the same weights and move "
+            "new requests to it while the first restarts (no 503; through the "
+            "warm standby when there is one); it falls back to restart when the "
+            "preflight finds no room for a second engine or the backend cannot "
+            "run two. restart: drain, restart the engine, resume (503 meanwhile)."
         ),
     ] = "overlap"
     overlap_reserve_mib: Annotated[

@@ -51,7 +51,7 @@ class Stage(str, enum.Enum):
     DRAIN = "drain"  # restart: the gateway holds new requests, the running ones end
     LOAD_NEXT = "load-next"  # swap: a second weight daemon loads the new checkpoint
     START_NEXT = "start-next"  # overlap, swap: the second engine starts and is verified
-    REBUILD = "rebuild"  # standby: the standby rebuilds on the target config and is verified
+    REBUILD = "rebuild"  # standby: the standby rebuilds on the target config and is verified; in-place: the main engine
     SWITCH = "switch"  # overlap, standby: the gateway sends new requests to the second engine
     SETTLE = "settle"  # overlap, standby: the requests running on the main engine finish there
     RESTART = "restart"
@@ -72,28 +72,28 @@ BEFORE_CHOICE: dict[Stage, frozenset[Stage]] = {
 }
 
 
-def transitions(path: tuple[Stage, ...]) -> dict[Stage, frozenset[Stage]]:
+def transitions(path: tuple[Stage, ...], main: Stage = Stage.RESTART) -> dict[Stage, frozenset[Stage]]:
     """Which stage may follow which for a strategy whose reload, when it ends
-    done, passes through PATH (validate ... restart, verify, resume ...
-    commit, finished); anything else is a bug and raises. The skeleton adds
-    its ways out (reload.py): every stage from record up to the main
-    engine's restart may end in restore (the files put back, the main engine
-    never stopped); restart and verify in rollback, which hands the gateway
-    back (resume) or ends; from resume on a failure still commits (the
-    target runs) or ends; preflight may go to restore (a cancel before
-    record)."""
+    done, passes through PATH (validate ... MAIN (the main engine put on the
+    target: restart, or rebuild in place), verify, (resume ...) commit,
+    finished); anything else is a bug and raises. The skeleton adds its ways
+    out (reload.py): every stage from record up to MAIN may end in restore
+    (the files put back, the main engine never stopped); MAIN and verify in
+    rollback, which hands the gateway back (resume, when PATH has it) or
+    ends; from the hand back on a failure still commits (the target runs) or
+    ends; preflight may go to restore (a cancel before record)."""
     table = {stage: set() for stage in Stage}
     for stage, after in zip(path, path[1:]):
         table[stage].add(after)
     for stage, after in BEFORE_CHOICE.items():
         table[stage] |= after
-    restart, resume, commit = path.index(Stage.RESTART), path.index(Stage.RESUME), path.index(Stage.COMMIT)
-    for stage in (Stage.PREFLIGHT, *path[path.index(Stage.RECORD):restart]):
+    at, verify, commit = path.index(main), path.index(Stage.VERIFY), path.index(Stage.COMMIT)
+    for stage in (Stage.PREFLIGHT, *path[path.index(Stage.RECORD):at]):
         table[stage].add(Stage.RESTORE)
-    for stage in (Stage.RESTART, Stage.VERIFY):
+    for stage in (main, Stage.VERIFY):
         table[stage].add(Stage.ROLLBACK)
-    table[Stage.ROLLBACK] |= {Stage.RESUME, Stage.FINISHED}
-    for stage in path[resume:commit]:
+    table[Stage.ROLLBACK] |= {Stage.FINISHED, *({Stage.RESUME} & set(path))}
+    for stage in path[verify + 1:commit]:
         table[stage] |= {Stage.COMMIT, Stage.FINISHED}
     table[Stage.RESTORE].add(Stage.FINISHED)
     return {stage: frozenset(after) for stage, after in table.items()}

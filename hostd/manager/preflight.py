@@ -83,6 +83,35 @@ class Preflight:
                 )
         return None
 
+    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory") -> Optional[str]:
+        """Why the engine cannot rebuild in place on CFG for memory, or None:
+        the new runner's KV cache (Backend.engine_kv_bytes) is allocated and
+        warmed while the serving runner's still holds its own, so it and
+        reload.overlap_reserve_mib must fit in what is free now (each GPU's
+        free memory by NVML; on CPU the host's MemAvailable as the engine's
+        /health reports it). Never an out-of-memory in the serving process:
+        the reload takes another strategy, or is refused, instead."""
+        backend = backends.for_config(cfg)
+        reserve = cfg.reload.overlap_reserve_mib << 20
+        words = f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib}"
+        if backend.uses_gpu(cfg):
+            if memory.unreadable:
+                return f"cannot read GPU memory: {memory.unreadable}"
+            for gpu in memory.gpus or ():
+                kv = backend.engine_kv_bytes(cfg, gpu.total) or 0
+                if kv + reserve > gpu.free:
+                    return (f"GPU {gpu.index}: the new runner's KV cache of {kv >> 20} MiB and {words} must fit "
+                            f"beside the serving runner's until it drains, but {gpu.free >> 20} MiB are free")
+            return None
+        reported = (health.memory if health is not None else None) or {}
+        if "host_available" not in reported:
+            return "the engine does not report its memory on /health (hostd/memory.py)"
+        kv = backend.engine_kv_bytes(cfg, reported.get("host_total")) or 0
+        if kv + reserve > reported["host_available"]:
+            return (f"the new runner's KV cache of {kv >> 20} MiB and {words} must fit beside the serving "
+                    f"runner's until it drains, but MemAvailable is {reported['host_available'] >> 20} MiB")
+        return None
+
     async def gpu_memory(self, cfg, engine_pid: int, standby_pid: int = 0) -> list["GpuMemory"]:
         """NVML's view of each of the model's GPUs: free, total, the serving
         engine's share, the weight daemon's and the warm standby's (STANDBY_PID,

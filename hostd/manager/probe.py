@@ -21,6 +21,7 @@ from typing import Optional
 
 import aiohttp
 import msgspec
+from msgspec import UNSET
 
 from hostd import paths, sockets, units
 from hostd.engine import health as engine_health
@@ -74,12 +75,17 @@ class CheckedUnixConnector(aiohttp.UnixConnector):
 
 
 
+def identity(status) -> Optional[tuple[int, int]]:
+    """A weight daemon's (pid, socket inode) from its STATUS (None: it did not answer)."""
+    return None if status is None else (status.pid, status.socket_inode)
+
+
 def weights_problem(before: tuple[int, int], now: Optional[tuple[int, int]], health: EngineHealth) -> Optional[str]:
     """Verify's "same weight daemon" rule: why an engine whose /health is
     HEALTH did not attach the weight daemon BEFORE ((pid, socket inode), read
     as the reload began), the daemon answering NOW; None when it did. Another
     daemon means the weights were loaded again: not the weights retained."""
-    engine_saw = (health.get("weights_pid"), health.get("weights_socket_inode"))  # None: not sent
+    engine_saw = tuple(None if v is UNSET else v for v in (health.weights_pid, health.weights_socket_inode))
     before = tuple(before)
     if (tuple(now) if now is not None else None) != before or engine_saw != before:
         return f"the weight daemon changed (pid, inode) {before} -> {now}; the engine attached to {engine_saw}"
@@ -167,8 +173,7 @@ class Probe:
             return None
 
     async def weights_identity(self, slot: str = "main") -> Optional[tuple[int, int]]:
-        status = await self.weights_status(slot)
-        return None if status is None else (status.pid, status.socket_inode)
+        return identity(await self.weights_status(slot))
 
     # ------------------------------------------------------------ engine
 
@@ -201,11 +206,12 @@ class Probe:
                     raise VerifyFailed(f"smoke request answered {response.status}: "
                                        f"{head.decode('utf-8', 'replace')}")
 
-    async def rebuild(self, engine: dict, slot: str = "standby") -> dict:
-        """Ask the engine in SLOT (the warm standby) to rebuild itself on the
+    async def rebuild(self, engine: dict, slot: str = "standby") -> EngineHealth:
+        """Ask the engine in SLOT (the warm standby; main: in place) to rebuild itself on the
         ENGINE section (hostd/engine/server.py, POST /hostd/rebuild); its
-        answer (/health after the rebuild, with rebuild_s). RebuildFailed
-        with the engine's own words when it refuses or fails."""
+        answer, the /health after the rebuild (with rebuild_s), decoded as
+        one. RebuildFailed with the engine's own words when it refuses or
+        fails."""
         connector = CheckedUnixConnector(path=str(paths.engine_socket(self.name, slot)))
         try:
             async with aiohttp.ClientSession(connector=connector,
@@ -224,7 +230,10 @@ class Probe:
         if status != 200:
             error = str(answer.get("error", ""))[:1000] or f"status {status}"
             raise RebuildFailed(f"the {slot} engine refused the rebuild: {error}")
-        return answer
+        health = engine_health.parse(body)
+        if health is None:
+            raise RebuildFailed(f"the {slot} engine answered the rebuild with no /health of this schema")
+        return health
 
     @staticmethod
     def runs(health: EngineHealth, engine: dict) -> bool:
@@ -233,20 +242,26 @@ class Probe:
         return health.engine_config == engine
 
     async def verify_engine(self, cfg, weights_before: Optional[tuple[int, int]], slot: str = "main",
-                            weights_slot: str = "main") -> None:
+                            weights_slot: str = "main", ask_daemon: bool = True,
+                            health: Optional[EngineHealth] = None) -> EngineHealth:
         """The engine in SLOT runs CFG's engine section, answers a smoke
         request and attached WEIGHTS_SLOT's weight daemon, the one that was
-        WEIGHTS_BEFORE (None: not checked)."""
-        health = await self.engine_health(slot)
+        WEIGHTS_BEFORE (None: not checked); with ASK_DAEMON that daemon still
+        answers as it (a second engine's verify leaves that to the main
+        engine's, which follows). HEALTH: its /health as a rebuild answered
+        it just now (not asked again). Returns the /health it checked."""
+        health = health or await self.engine_health(slot)
         if health is None:
             raise VerifyFailed(f"the engine in slot {slot} does not answer /health")
         if not self.runs(health, msgspec.to_builtins(cfg.engine)):
-            raise VerifyFailed(f"the engine runs {health.get('engine_config')}, not the target config")
+            raise VerifyFailed(f"the engine runs {health.engine_config}, not the target config")
         await self.smoke(cfg.served_model_name or self.name, slot)
         if weights_before is not None:
-            problem = weights_problem(weights_before, await self.weights_identity(weights_slot), health)
+            now = await self.weights_identity(weights_slot) if ask_daemon else weights_before
+            problem = weights_problem(weights_before, now, health)
             if problem:
                 raise VerifyFailed(problem)
+        return health
 
     async def engine_error(self, default: str, slot: str = "main", unit: Optional[str] = None) -> str:
         """The failing engine's own last error lines from the journal, else
@@ -283,6 +298,9 @@ class Probe:
 
     async def gpu_memory(self, cfg, engine_pid: int) -> list[GpuMemory]:
         return await self.preflight.gpu_memory(cfg, engine_pid)
+
+    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
+        return self.preflight.in_place_problem(cfg, health, memory)
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory,
                         weights: int = 0, swap: bool = False) -> Optional[str]:

@@ -39,7 +39,8 @@ log = logging.getLogger("hostd.manager.reload")
 async def recover(model: ModelHandles, intent: Intent) -> str:
     """End the reload a previous manager left half done (INTENT is its record).
     Returns what it did: committed, left (the engine runs the previous config),
-    restarted, or restored (the model is stopped: files only).
+    restarted, rebuilt (in place, the in-place strategy's), or restored (the
+    model is stopped: files only).
 
     The decision is made on the main engine, whatever the strategy; the
     strategy the intent names (strategies.named) says how the main engine is

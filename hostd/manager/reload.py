@@ -43,7 +43,6 @@ the recovery after a manager crash in recovery.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from pathlib import Path
@@ -64,7 +63,7 @@ from hostd.manager.dropins import (
 from hostd.manager import strategies
 from hostd.manager.operation import MESSAGE_IDS, Cancelled, Interrupted, Operation, Stage, State
 from hostd.manager.patch import check_checkpoint_values, check_patch_keys, check_patch_size, check_patch_types
-from hostd.manager.probe import Probe
+from hostd.manager.probe import Probe, identity
 from hostd.manager.records import Committed, Degraded, Intent, Records
 
 log = logging.getLogger("hostd.manager.reload")
@@ -121,6 +120,7 @@ class Reload:
         self.intent: Optional[Intent] = None  # what record() wrote
         self.unchanged = False  # validate found nothing to apply
         self.switched = False  # the gateway sends new requests to the strategy's second engine (SecondEngine)
+        self.rebuilt: Optional[EngineHealth] = None  # the main engine's /health as its rebuild in place answered
         self.strategy_reason = ""
         # A checkpoint swap (the target's checkpoint is not the one the main
         # weight daemon holds): its resolved directory, and the one held now.
@@ -149,6 +149,8 @@ class Reload:
         committed = self.model.records.committed(name)
         self.current = current.config
         health = self.health = await self.model.probe.engine_health()
+        weights = await self.model.probe.weights_status()  # asked once: restarted_since, swap_of, record
+        self.weights_before = identity(weights)
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = previous_engine(current.config.backend, committed, health)
         if patch:
@@ -157,9 +159,9 @@ class Reload:
             self.target = target_config(self.model, self.reload_text, patch)
         else:
             self.target = current.config
-        if committed is not None and not await restarted_since(self.model, committed):
+        if committed is not None and not restarted_since(committed, self.weights_before):
             check_fixed_unchanged(self.model, committed, self.target, swappable)
-        swap = await swap_of(self.model, self.target, "model" in patch) if swappable else None
+        swap = swap_of(self.model, self.target, "model" in patch, weights) if swappable else None
         if swap is not None:
             self.checkpoint, self.previous_checkpoint = swap
         if not patch and self.running_engine is None:
@@ -171,9 +173,6 @@ class Reload:
         # Nothing to apply when the engine answers and runs the target already, on its checkpoint.
         self.unchanged = (self.checkpoint is None and health is not None
                           and Probe.runs(health, msgspec.to_builtins(self.target.engine)))
-
-    def weights_not_retained(self) -> str:
-        return backends.for_config(self.target).weights_not_retained(self.target) or ""
 
     async def preflight(self) -> None:
         """Choose the strategy and check the memory, asking each thing once:
@@ -192,7 +191,6 @@ class Reload:
         self.previous_reload = read_text(directory / RELOAD_DROPIN)
         self.previous_rollback = read_text(directory / ROLLBACK_DROPIN)
         self.recorded = True
-        self.weights_before = await self.model.probe.weights_identity()
         self.intent = Intent(
             operation=self.op.id,
             strategy=self.op.strategy.name,
@@ -212,8 +210,13 @@ class Reload:
     async def restart(self) -> None:
         await self.op.strategy.put_main_on(self, self.target)
 
-    async def verify(self, cfg, slot: str = "main") -> None:
-        await self.model.probe.verify_engine(cfg, self.weights_before, slot)
+    async def verify(self, cfg, slot: str = "main", health: Optional[EngineHealth] = None) -> EngineHealth:
+        """The engine in SLOT runs CFG on the weights the reload began with
+        (HEALTH: its rebuild's answer, not asked again); the /health it
+        checked. The weight daemon is asked again only for the main engine
+        (the last verify of a reload)."""
+        return await self.model.probe.verify_engine(cfg, self.weights_before, slot, ask_daemon=slot == "main",
+                                                    health=health)
 
     async def commit(self) -> None:
         self.model.records.write_committed(self.model.name, self.target, self.weights_before)
@@ -278,10 +281,6 @@ class Reload:
         if not self.dry_run:  # a dry run's Operation is nobody's: no stage to show
             self.op.enter(Stage.PREFLIGHT)
         await self.preflight()
-
-    def start(self) -> asyncio.Task:
-        """Apply the checked reload in the background; the Operation reports."""
-        return asyncio.create_task(self.run())
 
     async def run(self) -> None:
         try:
@@ -382,7 +381,7 @@ class Reload:
             return self.end(State.ROLLED_BACK, cause)
         # Verified: the engine attached the same weight daemon (PID, inode),
         # which holds the weights unless the backend says they are not retained.
-        not_retained = self.weights_not_retained()
+        not_retained = weights_not_retained(self.target)
         # A checkpoint swap loaded new weights: none were reused.
         op.weights_reused = self.weights_before is not None and not not_retained and self.checkpoint is None
         if not_retained:
@@ -401,14 +400,19 @@ class Reload:
         self.end(State.DONE)
 
 
-async def restarted_since(model: ModelHandles, committed: Committed) -> bool:
+def weights_not_retained(cfg) -> str:
+    """Why CFG's engine does not attach retained weights ("" when it does)."""
+    return backends.for_config(cfg).weights_not_retained(cfg) or ""
+
+
+def restarted_since(committed: Committed, now: Optional[tuple[int, int]]) -> bool:
     """Has another weight daemon started since COMMITTED was written (a
     `systemctl restart model@NAME`, which is how a fixed key is applied)?
-    Then the units read the disk at that start, and the record's fixed
-    fields describe what ran before it."""
+    NOW: the daemon's identity as validate read it. Then the units read the
+    disk at that start, and the record's fixed fields describe what ran
+    before it."""
     if committed.weights is None:  # a record of an older manager: compare as before
         return False
-    now = await model.probe.weights_identity()
     return now is not None and tuple(now) != tuple(committed.weights)
 
 
@@ -438,14 +442,14 @@ def target_config(model: ModelHandles, reload_text: str, patch: dict):
     return cfg
 
 
-async def swap_of(model: ModelHandles, target, asked: bool) -> Optional[tuple[str, str]]:
+def swap_of(model: ModelHandles, target, asked: bool, status) -> Optional[tuple[str, str]]:
     """(new checkpoint, the one held now) when a reload of MODEL to TARGET is a
     checkpoint swap, else None: so when the target's checkpoint directory
     (resolved: a symlink moved to another directory counts) is not the one
-    the main weight daemon holds. ASKED: the patch names `model`; then a
-    daemon that does not answer is refused (no telling what it holds), else
-    the reload is one of limits, as ever."""
-    status = await model.probe.weights_status()
+    the main weight daemon holds (STATUS, validate's reading; None: it did
+    not answer). ASKED: the patch names `model`; then a daemon that does not
+    answer is refused (no telling what it holds), else the reload is one of
+    limits, as ever."""
     if status is None:
         if asked:
             raise errors.NotRunning(f"the weight daemon of {model.name} ({model.weights_unit}) "
@@ -517,4 +521,4 @@ def verdict(run: Reload) -> dict:
         strategy, reason = run.op.strategy_name, run.strategy_reason
     return {"model": run.model.name, "outcome": "unchanged" if run.unchanged else "reload",
             "patch": run.op.patch, "changes": changes, "strategy": strategy, "reason": reason,
-            "notes": list(run.op.notes), "weights_not_retained": run.weights_not_retained()}
+            "notes": list(run.op.notes), "weights_not_retained": weights_not_retained(run.target)}

@@ -183,7 +183,7 @@ class Manager(ServiceInterface):
                 log.warning("reload of %s refused (%s): %s", name, exc.kind, exc, extra={"hostd_model": name})
             raise
         self.publish(iface)
-        self.keep(run.start())
+        self.keep(asyncio.create_task(run.run()))
         return iface.path
 
     async def check_reload(self, name: str, patch: dict) -> str:

@@ -35,9 +35,10 @@ from hostd.gateway import control
 from hostd.manager import recovery
 from hostd.manager import reload as R
 from hostd.engine.health import EngineHealth
-from hostd.manager.probe import Memory, Probe, RebuildFailed, VerifyFailed, weights_problem
+from hostd.manager.probe import Memory, Probe, RebuildFailed, VerifyFailed, identity, weights_problem
 from hostd.manager.records import Intent, Records
 from hostd.manager.systemd1 import MANAGER, PATH, PROPERTIES, Systemd
+from hostd.weights.protocol import Fingerprint, Status
 
 
 def unit_path(name: str) -> str:
@@ -147,6 +148,7 @@ class FakeProbe:
         self.rebuilds: list[dict] = []  # every section the standby was asked to rebuild on
         self.slot = "main"  # where the gateway sends new requests
         self.no_room: Optional[str] = None  # what overlap_problem answers
+        self.no_room_in_place: Optional[str] = None  # what in_place_problem answers
         self.calls: list[str] = []
         self.outcomes: list[str | None] = []  # what each resume or switch told the gateway
         self.drain_result = control.Drained(drained=True, remaining=0, state="paused")
@@ -170,7 +172,7 @@ class FakeProbe:
     def get_engine(self, slot: str) -> Optional[dict]:
         return getattr(self, {"main": "engine", "next": "next_engine", "standby": "standby_engine"}[slot])
 
-    async def rebuild(self, engine: dict, slot: str = "standby") -> dict:
+    async def rebuild(self, engine: dict, slot: str = "standby") -> EngineHealth:
         self.calls.append(f"rebuild {slot}")
         self.rebuilds.append(engine)
         if self.get_engine(slot) is None:
@@ -179,7 +181,8 @@ class FakeProbe:
             why, self.fail_rebuild = self.fail_rebuild, None
             raise RebuildFailed(f"the {slot} engine refused the rebuild: {why}")
         self.set_engine(slot, engine)
-        return {"engine_config": engine, "rebuild_s": {"build_skeleton": 0.1, "attach": 0.01, "warm_up": 0.2}}
+        return msgspec.convert({"engine_config": engine, "rebuild_s": {"runner": 0.01, "warm_up": 0.2},
+                                "rebuilds": True, **self.attachment(slot)}, EngineHealth)
 
     async def gateway_status(self):
         self.calls.append("status")
@@ -198,8 +201,10 @@ class FakeProbe:
         engine = self.get_engine(slot)
         if engine is None:
             return None
-        return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot)},
-                               EngineHealth)
+        # The builtin main engine and standby answer the rebuild verb (in place).
+        rebuilds = slot in ("main", "standby") and backends.for_config(self.world.config()).rebuilds_in_place
+        return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), "rebuilds": rebuilds,
+                                **self.attachment(slot)}, EngineHealth)
 
     def attachment(self, slot: str) -> dict:
         """What the engine in SLOT reports of its weight daemon on /health."""
@@ -222,6 +227,9 @@ class FakeProbe:
 
     def memory_problem(self, cfg, memory: Memory, standby_grows: bool = False) -> Optional[str]:
         return None
+
+    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
+        return self.no_room_in_place
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory, weights: int = 0,
                         swap: bool = False) -> Optional[str]:
@@ -246,12 +254,22 @@ class FakeProbe:
         return control.Settled(settled=remaining == 0, remaining=remaining)
 
     async def weights_identity(self, slot: str = "main"):
-        return self.weights
+        return identity(await self.weights_status(slot))
 
     async def weights_status(self, slot: str = "main"):
-        """None: the fakes hold no checkpoint, so no reload here is a checkpoint
-        swap (those run against real daemons: tests/system/test_swap_units.py)."""
-        return None
+        """The weight daemon's status (a real weights/protocol Status): it
+        holds the checkpoint the config on disk names, so no reload here is a
+        checkpoint swap (those run against real daemons:
+        tests/system/test_swap_units.py); None when WEIGHTS is None."""
+        if self.weights is None:
+            return None
+        pid, inode = self.weights
+        checkpoint = str(Path(self.world.config().model).resolve())
+        fingerprint = Fingerprint(model_path=checkpoint, content_digest="d", architecture="a", dtype="float32",
+                                  device="cpu", tensor_parallel_size=1, backend="builtin", torch_version="t",
+                                  transformers_version="t")
+        return Status(fingerprint=fingerprint, pid=pid, socket_inode=inode, tensors=1,
+                      bytes_by_device={"cpu": 1}, loaded_at=0.0, clients_served=1)
 
     async def drain(self, timeout: float) -> dict:
         self.calls.append("drain")
@@ -266,7 +284,8 @@ class FakeProbe:
             raise OSError("control socket: connection refused")
         return control.Resumed(state="serving")
 
-    async def verify_engine(self, cfg, weights_before, slot: str = "main", weights_slot: str = "main") -> None:
+    async def verify_engine(self, cfg, weights_before, slot: str = "main", weights_slot: str = "main",
+                            ask_daemon: bool = True, health: Optional[EngineHealth] = None) -> EngineHealth:
         self.calls.append("verify" if slot == "main" else f"verify {slot}")
         engine = self.get_engine(slot)
         if engine is None:
@@ -274,9 +293,12 @@ class FakeProbe:
         if not self.runs(EngineHealth(engine_config=engine), msgspec.to_builtins(cfg.engine)):
             raise VerifyFailed(f"the engine runs {engine}, not the target config")
         if weights_before is not None:
-            problem = weights_problem(weights_before, self.weights, EngineHealth(**self.attachment(slot)))
+            now = self.weights if ask_daemon else weights_before
+            problem = weights_problem(weights_before, now, EngineHealth(**self.attachment(slot)))
             if problem:
                 raise VerifyFailed(problem)
+        return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot)},
+                               EngineHealth)
 
     async def smoke(self, served_name: str, slot: str = "main") -> None:
         self.calls.append("smoke" if slot == "main" else f"smoke {slot}")
@@ -315,6 +337,10 @@ class World:
     def dropin(self) -> Path:
         return self.root / "models/tiny.d" / R.RELOAD_DROPIN
 
+    def config(self):
+        """The model's config on disk."""
+        return config.load_model(self.name, self.root).config
+
     def model(self) -> R.ModelHandles:
         return R.ModelHandles(self.name, self.root, self.systemd, self.probe, self.records)
 
@@ -332,7 +358,7 @@ class World:
         op = R.Operation(id=1, model=self.name, patch=patch)
         run = R.Reload(self.model(), op)
         await run.check()
-        task = run.start()
+        task = asyncio.create_task(run.run())
         if during is not None:
             while op.stage != R.Stage.DRAIN and not task.done():
                 await asyncio.sleep(0.001)

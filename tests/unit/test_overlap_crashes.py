@@ -78,7 +78,7 @@ async def kill_manager(world: World, patch: dict, stage: R.Stage, inside: bool) 
             task.cancel()
 
     op.on_change = changed
-    task = reload.start()
+    task = asyncio.create_task(reload.run())
     with contextlib.suppress(ManagerKilled, asyncio.CancelledError):
         await task
     await asyncio.sleep(0.05)  # systemd finishes the jobs it had

@@ -187,7 +187,7 @@ def test_a_stop_that_replaces_the_engine_restart_starts_nothing_again(world):
         op = R.Operation(id=1, model="tiny", patch={"max_num_seqs": 4})
         run_ = R.Reload(world.model(), op)
         await run_.check()
-        task = run_.start()
+        task = asyncio.create_task(run_.run())
         while op.stage != R.Stage.RESTART:
             await asyncio.sleep(0)
         world.bus.set_state(units.umbrella("tiny"), "deactivating")
@@ -340,7 +340,7 @@ def test_a_manager_killed_in_the_rollback_of_a_refused_admin_dropin_leaves_the_p
                 task.cancel()  # the manager ends at the rollback's first wait: its engine restart
 
         op.on_change = killed_in_rollback
-        task = reload.start()
+        task = asyncio.create_task(reload.run())
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.05)  # systemd finishes the jobs it had

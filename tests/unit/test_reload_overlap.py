@@ -248,7 +248,7 @@ def drive(world: World, patch: dict, on_stage=None, hang_next_start: bool = Fals
             op.on_change = lambda o: on_stage(o, loop)
         run = R.Reload(world.model(), op)
         await run.check()
-        await run.start()
+        await asyncio.create_task(run.run())
         return op
     return asyncio.run(go())
 

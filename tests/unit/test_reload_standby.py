@@ -106,7 +106,7 @@ def test_cancel_is_honoured_until_the_switch_to_the_standby(world):
         op.on_change = lambda o: seen.setdefault(o.stage.value, o.cancellable())
         reload = R.Reload(world.model(), op)
         await reload.check()
-        await reload.start()
+        await asyncio.create_task(reload.run())
         return op
     op = run(go())
     assert op.state == R.State.DONE
@@ -131,7 +131,7 @@ def test_a_cancel_during_the_rebuild_puts_the_standby_back_and_the_file_too(worl
         op.on_change = lambda o: o.stage == R.Stage.REBUILD and loop.call_later(0.05, o.cancel)
         reload = R.Reload(world.model(), op)
         await reload.check()
-        await reload.start()
+        await asyncio.create_task(reload.run())
         return op
     op = run(go())
     assert (op.state, op.restored) == (R.State.CANCELLED, True)

@@ -151,11 +151,11 @@ def test_standby_is_a_key_of_every_backend_and_off_by_default(tmp_path):
     assert make(tmp_path, "sglang", standby=True).standby is True
 
 
-def test_only_the_builtin_standby_rebuilds_in_its_process():
-    assert backends.for_config(msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)).standby_rebuilds
+def test_only_the_builtin_rebuilds_in_place_in_its_process():
+    assert backends.for_config(msgspec.convert({"backend": "builtin", "model": "/m"}, schema.BuiltinModel)).rebuilds_in_place
     for name in ("vllm", "sglang"):
         cfg = msgspec.convert({"backend": name, "model": "/m"}, schema.MODEL_TYPES[name])
-        assert backends.for_config(cfg).standby_rebuilds is False
+        assert backends.for_config(cfg).rebuilds_in_place is False
 
 
 @pytest.mark.parametrize("backend, key", [("vllm", "max_model_len"), ("sglang", "context_length")])

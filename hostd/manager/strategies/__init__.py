@@ -29,11 +29,14 @@ Trust: nothing here is read from outside the manager: the engines, the
 gateway and systemd are reached through the probe and the systemd client the
 handles carry, which apply their own caps.
 
-Four strategies, chosen by the preflight (Operation.strategy says which, and
-why in the journal): `swap` (a checkpoint swap: the target's checkpoint is not
+Five strategies, chosen by the preflight (Operation.strategy says which, and
+why in the journal): `in-place` (reload.strategy: in-place; the builtin
+engine rebuilds on new limits in its own process, when nothing else changes
+and the new KV cache fits beside the old one, in_place_refusal; otherwise as
+under overlap), `swap` (a checkpoint swap: the target's checkpoint is not
 the one the main weight daemon holds), `standby` (a model with
 `standby: true` whose standby answers and the gateway serves from main),
-`overlap` (the default otherwise) and `restart` (forced by reload.strategy:
+`overlap` (otherwise) and `restart` (forced by reload.strategy:
 restart, and the fallback when the backend cannot run two engines or there is
 no room for a second one; never for a swap that does not fit, which is
 refused unless reload.strategy is restart).
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Optional
 from hostd import backends
 from hostd.manager import errors
 from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+from hostd.manager.strategies.in_place import InPlace, in_place_refusal
 from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.strategies.restart import Restart
 from hostd.manager.strategies.second_engine import SecondEngine
@@ -58,23 +62,23 @@ if TYPE_CHECKING:
     from hostd.manager.preflight import Memory
 
 __all__ = [
-    "OVERLAP", "RESTART", "STANDBY", "STRATEGIES", "SWAP", "UPSTREAM_STANDBY", "Overlap", "Restart", "SecondEngine",
+    "IN_PLACE", "InPlace", "OVERLAP", "RESTART", "STANDBY", "STRATEGIES", "SWAP", "UPSTREAM_STANDBY", "Overlap", "Restart", "SecondEngine",
     "Standby", "Strategy", "Swap", "UpstreamStandby", "checkpoint_bytes", "choose", "choose_swap", "named", "put_standby_on",
     "restart_in_background", "restart_main", "standby_for", "standby_problem", "swap_problem", "until_asked",
 ]
 
 log = logging.getLogger("hostd.manager.reload")
 
-RESTART, OVERLAP, STANDBY, SWAP = Restart(), Overlap(), Standby(), Swap()
+RESTART, OVERLAP, STANDBY, SWAP, IN_PLACE = Restart(), Overlap(), Standby(), Swap(), InPlace()
 UPSTREAM_STANDBY = UpstreamStandby()  # also named standby: standby_for picks it for vllm, sglang
-STRATEGIES = {strategy.name: strategy for strategy in (RESTART, OVERLAP, STANDBY, SWAP)}
+STRATEGIES = {strategy.name: strategy for strategy in (RESTART, OVERLAP, STANDBY, SWAP, IN_PLACE)}
 
 
 def standby_for(cfg) -> Standby:
     """The standby variant of CFG's backend, the one switch: the builtin
     standby rebuilds in its own process (Standby); vLLM's and SGLang's
     serve the config they started with (UpstreamStandby)."""
-    return STANDBY if backends.for_config(cfg).standby_rebuilds else UPSTREAM_STANDBY
+    return STANDBY if backends.for_config(cfg).rebuilds_in_place else UPSTREAM_STANDBY
 
 
 def named(name: str, cfg=None) -> Strategy:
@@ -94,6 +98,14 @@ async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
     first, else restart. Its notes go to the Operation; a refusal for
     memory raises (errors.InsufficientMemory, by the caller)."""
     op, current = run.op, run.current
+    if current.reload.strategy == IN_PLACE.name:
+        refusal = in_place_refusal(run) or IN_PLACE.memory_problem(run, memory)
+        if refusal is None:
+            return IN_PLACE, "every changed key is the engine's limits: it rebuilds in its own process"
+        op.notes.append(f"no in-place reload: {refusal}")  # as under overlap; the Operation says why
+        if not run.dry_run:
+            log.info("reload %d of %s: no in-place reload (%s); as under overlap", op.id, op.model, refusal,
+                     extra=op.fields())
     if run.checkpoint is not None:
         return choose_swap(run, memory)
     standby = await standby_problem(run)

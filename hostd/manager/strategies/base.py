@@ -79,7 +79,7 @@ class Strategy:
 
     def __init__(self) -> None:
         self.cancellable = frozenset(self.stages[: self.stages.index(self.cancel_until) + 1])
-        self.transitions = transitions(self.stages)
+        self.transitions = transitions(self.stages, self.main_stage)
 
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"

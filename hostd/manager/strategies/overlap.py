@@ -61,9 +61,8 @@ class Overlap(SecondEngine):
         """Start the second engine with the target config and verify it."""
         op, model = run.op, run.model
         await model.systemd.start(model.next_unit, timeout=job_timeout(run.target.timeouts.start))
-        await run.verify(run.target, "next")
-        health = await model.probe.engine_health("next")
-        bridge = health.bridge if health is not None else None
+        health = await run.verify(run.target, "next")
+        bridge = health.bridge
         if bridge:  # vllm, sglang: the next engine runs on a KV budget of its own
             op.notes.append(f"bridge engine ran with {bridge}")
             log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,

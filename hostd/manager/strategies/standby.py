@@ -83,12 +83,12 @@ class Standby(SecondEngine):
         engine)."""
         op = run.op
         answer = await run.model.probe.rebuild(msgspec.to_builtins(run.target.engine))
-        phases = answer.get("rebuild_s") if isinstance(answer.get("rebuild_s"), dict) else {}
-        seconds = sum(v for v in phases.values() if isinstance(v, (int, float)))
+        phases = answer.rebuild_s or {}
+        seconds = sum(phases.values())
         op.notes.append(f"standby rebuilt in {seconds:.2f} s")
         log.info("reload %d of %s: the standby rebuilt on the target config in %.2f s (%s)", op.id,
                  op.model, seconds, json.dumps(phases), extra=op.fields())
-        await run.verify(run.target, "standby")
+        await run.verify(run.target, "standby", health=answer)
 
     async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The files first: a standby that cannot rebuild is restarted by
