@@ -299,7 +299,7 @@ class _Rebuilder:
         self.status, self.log, self.stop, self.hurry = status, log, stop, hurry
         self.lock = asyncio.Lock()
         self.serving: "_Serving | None" = None
-        self.retiring: set[asyncio.Task] = set()
+        self.retiring: set[asyncio.Task] = set()  # rebuilds under way and replaced models finishing: held to their end
 
     @staticmethod
     def answer(status: int, body: dict) -> web.Response:
@@ -315,8 +315,17 @@ class _Rebuilder:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("engine"), dict):
             return self.answer(400, {"error": 'expected {"engine": {...}}, the engine section to rebuild with'})
+        # Shielded: a manager that dies (or gives up) mid-rebuild cancels this
+        # handler, never the rebuild, which ends as it would have, its new
+        # runner swapped in or freed (a half-built one would stay allocated).
+        task = asyncio.ensure_future(self._locked(body["engine"]))
+        self.retiring.add(task)  # held to its end (and waited for at shutdown) even when nobody awaits it
+        task.add_done_callback(self.retiring.discard)
+        return await asyncio.shield(task)
+
+    async def _locked(self, section: dict) -> web.Response:
         async with self.lock:
-            return await self._rebuild(body["engine"])
+            return await self._rebuild(section)
 
     async def _rebuild(self, section: dict) -> web.Response:
         log, started = self.log, time.monotonic()

@@ -83,33 +83,41 @@ class Preflight:
                 )
         return None
 
-    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory") -> Optional[str]:
+    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: "Memory",
+                         alone: bool = False) -> Optional[str]:
         """Why the engine cannot rebuild in place on CFG for memory, or None:
         the new runner's KV cache (Backend.engine_kv_bytes) is allocated and
         warmed while the serving runner's still holds its own, so it and
         reload.overlap_reserve_mib must fit in what is free now (each GPU's
         free memory by NVML; on CPU the host's MemAvailable as the engine's
-        /health reports it). Never an out-of-memory in the serving process:
-        the reload takes another strategy, or is refused, instead."""
+        /health reports it). ALONE: whether it would fit even once the
+        serving runner's KV cache (HEALTH's kv_cache_bytes) is freed; a
+        cache that does not is no strategy's to start. Never an
+        out-of-memory in the serving process: the reload takes another
+        strategy, or is refused, instead."""
         backend = backends.for_config(cfg)
         reserve = cfg.reload.overlap_reserve_mib << 20
+        held = health.kv_cache_bytes if health is not None and isinstance(health.kv_cache_bytes, int) else 0
+        freed = held if alone else 0
+        where = "even once the serving runner's is freed" if alone else "beside the serving runner's until it drains"
         words = f"reload.overlap_reserve_mib={cfg.reload.overlap_reserve_mib}"
         if backend.uses_gpu(cfg):
             if memory.unreadable:
                 return f"cannot read GPU memory: {memory.unreadable}"
             for gpu in memory.gpus or ():
                 kv = backend.engine_kv_bytes(cfg, gpu.total) or 0
-                if kv + reserve > gpu.free:
+                if kv + reserve > gpu.free + freed:
                     return (f"GPU {gpu.index}: the new runner's KV cache of {kv >> 20} MiB and {words} must fit "
-                            f"beside the serving runner's until it drains, but {gpu.free >> 20} MiB are free")
+                            f"{where}, but {(gpu.free + freed) >> 20} MiB would be free")
             return None
         reported = (health.memory if health is not None else None) or {}
         if "host_available" not in reported:
             return "the engine does not report its memory on /health (hostd/memory.py)"
         kv = backend.engine_kv_bytes(cfg, reported.get("host_total")) or 0
-        if kv + reserve > reported["host_available"]:
-            return (f"the new runner's KV cache of {kv >> 20} MiB and {words} must fit beside the serving "
-                    f"runner's until it drains, but MemAvailable is {reported['host_available'] >> 20} MiB")
+        available = reported["host_available"] + freed
+        if kv + reserve > available:
+            return (f"the new runner's KV cache of {kv >> 20} MiB and {words} must fit {where}, but "
+                    f"MemAvailable would be {available >> 20} MiB")
         return None
 
     async def gpu_memory(self, cfg, engine_pid: int, standby_pid: int = 0) -> list["GpuMemory"]:

@@ -299,8 +299,9 @@ class Probe:
     async def gpu_memory(self, cfg, engine_pid: int) -> list[GpuMemory]:
         return await self.preflight.gpu_memory(cfg, engine_pid)
 
-    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
-        return self.preflight.in_place_problem(cfg, health, memory)
+    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: Memory,
+                         alone: bool = False) -> Optional[str]:
+        return self.preflight.in_place_problem(cfg, health, memory, alone)
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory,
                         weights: int = 0, swap: bool = False) -> Optional[str]:

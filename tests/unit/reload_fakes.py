@@ -149,6 +149,7 @@ class FakeProbe:
         self.slot = "main"  # where the gateway sends new requests
         self.no_room: Optional[str] = None  # what overlap_problem answers
         self.no_room_in_place: Optional[str] = None  # what in_place_problem answers
+        self.never_fits: Optional[str] = None  # ... asked whether the new KV cache fits even alone
         self.calls: list[str] = []
         self.outcomes: list[str | None] = []  # what each resume or switch told the gateway
         self.drain_result = control.Drained(drained=True, remaining=0, state="paused")
@@ -228,8 +229,10 @@ class FakeProbe:
     def memory_problem(self, cfg, memory: Memory, standby_grows: bool = False) -> Optional[str]:
         return None
 
-    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: Memory) -> Optional[str]:
-        return self.no_room_in_place
+    def in_place_problem(self, cfg, health: Optional[EngineHealth], memory: Memory,
+                         alone: bool = False) -> Optional[str]:
+        """NO_ROOM_IN_PLACE, beside the serving runner; NEVER_FITS alone."""
+        return self.never_fits if alone else self.no_room_in_place
 
     def overlap_problem(self, cfg, health: Optional[EngineHealth], memory: Memory, weights: int = 0,
                         swap: bool = False) -> Optional[str]:

@@ -10,9 +10,11 @@ place rather than restarting."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
+import msgspec
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -20,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reload_fakes import World  # noqa: E402
 
 from hostd import units  # noqa: E402
+from hostd.config import schema  # noqa: E402
+from hostd.engine.health import EngineHealth  # noqa: E402
+from hostd.manager import errors, preflight  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 from hostd.manager.operation import Stage  # noqa: E402
 from hostd.manager.strategies import IN_PLACE  # noqa: E402
@@ -108,6 +113,41 @@ def test_no_room_for_the_new_kv_cache_beside_the_old_runs_as_overlap_and_says_wh
     assert (op.state, op.strategy_name) == (R.State.DONE, "overlap")
     assert "no in-place reload: the new runner's KV cache of 60000 MiB ... but 512 MiB are free" in op.notes
     assert "rebuild main" not in world.probe.calls
+
+
+def test_a_kv_cache_that_never_fits_is_refused_touching_nothing(tmp_path):
+    world = World(tmp_path, strategy="in-place")
+    world.probe.never_fits = "the new runner's KV cache of 9999999 MiB ... even once the serving runner's is freed"
+    try:
+        run(world.reload({"kv_cache_mib": 9999999}))
+    except errors.InsufficientMemory as exc:
+        assert "9999999 MiB" in str(exc)
+    else:
+        raise AssertionError("not refused")
+    assert jobs(world) == [] and not world.dropin.exists() and world.records.intent("tiny") is None
+    assert not any(c.startswith(("rebuild", "drain", "switch")) for c in world.probe.calls)
+
+
+def test_the_preflight_counts_the_new_kv_cache_beside_the_old_and_alone(tmp_path):
+    """Preflight.in_place_problem's arithmetic on a GPU reading: the new
+    cache and the reserve against free memory; alone, with the serving
+    runner's cache (its /health's kv_cache_bytes) given back."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
+         "max_position_embeddings": 32768, "dtype": "bfloat16"}))  # Qwen2.5-7B's shape
+    cfg = msgspec.convert({"backend": "builtin", "model": str(tmp_path), "device": "cuda", "gpus": [0],
+                           "engine": {"kv_cache_mib": 4096}, "reload": {"overlap_reserve_mib": 256}},
+                          schema.BuiltinModel)
+    health = EngineHealth(kv_cache_bytes=2048 << 20)
+    pre = preflight.Preflight("tiny")
+
+    def reading(free_mib: int) -> preflight.Memory:
+        return preflight.Memory([preflight.GpuMemory(0, 80 << 30, free_mib << 20, 10 << 30, 15 << 30)], "")
+    assert pre.in_place_problem(cfg, health, reading(4352)) is None  # 4096 + 256
+    beside = pre.in_place_problem(cfg, health, reading(4351))
+    assert beside.startswith("GPU 0: the new runner's KV cache of 4096 MiB") and "4351 MiB would be free" in beside
+    assert pre.in_place_problem(cfg, health, reading(2304), alone=True) is None  # 2304 + the old 2048
+    assert "even once the serving runner's is freed" in pre.in_place_problem(cfg, health, reading(2303), alone=True)
 
 
 def test_a_backend_that_cannot_rebuild_in_place_runs_as_overlap_and_says_why(tmp_path):

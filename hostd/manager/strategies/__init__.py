@@ -99,7 +99,12 @@ async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
     memory raises (errors.InsufficientMemory, by the caller)."""
     op, current = run.op, run.current
     if current.reload.strategy == IN_PLACE.name:
-        refusal = in_place_refusal(run) or IN_PLACE.memory_problem(run, memory)
+        refusal = in_place_refusal(run)
+        if refusal is None:
+            never = run.model.probe.in_place_problem(run.target, run.health, memory, alone=True)
+            if never:  # no engine of this config fits: refused, whatever would run it
+                raise errors.InsufficientMemory(never)
+            refusal = IN_PLACE.memory_problem(run, memory)
         if refusal is None:
             return IN_PLACE, "every changed key is the engine's limits: it rebuilds in its own process"
         op.notes.append(f"no in-place reload: {refusal}")  # as under overlap; the Operation says why
