@@ -6,7 +6,7 @@ Driven through the manager with the fake systemd and probe of
 reload_fakes.py; the expected paths are spelled here, from docs/dbus-api.md,
 not read from the module under test.
 
-A fifth strategy (beside restart, overlap, standby, swap) needs no file: a dummy
+Another strategy (beside restart, overlap, standby, swap, in-place) needs no file: a dummy
 one, defined here, runs through the same manager and Operation object and
 publishes its own stages and Cancellable, and recovery after a crash under it
 calls its own hooks."""
@@ -36,16 +36,18 @@ PATHS = {  # docs/dbus-api.md, "Stages"
                 "resume", "retire", "commit", "finished"],
     "standby": ["validate", "preflight", "record", "rebuild", "switch", "settle", "restart", "verify",
                 "resume", "commit", "finished"],
+    "in-place": ["validate", "preflight", "record", "rebuild", "verify", "commit", "finished"],
 }
 CANCELLABLE = {  # docs/dbus-api.md, "Cancel()": until the drain, or until the switch
     "restart": {"preflight", "record", "drain"},
     "overlap": {"preflight", "record", "start-next"},
     "standby": {"preflight", "record", "rebuild"},
+    "in-place": {"preflight", "record"},
 }
 
 
 def world_for(tmp_path: Path, strategy: str, monkeypatch) -> World:
-    world = World(tmp_path, strategy="restart" if strategy == "restart" else "overlap",
+    world = World(tmp_path, strategy=strategy if strategy in ("restart", "in-place") else "overlap",
                   standby=strategy == "standby")
     as_root(world, monkeypatch)
     return world
@@ -113,10 +115,10 @@ def hold(world: World, strategy: str) -> asyncio.Event:
     else:
         real_verify = probe.verify_engine
 
-        async def verify(cfg, weights, slot="main"):
+        async def verify(cfg, weights, slot="main", **more):
             if slot == "next":
                 await release.wait()
-            return await real_verify(cfg, weights, slot)
+            return await real_verify(cfg, weights, slot, **more)
         probe.verify_engine = verify
     return release
 
