@@ -85,6 +85,7 @@ after it started).
 
     python benchmarks/availability.py --clients 4 --seconds 60 --reloads 5
     python benchmarks/availability.py --strategies restart,overlap,standby --kills 2   # with and without a standby
+    python benchmarks/availability.py --strategies in-place,standby,overlap,restart --kills 2   # issue 50's table
     python benchmarks/availability.py --strategies standby   # one stack, standby only
     python benchmarks/availability.py --strategies swap --reloads 2   # checkpoint swaps
     python benchmarks/availability.py --backend vllm --strategies swap --workdir /var/tmp/hb-vllm
@@ -125,7 +126,7 @@ from harness.upstream_envs import VLLM_ENV  # noqa: E402
 
 # The tiny Llama's positions (harness/tiny_llama.py): vLLM's max_model_len.
 TINY_LLAMA_POSITIONS = 256
-STRATEGIES = ("restart", "overlap", "standby", "swap")
+STRATEGIES = ("in-place", "restart", "overlap", "standby", "swap")
 
 
 @dataclass
@@ -330,6 +331,36 @@ class Stack:
         self.engine = self.start_engine("main")
         self.phase("engine_start", mark)
         self.tree.control("switch", slot="main")
+        return switched
+
+    def in_place(self, drain_timeout: float) -> float:
+        """The in-place strategy, as the manager runs it: the main engine
+        rebuilds on the new config in its own process (the old runner
+        finishes what it admitted; no process starts) and is verified with a
+        smoke request; returns when the rebuild answered (new requests go to
+        the new runner from its swap on). The engine's PID must not change."""
+        assert self.engine
+        self.next_config()
+        running = engine_health(self.socket("main")).get("engine_config") or {}
+        section = {**running, "max_num_seqs": self.limits[self.reloads % 2]}
+        pid = engine_health(self.socket("main")).get("pid")
+        transport = httpx.HTTPTransport(uds=str(self.socket("main")))
+        mark = time.monotonic()
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
+            answer = http.post("/hostd/rebuild", json={"engine": section})
+            if answer.status_code != 200:
+                raise RuntimeError(f"the engine refused the rebuild: {answer.text[:300]}")
+            mark = self.phase("rebuild", mark)
+            for name, seconds in (answer.json().get("rebuild_s") or {}).items():
+                self.phases[f"rebuild.{name}"] = seconds  # the engine's own phases of it
+            switched = self.switched()
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
+            http.post("/v1/completions", json={"model": self.tree.name, "prompt": "Hi", "max_tokens": 1})
+            self.phase("verify", mark)
+        after = engine_health(self.socket("main")).get("pid")
+        print(f"# in-place: engine PID {pid} before the reload, {after} after", file=sys.stderr)
+        if after != pid or after != self.engine.pid:
+            raise RuntimeError(f"the engine's PID changed: {pid} -> {after}")
         return switched
 
     def swap(self, drain_timeout: float) -> float:
@@ -599,7 +630,7 @@ def run_strategy(stack: Stack, strategy: str, args, gpu: bool) -> Run:
         run.skipped = "this gateway has no `switch` control verb (issue 14, phase 2)"
         return run
     reload = {"restart": stack.restart, "overlap": stack.overlap, "standby": stack.standby_reload,
-              "swap": stack.swap}[strategy]
+              "swap": stack.swap, "in-place": stack.in_place}[strategy]
     sampler = MemorySampler(gpu)
     sampler.start()
     until = time.monotonic() + args.seconds

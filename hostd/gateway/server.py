@@ -313,16 +313,31 @@ class Gateway:
 
         slot = self.slots.current  # the engine this request goes to, whatever a switch does meanwhile
         self.admission.sent(slot)
+
+        async def send() -> web.StreamResponse:
+            return await forward.forward(
+                self.sessions[slot], target, request, body, drop=self.drop_headers,
+                add={"X-Request-Id": uuid.uuid4().hex},
+                on_start=first_byte, on_chunk=chunk, stream_error=self.stream_error,
+            )
+
         try:
             for attempt in range(2):
                 try:
-                    response = await forward.forward(
-                        self.sessions[slot], target, request, body, drop=self.drop_headers,
-                        add={"X-Request-Id": uuid.uuid4().hex},
-                        on_start=first_byte, on_chunk=chunk, stream_error=self.stream_error,
-                    )
+                    response = await send()
                     break
                 except forward.Unreachable as exc:
+                    if not attempt and (not exc.taken or retry.retried(request.method, path, body)):
+                        # Once more to the same engine on a new connection, before
+                        # calling it lost: an engine that replaced its runner (a
+                        # rebuild in place) closes the old one's idle keep-alive
+                        # connections, and one may close as this request is sent on it.
+                        log.info("engine connection lost before an answer (%s slot): %s; once more", slot, exc)
+                        try:
+                            response = await send()
+                            break
+                        except forward.Unreachable as again:
+                            exc = again
                     log.warning("engine unreachable (%s slot): %s", slot, exc)
                     await self._engine_lost(slot)
                     if attempt or self.slots.current == slot or self.admission.state != State.SERVING or (

@@ -11,6 +11,7 @@ drives the same pieces through systemd: tests/system/test_standby_units.py.)"""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -161,6 +162,35 @@ def test_the_main_engine_rebuilds_in_place_under_streams_on_its_full_budget_and_
             refused = http.post("/hostd/rebuild", json={"engine": {**section, "max_model_len": 99999}})
             assert refused.status_code == 422 and "max_position_embeddings" in refused.json()["error"]
             assert http.get("/health").json()["engine_config"] == section
+        # Rebuilds under back-to-back short requests: the old runner's idle
+        # keep-alive connections close under the gateway's feet, and none of
+        # its requests may be answered 503 for it (the gateway sends once more
+        # on a new connection before calling the engine lost).
+        outcomes: list[str] = []
+        stop = threading.Event()
+
+        def short_requests() -> None:
+            api = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            while not stop.is_set():
+                try:
+                    api.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0)
+                    outcomes.append("ok")
+                except openai.APIError as exc:
+                    outcomes.append(repr(exc)[:200])
+
+        with tree.http() as http, ThreadPoolExecutor(4) as pool:
+            workers = [pool.submit(short_requests) for _ in range(4)]
+            try:
+                wait_for(lambda: len(outcomes) >= 20, 120, "short requests flowing")
+                for n in (6, 8, 6, 8):
+                    answer = http.post("/hostd/rebuild", json={"engine": {**section, "max_num_seqs": n}})
+                    assert answer.status_code == 200, answer.text
+                    time.sleep(0.3)
+            finally:
+                stop.set()
+            for worker in workers:
+                worker.result(120)
+        assert [o for o in outcomes if o != "ok"] == [] and len(outcomes) > 20
         assert sum(tree.control("status").get("rejected", {}).values()) == 0
         nxt = tree.start_engine("--slot", "next", wait=False)
         wait_for(lambda: healthy(tree.runtime_dir / paths.ENGINE_SOCKETS["next"]), 600, "the next engine", nxt.proc)
