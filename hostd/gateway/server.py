@@ -62,6 +62,7 @@ import signal
 import socket
 import uuid
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Optional
 
 import aiohttp
@@ -106,6 +107,22 @@ def gateway_metrics(gateway: "Gateway") -> Metrics:
         "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: gateway.budget.used),
     }, ModelFacts(gateway.name, gateway.cfg.backend, gateway.backend.upstream_package,
                   numeric_fields(msgspec.to_builtins(gateway.cfg.gateway))))
+
+
+async def once_more_if_closed(send: Callable[[], Awaitable[web.StreamResponse]], slot: str, method: str, path: str,
+                              body: bytes) -> web.StreamResponse:
+    """SEND()'s answer; when the engine's connection closed before an answer
+    and the request was not taken or may run twice (retry.py), SEND() once
+    more on a new connection before anyone calls the engine lost: an engine
+    that replaced its runner (a rebuild in place) closes the old one's idle
+    keep-alive connections, and one may close as a request is sent on it."""
+    try:
+        return await send()
+    except forward.Unreachable as exc:
+        if exc.taken and not retry.retried(method, path, body):
+            raise
+        log.info("engine connection lost before an answer (%s slot): %s; once more", slot, exc)
+    return await send()
 
 
 class Gateway:
@@ -324,20 +341,9 @@ class Gateway:
         try:
             for attempt in range(2):
                 try:
-                    response = await send()
+                    response = await once_more_if_closed(send, slot, request.method, path, body)
                     break
                 except forward.Unreachable as exc:
-                    if not attempt and (not exc.taken or retry.retried(request.method, path, body)):
-                        # Once more to the same engine on a new connection, before
-                        # calling it lost: an engine that replaced its runner (a
-                        # rebuild in place) closes the old one's idle keep-alive
-                        # connections, and one may close as this request is sent on it.
-                        log.info("engine connection lost before an answer (%s slot): %s; once more", slot, exc)
-                        try:
-                            response = await send()
-                            break
-                        except forward.Unreachable as again:
-                            exc = again
                     log.warning("engine unreachable (%s slot): %s", slot, exc)
                     await self._engine_lost(slot)
                     if attempt or self.slots.current == slot or self.admission.state != State.SERVING or (
