@@ -453,6 +453,58 @@ def test_reloads_of_both_strategies_under_streaming_load_lose_nothing(host, gpu,
     assert "(strategy overlap: room for a second engine" in journal(host, "hostd.service")
 
 
+def test_an_in_place_reload_under_streaming_load_starts_no_process(host, gpu, results):
+    """reload.strategy: in-place (issue 50) on CUDA, through busctl and
+    `systemctl reload` under the tier's load: no request answered 503 or
+    lost, the engine's and the weight daemon's MainPIDs unchanged, the new
+    value served; the seconds until it serves (the engine's /health, polled)
+    and the whole reload; NVML before, the peak during, and after (the old
+    runner's KV cache freed: back near where it was)."""
+    serving(host)
+    engine, weights = main_pid(host, ENGINE), main_pid(host, WEIGHTS)
+    figures: dict = {"reloads": []}
+    with strategy(host, "in-place"):
+        for door in (reload_by_busctl, reload_by_systemctl):
+            target = another_value(host)
+            served: list[float] = []
+            peak = [gpu.used() if gpu is not None else 0.0]
+            before = peak[0]
+
+            def watch(started: float, done: threading.Event) -> None:
+                while not done.is_set():
+                    if gpu is not None:
+                        peak.append(gpu.used())
+                    if not served and running_max_num_seqs(host) == target:
+                        served.append(round(time.monotonic() - started, 3))
+                    time.sleep(0.02)
+
+            with streaming_load(host, gpu, "in-place") as run:
+                done = threading.Event()
+                t0 = time.monotonic()
+                watcher = threading.Thread(target=watch, args=(t0, done))
+                watcher.start()
+                path = door(host, target)
+                reload_s = round(time.monotonic() - t0, 2)
+                time.sleep(1.0)
+                done.set()
+                watcher.join()
+            counts = outcome_counts(run)
+            state, used = op_property(host, path, "State"), op_property(host, path, "Strategy")
+            figures["reloads"].append({
+                "door": door.__name__, "state": state, "strategy": used, "reload_s": reload_s,
+                "new_config_serves_s": served[0] if served else None, "notes": op_property(host, path, "Notes"),
+                "gpu_mib": {"before": round(before), "peak": round(max(peak)),
+                            "after": round(gpu.used()) if gpu is not None else 0}, **counts})
+            results["in_place"] = figures
+            assert (state, used) == ("done", "in-place"), (state, used, op_property(host, path, "Error"))
+            assert op_property(host, path, "WeightsReused") is True
+            assert counts["503"] == 0 and counts["lost"] == 0 and counts["error"] == 0, (counts, sorted(
+                {o.detail for o in run.outcomes if o.kind != "completed"}))
+            assert counts["completed"] > 0 and running_max_num_seqs(host) == target
+            assert (main_pid(host, ENGINE), main_pid(host, WEIGHTS)) == (engine, weights)  # no process started
+    assert completes(host)
+
+
 def test_the_nvml_preflight_finding_no_room_falls_back_to_restart_and_says_why(host, gpu, results):
     serving(host)
     # More than any GPU has must stay free beside a second engine.
