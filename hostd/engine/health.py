@@ -80,10 +80,12 @@ class EngineHealth(msgspec.Struct, kw_only=True):
     upstream_health: Union[int, None, UnsetType] = UNSET  # upstream's own /health status code
     upstream_pid: Union[int, None, UnsetType] = UNSET
 
-    def get(self, name: str, default: Any = None) -> Any:
-        """Field NAME, DEFAULT when the engine did not send it."""
-        value = getattr(self, name, UNSET)
-        return default if value is UNSET else value
+
+
+def sent(value: Any) -> Any:
+    """A field's VALUE as the engine sent it, None when it did not send it
+    (UNSET): read `sent(health.engine_config)`, never by name."""
+    return None if value is UNSET else value
 
 
 def facts(**fields: Any) -> dict[str, Any]:

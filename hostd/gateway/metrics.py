@@ -32,6 +32,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 import hostd
+from hostd.engine import health as engine_health
 from hostd.engine.health import EngineHealth
 
 # Request durations of an LLM API: milliseconds (model info, tokenize) to
@@ -161,8 +162,8 @@ class ModelFacts:
         if health is None:
             self.engine_limits, self.weights = {}, None
             return
-        self.engine_limits = numeric_fields(health.get("engine_config"))
-        self.weights = health.get("weights")  # "daemon" | "disk": the type admits no other
+        self.engine_limits = numeric_fields(engine_health.sent(health.engine_config))
+        self.weights = engine_health.sent(health.weights)  # "daemon" | "disk": the type admits no other
         if health.upstream_version:
             self.upstream_version = health.upstream_version
 

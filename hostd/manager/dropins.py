@@ -25,7 +25,7 @@ import msgspec
 from hostd import config as hostd_config
 from hostd.config import schema, yaml_files
 from hostd.config.atomic import remove_durably, write_atomic
-from hostd.engine.health import EngineHealth
+from hostd.engine.health import EngineHealth, sent
 from hostd.manager import errors
 from hostd.manager.records import Committed
 
@@ -117,7 +117,7 @@ def previous_engine(backend: str, committed: Optional[Committed], health: Option
     valid engine section of BACKEND, re-rendered from the schema's type. Text
     the engine sent is never written as such; None when neither is usable."""
     engine_type = schema.ENGINE_TYPES[backend]
-    for source in (committed.engine if committed else None, health.get("engine_config") if health is not None else None):
+    for source in (committed.engine if committed else None, sent(health.engine_config) if health is not None else None):
         if source is None:
             continue
         try:
