@@ -18,7 +18,7 @@ ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 
 # polkit actions (packaging/org.hostd1.policy): what each allows. Only the
 # actions a method asks for (authority.admin): the policy ships no other.
-# CheckReload asks none: it changes nothing (docs/dbus-api.md says why).
+# CheckReload asks none: it changes nothing (authority.anyone; docs/dbus-api.md says why).
 ACTIONS = {
     "org.hostd1.reload": "reload a model (Reload, ReloadJSON, Model.Reload)",
     "org.hostd1.manage": "start, stop or restart a model, or cancel its operation",

@@ -24,6 +24,7 @@ from hostd import config as hostd_config
 from hostd.config import redact, schema
 from hostd.manager import api, log_levels
 from hostd.manager import reload as reload_mod
+from hostd.manager import authority
 from hostd.manager.authority import admin
 from hostd.manager.errors import replies
 from hostd.manager.operation_bus import OperationInterface
@@ -360,7 +361,7 @@ class ModelInterface(ServiceInterface):
         return await asyncio.shield(cached[2])  # a caller that leaves does not cancel the others' reading
 
     @method()
-    @replies
+    @authority.anyone("a dry run of Reload: it changes nothing")
     async def CheckReload(self, patch: "a{sv}") -> "s":
         """What Reload(PATCH) would do, JSON (Manager.CheckReload); read-only."""
         return await self.manager.check_reload(self.model_name, patch_from_variants(patch))

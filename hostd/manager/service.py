@@ -37,6 +37,7 @@ from hostd import logs
 from hostd.config import schema
 from hostd.manager import api, errors, recovery
 from hostd.manager import reload as reload_mod
+from hostd.manager import authority
 from hostd.manager.authority import Authority, CallerAwareBus, admin
 from hostd.manager.errors import replies
 from hostd.manager.model_bus import GATEWAY_UP, ModelInterface
@@ -271,12 +272,12 @@ class Manager(ServiceInterface):
 
     # Read-only: no polkit (docs/dbus-api.md says why), as ListModels.
     @method()
-    @replies
+    @authority.anyone("a dry run of Reload: it changes nothing")
     async def CheckReload(self, name: "s", patch: "a{sv}") -> "s":
         return await self.check_reload(name, patch_from_variants(patch))
 
     @method()
-    @replies
+    @authority.anyone("a dry run of Reload: it changes nothing")
     async def CheckReloadJSON(self, name: "s", patch: "s") -> "s":
         return await self.check_reload(name, patch_from_json(patch))
 
