@@ -35,7 +35,7 @@ from dbus_fast.service import ServiceInterface, method, signal
 from hostd import config as hostd_config
 from hostd import logs
 from hostd.config import schema
-from hostd.manager import api, errors, recovery
+from hostd.manager import api, errors, recovery, tasks
 from hostd.manager import reload as reload_mod
 from hostd.manager import authority
 from hostd.manager.authority import Authority, CallerAwareBus, admin
@@ -63,7 +63,6 @@ class Manager(ServiceInterface):
         self.models: dict[str, ModelInterface] = {}
         self.operations: dict[int, OperationInterface] = {}
         self._by_unit: dict[str, ModelInterface] = {}
-        self._tasks: set[asyncio.Task] = set()
         # Reload checks need no polkit, so any local user may send them: one
         # model's run one at a time, and a flood of them waits its turn (the
         # bus caps each caller's pending calls) instead of fanning out into
@@ -73,11 +72,10 @@ class Manager(ServiceInterface):
 
     # ------------------------------------------------------------ plumbing
 
-    def keep(self, task: asyncio.Task) -> asyncio.Task:
-        """Hold a strong reference until TASK ends (asyncio keeps only weak ones)."""
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    @staticmethod
+    def keep(task: asyncio.Task) -> asyncio.Task:
+        """Hold a strong reference until TASK ends (tasks.keep: the one keeper)."""
+        return tasks.keep(task)
 
     def model(self, name: str) -> ModelInterface:
         """The model NAME; the loader's config.NoSuchModel (its name rule, or no

@@ -23,6 +23,7 @@ from hostd.config import ConfigError, Problem  # noqa: E402
 from hostd.manager import api, errors, model_bus, service  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 from hostd.manager.records import Degraded  # noqa: E402
+from hostd.manager.tasks import pending as kept_tasks  # noqa: E402
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ async def manager_of(world: World) -> service.Manager:
     await world.connect()
     manager = service.Manager(world.bus, world.systemd, world.root, world.records)
     manager.discover()
-    await asyncio.gather(*manager._tasks)  # tracking: one GetAll per unit
+    await asyncio.gather(*kept_tasks())  # tracking: one GetAll per unit
     return manager
 
 
@@ -460,7 +461,7 @@ def test_a_reload_during_recovery_answers_busy_and_the_recovery_is_a_visible_ope
         assert op.op.state == R.State.ROLLED_BACK and not op.running
         assert world.probe.engine["max_num_seqs"] == 8  # the config before the interrupted reload
         await manager.reload("tiny", {"max_num_seqs": 32})  # free again
-        await asyncio.gather(*manager._tasks)
+        await asyncio.gather(*kept_tasks())
         assert world.probe.engine["max_num_seqs"] == 32
         assert world.records.committed("tiny").engine["max_num_seqs"] == 32
 

@@ -21,6 +21,7 @@ from reload_fakes import World  # noqa: E402
 from hostd.gateway import control  # noqa: E402
 from hostd.manager import model_bus, probe, service  # noqa: E402
 from hostd.manager.probe import Probe  # noqa: E402
+from hostd.manager.tasks import pending as kept_tasks  # noqa: E402
 
 
 def control_server(tmp_path: Path, answer):
@@ -135,7 +136,7 @@ def test_one_models_bad_gateway_answer_does_not_stop_the_others_in_flight_counts
         await world.connect()
         manager = service.Manager(world.bus, world.systemd, world.root, world.records)
         manager.discover()
-        await asyncio.gather(*manager._tasks)
+        await asyncio.gather(*kept_tasks())
         assert {m.state for m in manager.models.values()} == {"serving"}
         watch = asyncio.create_task(manager.watch_in_flight())
         for _ in range(200):

@@ -23,6 +23,7 @@ from reload_fakes import World  # noqa: E402
 from hostd.manager import model_bus, service  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 from hostd.manager.systemd1 import MANAGER  # noqa: E402
+from hostd.manager.tasks import pending as kept_tasks  # noqa: E402
 
 # The gateway and unit verbs a check must never send (reads only).
 CHANGING_PROBE_CALLS = ("drain", "resume", "switch", "settle", "rebuild", "verify")
@@ -39,7 +40,7 @@ async def manager_of(world: World, monkeypatch) -> service.Manager:
     await world.connect()
     manager = service.Manager(world.bus, world.systemd, world.root, world.records)
     manager.discover()
-    await asyncio.gather(*manager._tasks)
+    await asyncio.gather(*kept_tasks())
     return manager
 
 
@@ -82,7 +83,7 @@ def test_a_valid_check_says_what_would_change_and_the_strategy_and_changes_nothi
         assert_nothing_changed(world, manager, before, sent)
         # And the reload then does what the check said.
         await manager.reload("tiny", {"max_num_seqs": 4})
-        await asyncio.gather(*manager._tasks)
+        await asyncio.gather(*kept_tasks())
         [op] = manager.operations.values()
         assert op.op.id == 1  # the checks took no id
         assert (op.op.state, op.op.strategy_name) == (R.State.DONE, "overlap")
@@ -198,7 +199,7 @@ def test_a_check_refuses_a_stopped_model_and_a_busy_one_as_reload_does(tmp_path,
         assert busy.value.type == "org.hostd1.Error.Busy"
         assert busy.value.text == "model tiny is busy with operation 1; wait for it or cancel it"
         release.set()
-        await asyncio.gather(*manager._tasks)
+        await asyncio.gather(*kept_tasks())
         world.bus.set_state("model@tiny.service", "inactive")
         with pytest.raises(DBusError) as stopped:
             await call(manager.CheckReloadJSON, "tiny", '{"max_num_seqs": 3}')

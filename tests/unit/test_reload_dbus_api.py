@@ -27,6 +27,7 @@ from hostd import units  # noqa: E402
 from hostd.manager import authority, model_bus, service  # noqa: E402
 from hostd.manager.preflight import Preflight  # noqa: E402
 from hostd.manager.probe import Probe  # noqa: E402
+from hostd.manager.tasks import pending as kept_tasks  # noqa: E402
 
 STRATEGIES = ("overlap", "restart")
 GiB, MiB = 1 << 30, 1 << 20
@@ -66,7 +67,7 @@ async def manager_of(world: World) -> service.Manager:
     await world.connect()
     manager = service.Manager(world.bus, world.systemd, world.root, world.records)
     manager.discover()
-    await asyncio.gather(*manager._tasks)
+    await asyncio.gather(*kept_tasks())
     return manager
 
 

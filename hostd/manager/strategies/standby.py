@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Optional
 import msgspec
 
 from hostd import backends
+from hostd.manager import tasks
 from hostd.manager.operation import Stage, State
 from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
@@ -230,11 +231,6 @@ async def put_standby_on(model: ModelHandles, engine: dict, timeout: float,
         return "restarted"
 
 
-# Jobs the manager started and does not wait for (restart_in_background):
-# held here so that the event loop keeps them to their end.
-_BACKGROUND: set = set()
-
-
 def restart_in_background(model: ModelHandles, unit: str, timeout: float) -> None:
     """systemd restarts UNIT of MODEL; the caller goes on. Its end is logged."""
 
@@ -245,6 +241,4 @@ def restart_in_background(model: ModelHandles, unit: str, timeout: float) -> Non
         except Exception as exc:  # systemd's Restart= and the journal have the rest
             log.error("restarting %s failed: %s", unit, exc)
 
-    task = asyncio.ensure_future(restart())
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+    tasks.keep(asyncio.ensure_future(restart()))  # the manager's one keeper
