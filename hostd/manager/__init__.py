@@ -8,6 +8,7 @@
     api.py           the names it shares with clients
     operation.py     a reload's states, stages and allowed transitions
     patch.py         the checks a reload patch passes before anything reads it
+    change.py        what a reload changes: the engine's limits, or the checkpoint
     reload.py        the reload's skeleton (validate, preflight, record, commit, rollback) and its one driver
     strategies/      the reload strategies, one file each (restart, overlap, standby, swap, in-place): stages, hooks, recovery
     preflight.py     whether a reload fits (memory by NVML) and which strategy runs it

@@ -56,6 +56,7 @@ from hostd.config import schema
 from hostd.config.atomic import write_atomic
 from hostd.engine.health import EngineHealth
 from hostd.manager import errors
+from hostd.manager.change import Change, change_of
 from hostd.manager.dropins import (
     RELOAD_DROPIN, RELOAD_HEADER, ROLLBACK_DROPIN, merge_patch, previous_engine, read_text, render,
     restore_file, rollback_header,
@@ -122,11 +123,7 @@ class Reload:
         self.switched = False  # the gateway sends new requests to the strategy's second engine (SecondEngine)
         self.rebuilt: Optional[EngineHealth] = None  # the main engine's /health as its rebuild in place answered
         self.strategy_reason = ""
-        # A checkpoint swap (the target's checkpoint is not the one the main
-        # weight daemon holds): its resolved directory, and the one held now.
-        self.checkpoint: Optional[str] = None
-        self.previous_checkpoint: Optional[str] = None
-        self.digest: Optional[str] = None  # the new checkpoint's content digest, as its daemon reported it
+        self.change = Change()  # the limits, or a checkpoint swap (change.py): validate's answer
 
     # ------------------------------------------------------------ stages
 
@@ -149,7 +146,7 @@ class Reload:
         committed = self.model.records.committed(name)
         self.current = current.config
         health = self.health = await self.model.probe.engine_health()
-        weights = await self.model.probe.weights_status()  # asked once: restarted_since, swap_of, record
+        weights = await self.model.probe.weights_status()  # asked once: restarted_since, change_of, record
         self.weights_before = identity(weights)
         # What the engine runs now: what a rollback must bring back.
         self.running_engine = previous_engine(current.config.backend, committed, health)
@@ -161,9 +158,8 @@ class Reload:
             self.target = current.config
         if committed is not None and not restarted_since(committed, self.weights_before):
             check_fixed_unchanged(self.model, committed, self.target, swappable)
-        swap = swap_of(self.model, self.target, "model" in patch, weights) if swappable else None
-        if swap is not None:
-            self.checkpoint, self.previous_checkpoint = swap
+        if swappable:
+            self.change = change_of(name, self.model.weights_unit, self.target, "model" in patch, weights)
         if not patch and self.running_engine is None:
             raise errors.NotRunning(f"the engine of {name} does not answer (or reports no valid engine section) "
                                     "and nothing is committed; cannot tell what it runs")
@@ -171,7 +167,7 @@ class Reload:
         if problems:
             raise errors.InvalidValue("; ".join(problems))
         # Nothing to apply when the engine answers and runs the target already, on its checkpoint.
-        self.unchanged = (self.checkpoint is None and health is not None
+        self.unchanged = (not self.change.swaps and health is not None
                           and Probe.runs(health, msgspec.to_builtins(self.target.engine)))
 
     async def preflight(self) -> None:
@@ -200,8 +196,8 @@ class Reload:
             previous_engine=self.running_engine,
             target_engine=msgspec.to_builtins(self.target.engine),
             weights=self.weights_before,
-            previous_checkpoint=self.previous_checkpoint,
-            checkpoint=self.checkpoint,
+            previous_checkpoint=self.change.previous,
+            checkpoint=self.change.checkpoint,
         )
         self.model.records.write_intent(self.model.name, self.intent)
         if self.reload_text is not None:
@@ -244,8 +240,8 @@ class Reload:
         if self.running_engine is None:
             raise RuntimeError("no committed or schema-valid previous values to pin")
         pinned = {"engine": self.running_engine}
-        if self.checkpoint is not None:  # a swap from the admin's files: the checkpoint that served, too
-            pinned["model"] = self.previous_checkpoint
+        if self.change.swaps:  # a swap from the admin's files: the checkpoint that served, too
+            pinned["model"] = self.change.previous
         pin = render(ROLLBACK_DROPIN, rollback_header(cause), pinned)
         # The intent first: a manager killed from here on leaves a record
         # whose recovery keeps (or writes) this pin rather than removing it.
@@ -383,7 +379,7 @@ class Reload:
         # which holds the weights unless the backend says they are not retained.
         not_retained = weights_not_retained(self.target)
         # A checkpoint swap loaded new weights: none were reused.
-        op.weights_reused = self.weights_before is not None and not not_retained and self.checkpoint is None
+        op.weights_reused = self.weights_before is not None and not not_retained and not self.change.swaps
         if not_retained:
             op.notes.append(f"weights not retained ({not_retained}): the engine loaded them from disk")
             log.info("reload %d of %s: weights not retained (%s); the engine loaded them from disk",
@@ -442,23 +438,6 @@ def target_config(model: ModelHandles, reload_text: str, patch: dict):
     return cfg
 
 
-def swap_of(model: ModelHandles, target, asked: bool, status) -> Optional[tuple[str, str]]:
-    """(new checkpoint, the one held now) when a reload of MODEL to TARGET is a
-    checkpoint swap, else None: so when the target's checkpoint directory
-    (resolved: a symlink moved to another directory counts) is not the one
-    the main weight daemon holds (STATUS, validate's reading; None: it did
-    not answer). ASKED: the patch names `model`; then a daemon that does not
-    answer is refused (no telling what it holds), else the reload is one of
-    limits, as ever."""
-    if status is None:
-        if asked:
-            raise errors.NotRunning(f"the weight daemon of {model.name} ({model.weights_unit}) "
-                                    "does not answer: cannot tell which checkpoint it holds")
-        return None
-    wanted = str(Path(target.model).resolve())
-    return (wanted, status.fingerprint.model_path) if wanted != status.fingerprint.model_path else None
-
-
 def check_fixed_unchanged(model: ModelHandles, committed: Committed, target, swappable: tuple[str, ...] = ()) -> None:
     """Refuse a reload when a fixed field on disk (TARGET: the effective
     config) differs from what COMMITTED says runs; SWAPPABLE fields
@@ -513,8 +492,8 @@ def verdict(run: Reload) -> dict:
            or msgspec.to_builtins(run.current.engine))
     changes = {key: {"old": old.get(key), "new": new.get(key)}
                for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
-    if run.checkpoint is not None:  # a checkpoint swap: the directories, resolved
-        changes["model"] = {"old": run.previous_checkpoint, "new": run.checkpoint}
+    if run.change.swaps:  # a checkpoint swap: the directories, resolved
+        changes["model"] = {"old": run.change.previous, "new": run.change.checkpoint}
     if run.unchanged:
         strategy, reason = "", "the engine runs this config already: a reload would restart nothing"
     else:

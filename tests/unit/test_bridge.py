@@ -211,12 +211,14 @@ def test_a_swaps_preflight_counts_each_gpus_shard_of_the_new_checkpoint_and_name
     copy is its need already: nothing is added for the daemon."""
     from types import SimpleNamespace
 
+    from hostd.manager.change import Change
+
     from hostd.manager.strategies import swap_problem
 
     cfg = make(tmp_path, "vllm", tensor_parallel_size=2, gpus=[0, 1], weights=14 * GiB)
     bridge = 2048 * MiB + upstream.BRIDGE_NON_KV_BYTES + 256 * MiB
     probe = Probe("m")
-    run = SimpleNamespace(target=cfg, checkpoint=cfg.model, health=as_health({}), model=SimpleNamespace(probe=probe))
+    run = SimpleNamespace(target=cfg, change=Change(checkpoint=cfg.model), health=as_health({}), model=SimpleNamespace(probe=probe))
     fits = GpuMemory(0, 80 * GiB, bridge + 7 * GiB + MiB, 0, 7 * GiB)
     assert swap_problem(run, Memory([fits, fits._replace(index=1)], "")) is None
     short = fits._replace(index=1, free=bridge + 7 * GiB - MiB)
@@ -226,7 +228,7 @@ def test_a_swaps_preflight_counts_each_gpus_shard_of_the_new_checkpoint_and_name
 
     cpu = make(tmp_path, "vllm", device="cpu", weights=GiB, reload={"bridge_kv_mib": 512})
     need = GiB + 512 * MiB + upstream.BRIDGE_NON_KV_BYTES + 256 * MiB
-    run = SimpleNamespace(target=cpu, checkpoint=cpu.model, model=SimpleNamespace(probe=probe),
+    run = SimpleNamespace(target=cpu, change=Change(checkpoint=cpu.model), model=SimpleNamespace(probe=probe),
                           health=as_health({"memory": {"host_available": need + MiB}}))
     assert swap_problem(run, Memory(None, "")) is None
 

@@ -111,7 +111,7 @@ async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
         if not run.dry_run:
             log.info("reload %d of %s: no in-place reload (%s); as under overlap", op.id, op.model, refusal,
                      extra=op.fields())
-    if run.checkpoint is not None:
+    if run.change.swaps:
         return choose_swap(run, memory)
     standby = await standby_problem(run)
     if standby is None:

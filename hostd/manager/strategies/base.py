@@ -116,7 +116,7 @@ class Strategy:
         the main pair: the weight daemon loads the checkpoint on disk and the
         engine, bound to it (BindsTo=), follows; the daemon that answers then
         is the one verify holds the engine to."""
-        swap = run.checkpoint is not None
+        swap = run.change.swaps
         await restart_pair(run.model, job_timeout(cfg.timeouts.start), swap)
         if swap:
             run.weights_before = await run.model.probe.weights_identity()

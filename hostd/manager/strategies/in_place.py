@@ -160,7 +160,7 @@ def in_place_refusal(run: Reload) -> Optional[str]:
     backend = backends.for_config(target)
     if not backend.rebuilds_in_place:
         return f"the {target.backend} engine cannot change its limits in its own process"
-    if run.checkpoint is not None:
+    if run.change.swaps:
         return "the checkpoint changes: its weights load in a weight daemon of their own"
     if health is None:
         return "the engine does not answer /health"

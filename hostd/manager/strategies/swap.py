@@ -80,7 +80,7 @@ class Swap(Overlap):
         op.notes.append(f"new checkpoint: {described}")
         log.info("reload %d of %s: the new checkpoint is loaded: %s", op.id, op.model, described,
                  extra=op.fields(hostd_checkpoint=fp.model_path, hostd_content_digest=fp.content_digest))
-        run.digest = fp.content_digest
+        run.change.digest = fp.content_digest
         op.enter(Stage.START_NEXT)
         await model.systemd.start(model.swap_unit, timeout=timeout)
         await probe.verify_engine(run.target, (status.pid, status.socket_inode), "next", weights_slot="next")
@@ -89,13 +89,13 @@ class Swap(Overlap):
         """The main engine runs the target on the weights the new
         checkpoint's daemon reported (its content digest)."""
         await super().verify_main(run)
-        if run.digest is None:
+        if run.change.digest is None:
             return
         health = await run.model.probe.engine_health()
         seen = health.content_digest if health is not None and isinstance(health.content_digest, str) else None
-        if seen != run.digest:
+        if seen != run.change.digest:
             raise VerifyFailed(f"the main engine serves weights of content digest {seen}, "
-                               f"not the new checkpoint's {run.digest}")
+                               f"not the new checkpoint's {run.change.digest}")
 
     async def after_hand_back(self, run: Reload, outcome: str) -> None:
         await super().after_hand_back(run, outcome)
@@ -129,7 +129,7 @@ def swap_problem(run: Reload, memory: Memory) -> Optional[str]:
     its need (bridge_need) counts already."""
     cfg = run.target
     backend = backends.for_config(cfg)
-    weights = 0 if backend.weights_not_retained(cfg) else checkpoint_bytes(run.checkpoint)
+    weights = 0 if backend.weights_not_retained(cfg) else checkpoint_bytes(run.change.checkpoint)
     if backend.uses_gpu(cfg):
         weights //= max(1, getattr(cfg, "tensor_parallel_size", 1))  # builtin: one GPU
     problem = run.model.probe.overlap_problem(run.target, run.health, memory, weights, swap=True)
