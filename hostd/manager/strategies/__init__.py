@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hostd import backends
 from hostd.manager import errors
-from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+from hostd.manager.strategies.base import Run, Strategy, restart_main, until_asked
 from hostd.manager.strategies.in_place import InPlace, in_place_refusal
 from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.strategies.restart import Restart
@@ -58,7 +58,6 @@ from hostd.manager.strategies.standby import Standby, UpstreamStandby, put_stand
 from hostd.manager.strategies.swap import Swap, checkpoint_bytes, swap_problem
 
 if TYPE_CHECKING:
-    from hostd.manager.reload import Reload
     from hostd.manager.preflight import Memory
 
 __all__ = [
@@ -90,7 +89,7 @@ def named(name: str, cfg=None) -> Strategy:
     return standby_for(cfg) if strategy is STANDBY and cfg is not None else strategy
 
 
-async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
+async def choose(run: Run, memory: Memory) -> tuple[Strategy, str]:
     """The preflight's choice for RUN (a reload.Reload after validate;
     MEMORY: the preflight's one reading) and why: standby when the model's
     warm standby can take it (standby_problem), else overlap when configured,
@@ -133,7 +132,7 @@ async def choose(run: Reload, memory: Memory) -> tuple[Strategy, str]:
     return OVERLAP, "room for a second engine beside the serving one"
 
 
-def choose_swap(run: Reload, memory: Memory) -> tuple[Strategy, str]:
+def choose_swap(run: Run, memory: Memory) -> tuple[Strategy, str]:
     """A checkpoint swap: under reload.strategy restart, the model's weights
     and engine restart on the new checkpoint (503 meanwhile); otherwise the
     swap strategy, when the new weights and a second engine fit, else a
@@ -149,7 +148,7 @@ def choose_swap(run: Reload, memory: Memory) -> tuple[Strategy, str]:
     return SWAP, "room for the new checkpoint's weights and a second engine beside the serving pair"
 
 
-async def standby_problem(run: Reload) -> Optional[str]:
+async def standby_problem(run: Run) -> Optional[str]:
     """Why the standby cannot take RUN's reload ("" when the model has
     none), or None when it can: standby: true, reload.strategy is not
     restart, the standby answers, and the gateway sends new requests to the

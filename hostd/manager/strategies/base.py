@@ -3,12 +3,13 @@ honoured, and the hooks the reload and recovery call) and the helpers more
 than one strategy calls: until_asked (a stage that a Cancel() or a stop may
 end) and restart_main (recovery's restart of the main engine).
 
-Throughout the package RUN is the reload.Reload a strategy runs (its
-attributes are listed in that class's __init__) and MODEL the
-reload.ModelHandles recovery hands it; both are imported under
-TYPE_CHECKING only: reload.py imports this package at run time, the
-strategies reach back into it for types alone (test_import_graph counts
-what runs, not what a type checker reads).
+Throughout the package RUN is what a strategy is handed: the reload it runs,
+typed by the Run protocol below (reload.Reload satisfies it; a strategy
+reads nothing else of it), and MODEL the reload.ModelHandles recovery hands
+it. The higher types are imported under TYPE_CHECKING only: reload.py
+imports this package at run time, the strategies reach back into it for
+types alone (test_import_graph counts what runs, not what a type checker
+reads).
 
 Trust: the package's (strategies/__init__.py); nothing here is read from
 outside the manager.
@@ -20,17 +21,47 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from hostd.manager.operation import Cancelled, Interrupted, Operation, Stage, State, transitions
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
     from hostd.config.schema import ModelConfig
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.engine.health import EngineHealth
+    from hostd.manager.change import Change
+    from hostd.manager.reload import ModelHandles
     from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
+
+
+class Run(Protocol):
+    """What a strategy is handed: one checked reload (reload.Reload). Read
+    these, call these; nothing else of it."""
+
+    model: ModelHandles  # the model's units, files, systemd, probe and records
+    op: Operation  # the Operation the reload publishes
+    dry_run: bool  # a CheckReload: nothing is published or touched
+    current: ModelConfig  # the effective config before the reload
+    target: ModelConfig  # ... and after it
+    health: Optional[EngineHealth]  # the main engine's /health as validate read it
+    running_engine: Optional[dict]  # the engine section a rollback brings back
+    change: Change  # the limits, or a checkpoint swap (change.py)
+    weights_before: Optional[tuple[int, int]]  # the weight daemon verify holds engines to
+    recorded: bool  # the previous files are known: restore() may write
+    switched: bool  # the gateway sends new requests to the strategy's second engine
+    rebuilt: Optional[EngineHealth]  # the main engine's /health as its rebuild in place answered
+
+    def restore(self, cause: Optional[str] = None) -> None:
+        """The previous config back on disk (CAUSE: an engine's refusal)."""
+
+    async def verify(self, cfg: ModelConfig, slot: str = "main",
+                     health: Optional[EngineHealth] = None) -> EngineHealth:
+        """The engine in SLOT runs CFG on the reload's weights; its /health."""
+
+    async def stopping(self) -> bool:
+        """Is the model being stopped?"""
 
 
 async def until_asked(op: Operation, work: Coroutine[Any, Any, Any]) -> Any:
@@ -84,33 +115,33 @@ class Strategy:
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"
 
-    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         """Why the preflight refuses this strategy's reload for memory (MEMORY:
         its reading), or None."""
         return None
 
     # ------------------------------------------------------------ the driver's hooks
 
-    async def prepare(self, run: Reload) -> None:
+    async def prepare(self, run: Run) -> None:
         """The strategy's stages between record and the main engine's
         restart (a drain; a second engine made ready and switched to). Raise
         to abandon the reload (Cancelled, Interrupted: until_asked's; any
         other error: failure_cause says whether an engine failed)."""
 
-    async def failure_cause(self, run: Reload, exc: Exception) -> Optional[str]:
+    async def failure_cause(self, run: Run, exc: Exception) -> Optional[str]:
         """When prepare raised EXC because an engine failed: its own words
         (the reload then ends rolled-back); None when nothing failed that a
         rollback answers (a gateway error: failed)."""
         return None
 
-    async def restore(self, run: Reload, outcome: State, failed: Optional[str], interrupted: bool) -> None:
+    async def restore(self, run: Run, outcome: State, failed: Optional[str], interrupted: bool) -> None:
         """Undo what prepare did, after it raised: the files back (run.restore;
         FAILED: an engine's refusal, which pins an administrator's values)
         and the gateway serving from main again, unless INTERRUPTED (the
         model is being stopped: touch no unit). OUTCOME: how the run ends."""
         run.restore(failed)
 
-    async def put_main_on(self, run: Reload, cfg: ModelConfig) -> None:
+    async def put_main_on(self, run: Run, cfg: ModelConfig) -> None:
         """The main engine on CFG (the target, or the previous config in a
         rollback), restarted by systemd (restart_pair). In a checkpoint swap
         the main pair: the weight daemon loads the checkpoint on disk and the
@@ -121,12 +152,12 @@ class Strategy:
         if swap:
             run.weights_before = await run.model.probe.weights_identity()
 
-    async def verify_main(self, run: Reload) -> None:
+    async def verify_main(self, run: Run) -> None:
         """VERIFY: the main engine runs the target, answers, and attached the
         weight daemon the reload holds it to (reload.Reload.verify)."""
         await run.verify(run.target)
 
-    async def hand_back(self, run: Reload, outcome: str) -> None:
+    async def hand_back(self, run: Run, outcome: str) -> None:
         """The main engine serves the gateway's new requests again, after
         OUTCOME (done, rolled-back) of the main engine's replacement."""
 

@@ -43,7 +43,7 @@ import msgspec
 from hostd import backends
 from hostd.manager.operation import Stage, State
 from hostd.manager.probe import RebuildFailed
-from hostd.manager.strategies.base import Strategy
+from hostd.manager.strategies.base import Run, Strategy
 from hostd.manager.strategies.restart import Restart
 from hostd.manager.strategies.standby import put_standby_on
 from hostd.manager.systemd1 import job_timeout
@@ -51,7 +51,7 @@ from hostd.manager.systemd1 import job_timeout
 if TYPE_CHECKING:
     from hostd.config.schema import ModelConfig
     from hostd.manager.preflight import Memory
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.manager.reload import ModelHandles
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -71,10 +71,10 @@ class InPlace(Strategy):
     cancel_ends = "its rebuild in place"
     main_stage = Stage.REBUILD
 
-    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         return run.model.probe.in_place_problem(run.target, run.health, memory)
 
-    async def put_main_on(self, run: Reload, cfg: ModelConfig) -> None:
+    async def put_main_on(self, run: Run, cfg: ModelConfig) -> None:
         """The main engine rebuilds on CFG's engine section; in a rollback
         (CFG the previous config) only when it does not run it still (a
         refused rebuild left the old runner serving)."""
@@ -92,11 +92,11 @@ class InPlace(Strategy):
         log.info("reload %d of %s: the main engine rebuilt in place on %s config in %.2f s (%s)", op.id,
                  op.model, which, seconds, json.dumps(phases), extra=op.fields())
 
-    async def verify_main(self, run: Reload) -> None:
+    async def verify_main(self, run: Run) -> None:
         """As after a restart, on the /health the rebuild answered (not asked again)."""
         await run.verify(run.target, health=run.rebuilt)
 
-    async def hand_back(self, run: Reload, outcome: str) -> None:
+    async def hand_back(self, run: Run, outcome: str) -> None:
         """Done: a warm standby follows onto the target in its own process
         (rolled back: it never left the previous config)."""
         if outcome != State.DONE.value or not getattr(run.target, "standby", False):
@@ -150,7 +150,7 @@ class InPlace(Strategy):
 RESTART_RECOVERY = Restart()  # how the main engine comes back when it cannot rebuild in place
 
 
-def in_place_refusal(run: Reload) -> Optional[str]:
+def in_place_refusal(run: Run) -> Optional[str]:
     """Why RUN's change cannot be applied in place (the memory aside:
     InPlace.memory_problem), or None: the backend's engine rebuilds in its
     process, the serving engine says it answers the rebuild verb, nothing

@@ -40,7 +40,8 @@ from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.manager.strategies.base import Run
+    from hostd.manager.reload import ModelHandles
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -57,7 +58,7 @@ class Overlap(SecondEngine):
     cancel_ends = "its switch to the second engine"
     slot, prepare_stage, old = "next", Stage.START_NEXT, "old"
 
-    async def prepare_engine(self, run: Reload) -> None:
+    async def prepare_engine(self, run: Run) -> None:
         """Start the second engine with the target config and verify it."""
         op, model = run.op, run.model
         await model.systemd.start(model.next_unit, timeout=job_timeout(run.target.timeouts.start))
@@ -68,17 +69,17 @@ class Overlap(SecondEngine):
             log.info("reload %d of %s: the bridge engine runs with %s", op.id, op.model, bridge,
                      extra=op.fields())
 
-    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Run, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The next engine stops before the intent goes (restore drops it): a
         # manager killed meanwhile leaves a record whose recovery stops it.
         await self.retire(run, served)
         run.restore(failed)
 
-    async def after_hand_back(self, run: Reload, outcome: str) -> None:
+    async def after_hand_back(self, run: Run, outcome: str) -> None:
         run.op.enter(Stage.RETIRE)
         await self.retire(run)
 
-    async def retire(self, run: Reload, served: bool = True) -> None:
+    async def retire(self, run: Run, served: bool = True) -> None:
         """Stop the second engine; when it SERVED (the gateway switched to
         it), once what it admitted has finished (up to reload.drain_timeout;
         then its engine.shutdown_timeout applies)."""

@@ -24,10 +24,10 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from hostd.manager.operation import Interrupted, Stage, State
-from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+from hostd.manager.strategies.base import Run, Strategy, restart_main, until_asked
 
 if TYPE_CHECKING:
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.manager.reload import ModelHandles
     from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
@@ -42,10 +42,10 @@ class Restart(Strategy):
     cancel_until = Stage.DRAIN
     cancel_ends = "its drain"
 
-    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         return run.model.probe.memory_problem(run.target, memory)
 
-    async def prepare(self, run: Reload) -> None:
+    async def prepare(self, run: Run) -> None:
         """DRAIN: no new request is admitted and those running end; a drain
         that times out, is cancelled or meets a stop abandons the reload
         (restore)."""
@@ -55,14 +55,14 @@ class Restart(Strategy):
         if await run.stopping():
             raise Interrupted("interrupted: the model is being stopped")
 
-    async def restore(self, run: Reload, outcome: State, failed: Optional[str], interrupted: bool) -> None:
+    async def restore(self, run: Run, outcome: State, failed: Optional[str], interrupted: bool) -> None:
         """The file back, and the drained gateway serving again (not when stopping)."""
         run.restore(failed)
         if not interrupted:
             await run.model.probe.resume(outcome.value)
 
     @staticmethod
-    async def drain(run: Reload) -> None:
+    async def drain(run: Run) -> None:
         timeout = run.current.reload.drain_timeout
         result = await run.model.probe.drain(timeout)
         if not result.drained:
@@ -72,7 +72,7 @@ class Restart(Strategy):
             )
 
     @staticmethod
-    async def hand_back(run: Reload, outcome: str) -> None:
+    async def hand_back(run: Run, outcome: str) -> None:
         """The drained gateway serves again."""
         run.op.enter(Stage.RESUME)
         await run.model.probe.resume(outcome)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional
 
 from hostd.manager.operation import Stage, State
 from hostd.manager.probe import RebuildFailed
-from hostd.manager.strategies.base import Strategy, restart_main, until_asked
+from hostd.manager.strategies.base import Run, Strategy, restart_main, until_asked
 
 if TYPE_CHECKING:
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.manager.reload import ModelHandles
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -35,20 +35,20 @@ class SecondEngine(Strategy):
     prepare_stage: Stage  # the stage that makes it ready
     old: str  # what the settle's refusal calls the main engine
 
-    async def prepare_engine(self, run: Reload) -> None:
+    async def prepare_engine(self, run: Run) -> None:
         raise NotImplementedError
 
-    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Run, failed: Optional[str], served: bool, interrupted: bool) -> None:
         """RESTORE, after the gateway went back to main: the files (FAILED: why
         the second engine failed, if it did) and the second engine as they
         were; SERVED: the gateway had switched to it."""
         raise NotImplementedError
 
-    async def after_hand_back(self, run: Reload, outcome: str) -> None:
+    async def after_hand_back(self, run: Run, outcome: str) -> None:
         """The gateway serves from main again after OUTCOME: what the second engine does now."""
         raise NotImplementedError
 
-    async def prepare(self, run: Reload) -> None:
+    async def prepare(self, run: Run) -> None:
         """PREPARE_STAGE (the second engine ready, under until_asked), SWITCH,
         SETTLE (what runs on the main engine finishes there)."""
         op, probe = run.op, run.model.probe
@@ -66,18 +66,18 @@ class SecondEngine(Strategy):
         op.enter(Stage.SETTLE)
         await self.settle_main(run)
 
-    async def restore(self, run: Reload, outcome: State, failed: Optional[str], interrupted: bool) -> None:
+    async def restore(self, run: Run, outcome: State, failed: Optional[str], interrupted: bool) -> None:
         """The gateway back on main (when it had switched; not when
         stopping), then the second engine and the files as they were."""
         if run.switched and not interrupted:
             await run.model.probe.switch("main", outcome.value)
         await self.put_back(run, failed, run.switched, interrupted)
 
-    def serves(self, run: Reload) -> str:
+    def serves(self, run: Run) -> str:
         """What the second engine serves once the gateway switched to it (the journal's words)."""
         return "the target config"
 
-    async def failure_cause(self, run: Reload, exc: Exception) -> Optional[str]:
+    async def failure_cause(self, run: Run, exc: Exception) -> Optional[str]:
         """Why the second engine failed: the standby's own rebuild answer, else
         its own last error lines, else EXC."""
         if isinstance(exc, RebuildFailed):
@@ -86,13 +86,13 @@ class SecondEngine(Strategy):
 
     hand_back_fails = "handing the gateway back to the main engine failed"
 
-    async def hand_back(self, run: Reload, outcome: str) -> None:
+    async def hand_back(self, run: Run, outcome: str) -> None:
         run.op.enter(Stage.RESUME)
         await run.model.probe.switch("main", outcome)
         await self.after_hand_back(run, outcome)
 
     @staticmethod
-    async def settle(run: Reload, slot: str) -> int:
+    async def settle(run: Run, slot: str) -> int:
         """Wait until the requests running on SLOT's engine end, up to
         reload.drain_timeout; how many still run then (0 also when the
         gateway is older than settle: Probe.settle says so in the journal)."""
@@ -105,7 +105,7 @@ class SecondEngine(Strategy):
                     extra=op.fields())
         return settled.remaining
 
-    async def settle_main(self, run: Reload) -> None:
+    async def settle_main(self, run: Run) -> None:
         """SETTLE: the requests running on the main engine end before it
         restarts; raises when some still run after reload.drain_timeout (the
         main engine then keeps serving, and the reload rolls back)."""

@@ -54,8 +54,9 @@ from hostd.manager.strategies.second_engine import SecondEngine
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
+    from hostd.manager.strategies.base import Run
     from hostd.manager.preflight import Memory
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.manager.reload import ModelHandles
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -72,13 +73,13 @@ class Standby(SecondEngine):
     cancel_ends = "its switch to the standby"
     slot, prepare_stage, old = "standby", Stage.REBUILD, "main"
 
-    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         """The main engine restarts on the target as under restart, while the
         standby serves: a builtin standby grows to the target's full KV cache
         beside it (Preflight.memory_problem's STANDBY_GROWS)."""
         return run.model.probe.memory_problem(run.target, memory, standby_grows=True)
 
-    async def prepare_engine(self, run: Reload) -> None:
+    async def prepare_engine(self, run: Run) -> None:
         """The standby rebuilds on the target config in its own process and
         is verified on its own socket (as start-next verifies the next
         engine)."""
@@ -91,19 +92,19 @@ class Standby(SecondEngine):
                  op.model, seconds, json.dumps(phases), extra=op.fields())
         await run.verify(run.target, "standby", health=answer)
 
-    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Run, failed: Optional[str], served: bool, interrupted: bool) -> None:
         # The files first: a standby that cannot rebuild is restarted by
         # systemd, which reads them.
         run.restore(failed)
         if not interrupted and run.recorded:
             await self.standby_back(run)
 
-    async def after_hand_back(self, run: Reload, outcome: str) -> None:
+    async def after_hand_back(self, run: Run, outcome: str) -> None:
         if outcome != State.DONE.value:  # done: it runs the target, which main serves now
             await self.standby_back(run)
 
     @staticmethod
-    async def standby_back(run: Reload) -> None:
+    async def standby_back(run: Run) -> None:
         """The standby back on what the main engine serves (the previous
         config). Its trouble never changes how the reload ended: it is in
         the journal and the Operation's notes."""
@@ -150,15 +151,15 @@ class UpstreamStandby(Standby):
     reload's stages are the builtin standby's; its rebuild stage only checks
     the standby (/health, a smoke request)."""
 
-    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         """The main engine restarts on the target as under restart; the
         standby keeps the memory it holds."""
         return run.model.probe.memory_problem(run.target, memory)
 
-    def serves(self, run: Reload) -> str:
+    def serves(self, run: Run) -> str:
         return "the config it started with"
 
-    async def prepare_engine(self, run: Reload) -> None:
+    async def prepare_engine(self, run: Run) -> None:
         """The standby answers /health and a smoke request on its own socket;
         what it serves goes to the notes (new requests get that config until
         the main engine serves the target)."""
@@ -174,15 +175,15 @@ class UpstreamStandby(Standby):
         log.info("reload %d of %s: the %s standby serves on the config it started with (%s) while the main "
                  "engine restarts", op.id, op.model, run.target.backend, words, extra=op.fields())
 
-    async def put_back(self, run: Reload, failed: Optional[str], served: bool, interrupted: bool) -> None:
+    async def put_back(self, run: Run, failed: Optional[str], served: bool, interrupted: bool) -> None:
         run.restore(failed)  # the standby never changed
 
-    async def after_hand_back(self, run: Reload, outcome: str) -> None:
+    async def after_hand_back(self, run: Run, outcome: str) -> None:
         if outcome == State.DONE.value:  # it never changed; done: serve the target too
             await self.upstream_standby_follows(run)
 
     @staticmethod
-    async def upstream_standby_follows(run: Reload) -> None:
+    async def upstream_standby_follows(run: Run) -> None:
         """After a done reload of a vllm/sglang model: the standby keeps the
         config it started with when it answers the target's requests as the
         main engine does (only capacity keys differ: Backend.standby_restart_reason);

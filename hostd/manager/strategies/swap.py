@@ -39,7 +39,8 @@ from hostd.manager.strategies.overlap import Overlap
 from hostd.manager.systemd1 import job_timeout
 
 if TYPE_CHECKING:
-    from hostd.manager.reload import ModelHandles, Reload
+    from hostd.manager.strategies.base import Run
+    from hostd.manager.reload import ModelHandles
     from hostd.manager.preflight import Memory
 
 log = logging.getLogger("hostd.manager.reload")
@@ -60,10 +61,10 @@ class Swap(Overlap):
     cancel_ends = "its switch to the new checkpoint's engine"
     slot, prepare_stage, old = "next", Stage.LOAD_NEXT, "old"
 
-    def memory_problem(self, run: Reload, memory: Memory) -> Optional[str]:
+    def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         return swap_problem(run, memory)
 
-    async def prepare_engine(self, run: Reload) -> None:
+    async def prepare_engine(self, run: Run) -> None:
         """LOAD_NEXT: the new checkpoint's weight daemon starts (it loads
         and checks the checkpoint: a missing shard or a bad config.json fails
         here, in its journal); START_NEXT: its engine starts and is verified
@@ -85,7 +86,7 @@ class Swap(Overlap):
         await model.systemd.start(model.swap_unit, timeout=timeout)
         await probe.verify_engine(run.target, (status.pid, status.socket_inode), "next", weights_slot="next")
 
-    async def verify_main(self, run: Reload) -> None:
+    async def verify_main(self, run: Run) -> None:
         """The main engine runs the target on the weights the new
         checkpoint's daemon reported (its content digest)."""
         await super().verify_main(run)
@@ -97,7 +98,7 @@ class Swap(Overlap):
             raise VerifyFailed(f"the main engine serves weights of content digest {seen}, "
                                f"not the new checkpoint's {run.change.digest}")
 
-    async def after_hand_back(self, run: Reload, outcome: str) -> None:
+    async def after_hand_back(self, run: Run, outcome: str) -> None:
         await super().after_hand_back(run, outcome)
         if outcome == State.DONE.value:
             run.op.notes.append(f"the main pair serves the new checkpoint; {run.model.next_weights_unit} "
@@ -106,7 +107,7 @@ class Swap(Overlap):
     def second_unit(self, model: ModelHandles) -> Optional[str]:
         return model.swap_unit
 
-    async def failure_cause(self, run: Reload, exc: Exception) -> str:
+    async def failure_cause(self, run: Run, exc: Exception) -> str:
         """The new weight daemon's own words when the checkpoint did not
         load, else the swap engine's."""
         model = run.model
@@ -120,7 +121,7 @@ class Swap(Overlap):
         await model.systemd.stop(model.next_weights_unit, timeout=timeout)
 
 
-def swap_problem(run: Reload, memory: Memory) -> Optional[str]:
+def swap_problem(run: Run, memory: Memory) -> Optional[str]:
     """Why the new checkpoint's weights and a second engine do not fit beside
     the serving pair (the overlap preflight with the weights counted), or None.
     On GPUs each one holds its shard of the new copy (tensor parallel).
