@@ -65,3 +65,26 @@ def test_the_preflight_counts_the_checkpoints_weight_files(tmp_path: Path):
     (tmp_path / "tokenizer.json").write_bytes(b"x" * 1000)
     assert checkpoint_bytes(str(tmp_path)) == 500
     assert checkpoint_bytes(str(tmp_path / "absent")) == 0
+
+
+def test_a_reload_is_a_swap_exactly_when_the_target_names_another_checkpoint_than_the_daemon_holds(tmp_path: Path):
+    """change.change_of, validate's one answer: another directory than the
+    one the main weight daemon reports (resolved: a symlink to it is the
+    same) is a swap; the same is a change of limits; a daemon that does not
+    answer refuses a patch that names `model` and is a limits change
+    otherwise."""
+    from types import SimpleNamespace
+
+    from hostd.manager.change import change_of
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    (tmp_path / "link").symlink_to(old)
+    status = SimpleNamespace(fingerprint=SimpleNamespace(model_path=str(old.resolve())))
+    target = lambda path: SimpleNamespace(model=str(path))  # noqa: E731
+    swap = change_of("tiny", "model-weights@tiny.service", target(new), True, status)
+    assert (swap.swaps, swap.checkpoint, swap.previous) == (True, str(new.resolve()), str(old.resolve()))
+    assert not change_of("tiny", "model-weights@tiny.service", target(tmp_path / "link"), True, status).swaps
+    assert not change_of("tiny", "model-weights@tiny.service", target(new), False, None).swaps
+    with pytest.raises(errors.NotRunning, match="model-weights@tiny.service.*does not answer"):
+        change_of("tiny", "model-weights@tiny.service", target(new), True, None)
