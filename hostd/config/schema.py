@@ -8,7 +8,8 @@ two kinds of keys:
   one needs `systemctl restart model@NAME` (a full restart reloads weights).
 - editable keys (everything under `engine:`): the engine's limits, named as the
   backend itself names them. A reload changes these in the engine (every
-  strategy), and `model:` too, the one fixed key a reload may change (a
+  strategy: a new engine process on them, or under in-place a new runner
+  inside the serving one), and `model:` too, the one fixed key a reload may change (a
   checkpoint swap: a second weights daemon beside the serving pair).
 
 The docs/configuration.md reference is generated from this module
