@@ -41,6 +41,29 @@ def test_the_unset_budget_fits_the_batch_and_is_capped_at_a_share_of_the_device(
                                  device_total=141 << 30, page=budget.PAGE_SIZE["cuda"]) == 300 * MiB
 
 
+def test_the_unset_budget_never_falls_below_one_full_length_request():
+    """A device whose share cannot hold one request of max_model_len still
+    gets one (issue 53: without the floor, a 7B on a small share got no
+    block for a full-length request: turn 4's GPU failure)."""
+    per_token = kv_bytes.bytes_per_token(QWEN_7B, "bfloat16")
+    page = budget.PAGE_SIZE["cuda"]
+    one = budget.one_request_bytes(32768, per_token, page)
+    small_device = int(one / budget.DEFAULT_SHARE) // 2  # its share is half a request
+    assert budget.kv_cache_bytes(kv_cache_mib=None, max_num_seqs=8, max_model_len=32768, per_token=per_token,
+                                 device_total=small_device, page=page) == one
+
+
+def test_a_budget_one_block_short_of_a_request_not_a_multiple_of_the_block_is_refused():
+    """rules.kv_problem rounds the request up to whole blocks: 17 tokens in
+    blocks of 16 need two; a budget of one block is refused, of two accepted."""
+    from hostd.engine import rules
+
+    page = budget.PAGE_SIZE["cpu"]
+    length = page + 1
+    assert rules.kv_problem(kv_cache_bytes=page, per_token=1, max_model_len=length, device="cpu")
+    assert rules.kv_problem(kv_cache_bytes=2 * page, per_token=1, max_model_len=length, device="cpu") is None
+
+
 def test_the_unset_budget_counts_each_request_in_whole_blocks():
     """A request holds whole blocks: on CUDA (256 tokens a block) 64 requests
     of 128 tokens need 64 blocks. Counted in tokens (32 blocks) half of them
