@@ -120,3 +120,13 @@ def test_the_bridge_preflight_of_a_tp2_model_weighs_each_of_its_gpus_alone(host)
     both = Memory([GpuMemory(0, 80 * GiB, 40 * GiB, 30 * GiB, 0), GpuMemory(1, 80 * GiB, GiB // 2, 30 * GiB, 0)], "")
     problem = Preflight("tp").overlap_problem(cfg, None, both)
     assert problem is not None and problem.startswith("GPU 1: the bridge engine needs about"), problem
+
+
+def test_an_engine_whose_pid_nvml_cannot_see_is_charged_the_gpus_use_less_the_daemons(host):
+    """Inside a container NVML lists other PIDs than ours (issue 53): the
+    engine's share is then the GPU's used memory less the weight daemon's,
+    not zero (which would let an overlap preflight pass with no room)."""
+    host(free={0: 50 * GiB, 1: 80 * GiB}, processes={4242: {0: 30 * GiB}},  # PIDs of another namespace
+         daemon_bytes_by_device={"cuda:0": 14 * GiB})
+    [gpu] = asyncio.run(Preflight("tiny").gpu_memory(builtin([0]), 7))
+    assert (gpu.engine, gpu.daemon) == (30 * GiB - 14 * GiB, 14 * GiB)
