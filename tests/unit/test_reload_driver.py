@@ -22,7 +22,7 @@ from hostd.gateway import control  # noqa: E402
 from hostd.manager import errors  # noqa: E402
 from hostd.manager import reload as R  # noqa: E402
 from hostd.manager.probe import VerifyFailed  # noqa: E402
-from hostd.manager.records import Intent  # noqa: E402
+from hostd.manager.records import Degraded, Intent  # noqa: E402
 
 
 @pytest.fixture
@@ -127,6 +127,19 @@ def test_a_rollback_that_fails_too_leaves_the_model_degraded_and_paused(world):
     # A reload that ends done cures it.
     op = run(world.reload({"max_num_seqs": 5}))
     assert op.state == R.State.DONE and world.records.degraded("tiny") is None
+
+
+def test_a_reload_that_rolls_back_cures_degraded_too_and_a_record_that_does_not_decode_still_says_degraded(world):
+    """docs/dbus-api.md: degraded until a reload ends done or rolled back
+    (the previous config serves again); only the manager writes the record,
+    so one that does not decode is still a degraded model (issue 53)."""
+    world.records.write_degraded("tiny", Degraded(operation=1, cause="an earlier rollback failed"))
+    world.probe.fail_next_start = True
+    op = run(world.reload({"max_num_seqs": 4}))
+    assert op.state == R.State.ROLLED_BACK and world.records.degraded("tiny") is None
+    path = world.records._dir("tiny") / "degraded.json"
+    path.write_text("{not json")
+    assert "does not decode" in world.records.degraded("tiny").cause
 
 
 def test_a_verified_engine_whose_gateway_does_not_resume_is_committed_and_failed(world):
