@@ -205,3 +205,28 @@ def test_anything_else_is_not_run_twice(method, path, body):
 def test_a_tool_field_nested_deeper_does_not_count():
     body = chat(metadata={"tools": ["x"]})
     assert retry.retried("POST", "/v1/chat/completions", body)
+
+
+def test_no_failover_to_a_standby_that_does_not_answer_and_one_to_a_standby_that_does():
+    """slots.Slots.fail_over (issue 53): new requests move to the standby
+    only when it answers /health; a dead standby keeps them on the slot whose
+    death the gateway then reports (503 with Retry-After), never into the
+    void. Never while held (a drain) nor without a standby."""
+    from hostd.gateway.slots import Slots
+
+    answering: dict[str, bool] = {"main": False, "standby": False}
+    failovers: list[int] = []
+
+    async def answers(slot: str) -> bool:
+        return answering[slot]
+
+    sockets = {"main": Path("/run/x/engine.sock"), "standby": Path("/run/x/engine-standby.sock")}
+    slots = Slots(sockets, answers, on_failover=lambda: failovers.append(1))
+    assert asyncio.run(slots.fail_over("main", held=False)) is False
+    assert (slots.current, slots.failed_over, failovers) == ("main", "", [])
+    answering["standby"] = True
+    assert asyncio.run(slots.fail_over("main", held=True)) is False  # a drain: the manager restarts engines
+    assert asyncio.run(slots.fail_over("main", held=False)) is True
+    assert (slots.current, slots.failed_over, failovers) == ("standby", "main", [1])
+    alone = Slots({"main": sockets["main"]}, answers)
+    assert asyncio.run(alone.fail_over("main", held=False)) is False and alone.current == "main"
