@@ -110,6 +110,33 @@ def test_a_quiet_standby_shrinks_back_but_never_while_a_request_is_in_flight():
     asyncio.run(scenario())
 
 
+def test_each_of_the_shrinks_two_guards_of_a_request_in_flight_holds_alone():
+    """Issue 53: the shrink never runs while a request is in flight, by two
+    guards that each hide the other's absence: the watch waits for the
+    engine to be idle before its quiet period (it asks for no shrink while a
+    request runs), and a shrink asked for while one is in flight does
+    nothing."""
+    async def scenario():
+        engine, kv, made = standby(idle_s=0.05)
+        engine.begin()
+        await kv.full()
+        asked: list[str] = []
+        real = kv._swap
+
+        async def spy(budget, priming=False):
+            asked.append(budget)
+            return await real(budget, priming)
+        kv._swap = spy
+        await asyncio.sleep(0.3)  # six quiet periods, the request still running
+        assert asked == []  # the watch waited for idle: it asked for nothing
+        await real("idle")  # asked anyway, a request in flight: nothing happens
+        assert kv.budget == "full" and len(made) == 1 and engine.runner is made[0]
+        engine.end()
+        await kv.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_request_arriving_during_a_shrink_waits_for_it_and_grows_again():
     async def scenario():
         engine, kv, made = standby(idle_s=0.1)
