@@ -18,6 +18,11 @@ The weight daemon has an identity (pid, socket inode), a new one each time
 model-weights@NAME starts (FakeProbe.daemon_restarted); an engine reports on
 /health the identity it attached when it started, and verify applies the
 product's own "same weight daemon" rule (probe.weights_problem) to it.
+The daemon answers a real weights/protocol Status holding the checkpoint
+the config on disk named when it started, and a checkpoint swap runs too:
+model-weights-next@NAME holds the target's checkpoint, model-engine-swap@NAME
+serves the next slot from it, and every engine reports the content digest
+of the checkpoint it attached (FakeProbe.digest).
 """
 
 from __future__ import annotations
@@ -116,8 +121,16 @@ class FakeBus:
         results = self.job_results.get(name) or []
         result = results.pop(0) if results else "done"
         slot = {units.engine(self.world.name, s): s for s in ("main", "next", "standby")}.get(name)
+        probe = self.world.probe
         if name == units.weights(self.world.name) and verb != "stop" and result == "done":
-            self.world.probe.daemon_restarted()
+            probe.daemon_restarted()
+        if name == units.weights(self.world.name, "next"):
+            probe.next_daemon_started() if verb != "stop" and result == "done" else probe.next_daemon_stopped()
+        if name == units.swap_engine(self.world.name):
+            if verb == "stop":
+                probe.next_engine = None
+            elif result == "done":
+                probe.swap_engine_started()
         if verb == "stop":
             self.set_state(name, "inactive")
             if slot == "next":
@@ -158,14 +171,35 @@ class FakeProbe:
         self.resume_fails = False
         self.fail_next_start = False  # the engine exits with an error once started
         self.weights = (7, 8)  # the weight daemon's (pid, socket inode); None: it does not answer
+        self.held: Optional[str] = None  # the checkpoint the main daemon holds (None: the config's at start)
+        # A checkpoint swap's daemon (model-weights-next@NAME): its identity and checkpoint, while it runs.
+        self.next_weights: Optional[tuple[int, int]] = None
+        self.next_held: Optional[str] = None
+        self.digests: dict[str, str] = {}  # slot -> the content digest its engine attached
         # slot -> the daemon its engine attached when it started (an engine a
         # test sets by hand attached the first one)
         self.attached: dict[str, Optional[tuple[int, int]]] = dict.fromkeys(("main", "next", "standby"), self.weights)
 
     def daemon_restarted(self) -> None:
-        """model-weights@NAME started again: another process, another socket."""
+        """model-weights@NAME started again: another process, another socket,
+        holding the checkpoint the config on disk names."""
         pid, inode = self.weights or (7, 8)
         self.weights = (pid + 1000, inode + 1000)
+        self.held = self.on_disk()
+
+    def on_disk(self) -> str:
+        return str(Path(self.world.config().model).resolve())
+
+    def next_daemon_started(self) -> None:
+        """model-weights-next@NAME: the checkpoint the config on disk names (the reload's target)."""
+        self.next_weights, self.next_held = (5000, 5001), self.on_disk()
+
+    def next_daemon_stopped(self) -> None:
+        self.next_weights = self.next_held = None
+
+    @staticmethod
+    def digest(checkpoint: Optional[str]) -> str:
+        return f"digest of {checkpoint}"
 
     def set_engine(self, slot: str, engine: Optional[dict]) -> None:
         setattr(self, {"main": "engine", "next": "next_engine", "standby": "standby_engine"}[slot], engine)
@@ -196,6 +230,13 @@ class FakeProbe:
             return
         self.set_engine(slot, msgspec.to_builtins(config.load_model(self.world.name, self.world.root).config.engine))
         self.attached[slot] = self.weights
+        self.digests[slot] = self.digest(self.held or self.on_disk())
+
+    def swap_engine_started(self) -> None:
+        """model-engine-swap@NAME: the next slot's engine, on the next daemon's checkpoint."""
+        self.engine_started("next")
+        self.attached["next"] = self.next_weights
+        self.digests["next"] = self.digest(self.next_held)
 
     async def engine_health(self, slot: str = "main") -> Optional[EngineHealth]:
         self.calls.append("health" if slot == "main" else f"health {slot}")
@@ -205,6 +246,7 @@ class FakeProbe:
         # The builtin main engine and standby answer the rebuild verb (in place).
         rebuilds = slot in ("main", "standby") and backends.for_config(self.world.config()).rebuilds_in_place
         return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), "rebuilds": rebuilds,
+                                "content_digest": self.digests.get(slot, self.digest(self.held or self.on_disk())),
                                 **self.attachment(slot)}, EngineHealth)
 
     def attachment(self, slot: str) -> dict:
@@ -260,17 +302,18 @@ class FakeProbe:
         return identity(await self.weights_status(slot))
 
     async def weights_status(self, slot: str = "main"):
-        """The weight daemon's status (a real weights/protocol Status): it
-        holds the checkpoint the config on disk names, so no reload here is a
-        checkpoint swap (those run against real daemons:
-        tests/system/test_swap_units.py); None when WEIGHTS is None."""
-        if self.weights is None:
+        """The weight daemon of SLOT's status (a real weights/protocol
+        Status): the main one holds HELD (the checkpoint the config on disk
+        named when it started), the next one (a checkpoint swap's) NEXT_HELD;
+        None when it does not answer."""
+        identity_, held = (self.weights, self.held or self.on_disk()) if slot == "main" else \
+            (self.next_weights, self.next_held)
+        if identity_ is None:
             return None
-        pid, inode = self.weights
-        checkpoint = str(Path(self.world.config().model).resolve())
-        fingerprint = Fingerprint(model_path=checkpoint, content_digest="d", architecture="a", dtype="float32",
-                                  device="cpu", tensor_parallel_size=1, backend="builtin", torch_version="t",
-                                  transformers_version="t")
+        pid, inode = identity_
+        fingerprint = Fingerprint(model_path=held, content_digest=self.digest(held), architecture="a",
+                                  dtype="float32", device="cpu", tensor_parallel_size=1, backend="builtin",
+                                  torch_version="t", transformers_version="t")
         return Status(fingerprint=fingerprint, pid=pid, socket_inode=inode, tensors=1,
                       bytes_by_device={"cpu": 1}, loaded_at=0.0, clients_served=1)
 
@@ -296,12 +339,13 @@ class FakeProbe:
         if not self.runs(EngineHealth(engine_config=engine), msgspec.to_builtins(cfg.engine)):
             raise VerifyFailed(f"the engine runs {engine}, not the target config")
         if weights_before is not None:
-            now = self.weights if ask_daemon else weights_before
+            daemon = self.weights if weights_slot == "main" else self.next_weights
+            now = daemon if ask_daemon else weights_before
             problem = weights_problem(weights_before, now, EngineHealth(**self.attachment(slot)))
             if problem:
                 raise VerifyFailed(problem)
-        return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot)},
-                               EngineHealth)
+        return msgspec.convert({"engine_config": engine, "bridge": self.bridge(slot), **self.attachment(slot),
+                                "content_digest": self.digests.get(slot, "")}, EngineHealth)
 
     async def smoke(self, served_name: str, slot: str = "main") -> None:
         self.calls.append("smoke" if slot == "main" else f"smoke {slot}")

@@ -1,7 +1,10 @@
 """The checkpoint swap's pure parts (issue 36): where a patch's `model` goes
 in 90-reload.yaml, which values the manager refuses before the loader, which
-keys ride a swap per backend, and the preflight's words. The swap itself
-runs against real daemons under systemd: tests/system/test_swap_units.py."""
+keys ride a swap per backend, and the preflight's words; and the swap
+itself on the fakes of reload_fakes.py (issue 53): its stages and jobs, the
+main pair's digest check, and recovery loading the checkpoint on disk into
+the main daemon again. Against real daemons under systemd:
+tests/system/test_swap_units.py."""
 
 from __future__ import annotations
 
@@ -88,3 +91,105 @@ def test_a_reload_is_a_swap_exactly_when_the_target_names_another_checkpoint_tha
     assert not change_of("tiny", "model-weights@tiny.service", target(new), False, None).swaps
     with pytest.raises(errors.NotRunning, match="model-weights@tiny.service.*does not answer"):
         change_of("tiny", "model-weights@tiny.service", target(new), True, None)
+
+
+# ---------------------------------------------------------------- the swap on the fakes (issue 53 Build 3)
+
+
+def swap_world(tmp_path: Path):
+    """World (reload_fakes.py) with a second checkpoint beside the first: a
+    patch naming it is a checkpoint swap."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from reload_fakes import World
+
+    world = World(tmp_path)
+    new = tmp_path / "checkpoint-v2"
+    new.mkdir()
+    (new / "config.json").write_text("{}")
+    (new / "model.safetensors").write_text("")
+    return world, str(new.resolve()), str((tmp_path / "checkpoint").resolve())
+
+
+def swap_jobs(world) -> list[str]:
+    return [f"{verb} {unit}" for verb, unit in world.bus.job_log]
+
+
+def test_a_swap_on_the_fakes_loads_next_switches_restarts_the_pair_on_it_and_retires_the_next_pair(tmp_path):
+    import asyncio
+
+    from hostd import units
+    from hostd.manager import reload as R
+
+    world, new, old = swap_world(tmp_path)
+    seen: list[str] = []
+    real_enter = R.Operation.enter
+
+    def enter(op, stage):
+        seen.append(stage.value)
+        return real_enter(op, stage)
+    R.Operation.enter = enter
+    try:
+        op = asyncio.run(world.reload({"model": new}))
+    finally:
+        R.Operation.enter = real_enter
+    assert (op.state, op.strategy_name, op.error, op.weights_reused) == (R.State.DONE, "swap", "", False)
+    assert seen == ["preflight", "record", "load-next", "start-next", "switch", "settle", "restart", "verify",
+                    "resume", "retire", "commit", "finished"]
+    assert swap_jobs(world) == [f"start {units.weights('tiny', 'next')}", f"start {units.swap_engine('tiny')}",
+                                f"restart {units.weights('tiny')}", f"start {units.engine('tiny')}",
+                                f"stop {units.swap_engine('tiny')}", f"stop {units.weights('tiny', 'next')}"]
+    assert world.probe.held == new and world.probe.next_weights is None and world.probe.slot == "main"
+    assert world.probe.digests["main"] == world.probe.digest(new)
+    assert any(note.startswith(f"new checkpoint: {new}") for note in op.notes)
+    assert world.records.committed("tiny").fixed["model"] == new and world.records.intent("tiny") is None
+    assert old != new
+
+
+def test_a_main_pair_that_serves_another_checkpoint_than_the_new_ones_digest_rolls_back(tmp_path):
+    """Swap.verify_main: the main engine must serve the weights of the
+    content digest the new checkpoint's daemon reported; a main daemon that
+    restarted on something else (here the old checkpoint: a file changed
+    under it) is refused and the swap rolls back to the previous pair."""
+    import asyncio
+
+    from hostd.manager import reload as R
+
+    world, new, old = swap_world(tmp_path)
+    real = world.probe.daemon_restarted
+
+    def stale() -> None:  # the first restart loads the old checkpoint, whatever the file says
+        real()
+        if world.probe.held == new:
+            world.probe.held = old
+            world.probe.daemon_restarted = real
+    world.probe.daemon_restarted = stale
+    op = asyncio.run(world.reload({"model": new}))
+    assert (op.state, op.strategy_name) == (R.State.ROLLED_BACK, "swap")
+    assert "content digest" in op.error and world.probe.digest(new) in op.error
+    assert world.probe.held == old and not world.dropin.exists()
+
+
+def test_recovery_after_a_crash_mid_swap_loads_the_checkpoint_on_disk_into_the_main_daemon_again(tmp_path):
+    """recovery.py: a manager killed after the main daemon restarted on the
+    new checkpoint but before the engine was verified: the files go back to
+    the old checkpoint, and the main daemon, which holds the new one, loads
+    the old one again (the weights and the engine restart), then the swap's
+    pair stops."""
+    import asyncio
+
+    import yaml
+
+    from hostd import units
+
+    world, new, old = swap_world(tmp_path)
+    intent = world.crashed_reload({}, strategy="swap", write_dropin=False, checkpoint=new, previous_checkpoint=old)
+    world.dropin.parent.mkdir(parents=True, exist_ok=True)
+    world.dropin.write_text(yaml.safe_dump({"model": new}))
+    world.probe.held = new  # the main daemon restarted on it
+    world.probe.engine = None  # the engine had not come up when the manager died
+    assert asyncio.run(world.recover(intent)) == "restarted"
+    assert not world.dropin.exists() and world.probe.held == old
+    assert f"restart {units.weights('tiny')}" in swap_jobs(world)
+    assert world.probe.engine is not None and world.records.intent("tiny") is None
