@@ -193,3 +193,27 @@ def test_recovery_after_a_crash_mid_swap_loads_the_checkpoint_on_disk_into_the_m
     assert not world.dropin.exists() and world.probe.held == old
     assert f"restart {units.weights('tiny')}" in swap_jobs(world)
     assert world.probe.engine is not None and world.records.intent("tiny") is None
+
+
+def test_under_reload_strategy_restart_a_swap_drains_and_restarts_the_main_pair_on_the_new_checkpoint(tmp_path):
+    """choose_swap: reload.strategy restart swaps with a 503 window (drain,
+    the weights and the engine restarted on the new checkpoint, resume), no
+    second pair."""
+    import asyncio
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from reload_fakes import World
+
+    from hostd import units
+    from hostd.manager import reload as R
+
+    world = World(tmp_path, strategy="restart")
+    new = tmp_path / "checkpoint-v2"
+    new.mkdir()
+    (new / "config.json").write_text("{}")
+    (new / "model.safetensors").write_text("")
+    op = asyncio.run(world.reload({"model": str(new)}))
+    assert (op.state, op.strategy_name) == (R.State.DONE, "restart")
+    assert swap_jobs(world) == [f"restart {units.weights('tiny')}", f"start {units.engine('tiny')}"]
+    assert "drain" in world.probe.calls and world.probe.held == str(new.resolve())
