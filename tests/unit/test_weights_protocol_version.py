@@ -74,3 +74,23 @@ def test_the_daemons_status_says_its_protocol_and_version():
     d.socket_inode, d.loaded_at = 1, 0.0
     status = d.status()
     assert (status.protocol, status.hostd_version) == (protocol.PROTOCOL, hostd.__version__)
+
+
+def test_an_attach_answer_with_the_wrong_number_of_fds_is_refused_and_every_fd_is_closed(monkeypatch):
+    """weights/client.py (issue 53): an engine never keeps a descriptor a
+    daemon passed with an answer it refuses: here two memfds where the
+    answer has room for one, every one closed before the refusal reaches
+    the caller."""
+    fingerprint = protocol.Fingerprint(model_path="/m", content_digest="d", architecture="a", dtype="float32",
+                                       device="cpu", tensor_parallel_size=1, backend="builtin", torch_version="t",
+                                       transformers_version="t")
+    status = protocol.Status(fingerprint=fingerprint, pid=1, socket_inode=2, tensors=0, bytes_by_device={},
+                             loaded_at=0.0, clients_served=0, protocol=protocol.PROTOCOL)
+    answer = protocol.Attach(status=status, storage=protocol.MemfdStorage(size=0, inode=0), tensors=[])
+    passed = list(os.pipe())
+    monkeypatch.setattr(client, "_exchange", lambda path, request: (answer, passed, 1))
+    with pytest.raises(client.WeightsRefused, match="expected one memfd with the answer, got 2"):
+        client.attach(Path("/run/hostd/tiny/weights.sock"), fingerprint)
+    for fd in passed:
+        with pytest.raises(OSError):
+            os.fstat(fd)
