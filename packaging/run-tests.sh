@@ -34,4 +34,5 @@ fi
 if [ "${CI:-}" = "true" ]; then
     export HOSTD_SYSTEM_ORDER=${HOSTD_SYSTEM_ORDER:-reversed}
 fi
-exec .venv/bin/python -m pytest tests "$@"
+# --durations: the slowest tests of the run, in its report (issue 54: where the time goes).
+exec .venv/bin/python -m pytest tests --durations=25 "$@"
