@@ -33,7 +33,10 @@ metrics.py.
   to each engine socket (watch.py): its end, and a socket that then takes no
   connection, is the death, seen at once with no request in flight; a
   request that cannot reach the engine, and the health monitor (every
-  HEALTH_INTERVAL), are the other two ways.
+  HEALTH_INTERVAL), are the other two ways. A request whose connection
+  closes before any answer goes once more to the same engine on a new
+  connection first (once_more_if_closed: an engine that rebuilds in place
+  closes its old runner's idle keep-alive connections).
 - With a warm standby (`standby: true`: engine-standby.sock), an engine that
   dies costs new requests nothing: its death moves new requests to the
   standby, and a request of which the client had received nothing is sent
