@@ -299,6 +299,29 @@ class Stack:
             following.stop(timeout=120)
         return switched
 
+    def engine_http(self, slot: str) -> httpx.Client:
+        """A client of SLOT's engine on its own socket, as the manager reaches it."""
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket(slot))), base_url="http://engine",
+                            timeout=600)
+
+    def rebuild(self, slot: str, section: dict, mark: float) -> float:
+        """SLOT's engine rebuilds on the engine SECTION in its own process (POST
+        /hostd/rebuild, as the manager asks it); records the phase since MARK
+        and the engine's own phases of it; returns the phase's end."""
+        with self.engine_http(slot) as http:
+            answer = http.post("/hostd/rebuild", json={"engine": section})
+        if answer.status_code != 200:
+            raise RuntimeError(f"the {slot} engine refused the rebuild: {answer.text[:300]}")
+        mark = self.phase("rebuild", mark)
+        for name, seconds in (answer.json().get("rebuild_s") or {}).items():
+            self.phases[f"rebuild.{name}"] = seconds
+        return mark
+
+    def smoke(self, slot: str) -> None:
+        """As the manager verifies an engine: one request on its own socket."""
+        with self.engine_http(slot) as http:
+            http.post("/v1/completions", json={"model": self.tree.name, "prompt": "Hi", "max_tokens": 1})
+
     def standby_reload(self, drain_timeout: float) -> float:
         """The standby strategy, as the manager runs it: the standby rebuilds on
         the new config, takes new requests while main restarts, then main
@@ -306,22 +329,15 @@ class Stack:
         the standby)."""
         assert self.engine and self.standby_engine
         section = self.next_config()
-        transport = httpx.HTTPTransport(uds=str(self.socket("standby")))
         mark = time.monotonic()
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
-            if self.args.backend == "builtin":
-                answer = http.post("/hostd/rebuild", json={"engine": section})
-                if answer.status_code != 200:
-                    raise RuntimeError(f"the standby refused the rebuild: {answer.text[:300]}")
-                mark = self.phase("rebuild", mark)
-                for name, seconds in (answer.json().get("rebuild_s") or {}).items():
-                    self.phases[f"rebuild.{name}"] = seconds  # the engine's own phases of it
-            # vllm: upstream cannot rebuild; the standby serves the config it
-            # started with while main restarts (max_num_seqs is capacity only)
-            # As the manager verifies the standby before switching to it: one
-            # smoke request (on an idle standby this is what grows its KV cache).
-            http.post("/v1/completions", json={"model": self.tree.name, "prompt": "Hi", "max_tokens": 1})
-            mark = self.phase("verify", mark)
+        if self.args.backend == "builtin":
+            mark = self.rebuild("standby", section, mark)
+        # vllm: upstream cannot rebuild; the standby serves the config it
+        # started with while main restarts (max_num_seqs is capacity only).
+        # As the manager verifies the standby before switching to it: one
+        # smoke request (on an idle standby this is what grows its KV cache).
+        self.smoke("standby")
+        mark = self.phase("verify", mark)
         self.tree.control("switch", slot="standby")
         self.phase("switch", mark)
         switched = self.switched()
@@ -341,23 +357,13 @@ class Stack:
         the new runner from its swap on). The engine's PID must not change."""
         assert self.engine
         self.next_config()
-        running = engine_health(self.socket("main")).get("engine_config") or {}
-        section = {**running, "max_num_seqs": self.limits[self.reloads % 2]}
-        pid = engine_health(self.socket("main")).get("pid")
-        transport = httpx.HTTPTransport(uds=str(self.socket("main")))
-        mark = time.monotonic()
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
-            answer = http.post("/hostd/rebuild", json={"engine": section})
-            if answer.status_code != 200:
-                raise RuntimeError(f"the engine refused the rebuild: {answer.text[:300]}")
-            mark = self.phase("rebuild", mark)
-            for name, seconds in (answer.json().get("rebuild_s") or {}).items():
-                self.phases[f"rebuild.{name}"] = seconds  # the engine's own phases of it
-            switched = self.switched()
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=600) as http:
-            http.post("/v1/completions", json={"model": self.tree.name, "prompt": "Hi", "max_tokens": 1})
-            self.phase("verify", mark)
-        after = engine_health(self.socket("main")).get("pid")
+        before = engine_health(self.socket("main"))
+        section = {**(before.get("engine_config") or {}), "max_num_seqs": self.limits[self.reloads % 2]}
+        mark = self.rebuild("main", section, time.monotonic())
+        switched = self.switched()
+        self.smoke("main")
+        self.phase("verify", mark)
+        pid, after = before.get("pid"), engine_health(self.socket("main")).get("pid")
         print(f"# in-place: engine PID {pid} before the reload, {after} after", file=sys.stderr)
         if after != pid or after != self.engine.pid:
             raise RuntimeError(f"the engine's PID changed: {pid} -> {after}")
@@ -819,13 +825,13 @@ def figures(values: dict) -> str:
 
 def print_phases(runs: list[Run]) -> None:
     """Per strategy, the median seconds of each phase of its reloads, in the
-    order they ran (Stack.phase; rebuild.*: the standby's own answer;
+    order they ran (Stack.phase; rebuild.*: the rebuilt engine's own answer;
     first_token: the probe sent at the switch)."""
     rows = [run for run in runs if not run.failover and any(run.phases)]
     if not rows:
         return
     print("\nPhases of the reloads, median seconds (first_token: the probe sent at the switch, to its first token; "
-          "rebuild.*: the standby's own phases, inside rebuild):\n")
+          "rebuild.*: the rebuilt engine's own phases, inside rebuild):\n")
     print("| strategy | phases |")
     print("|---|---|")
     for run in rows:
