@@ -22,8 +22,9 @@ import pytest
 
 from container import SystemdContainer, wait_for
 from ports import reserved_port
-from test_manager import DROPINS, hostctl, last_operation, model_state, op_property, read_file
-from test_model_units import main_pid, prepare_model, status_code
+from test_manager import DROPINS, hostctl, kill_manager_and_await_recovery, last_operation, model_state, \
+    op_property, read_file
+from test_model_units import main_pid, prepare_model
 from test_overlap_units import MAIN, NEXT, active, another_max_num_seqs, running_limits, under_load
 from test_standby_units import STANDBY, standby_health
 
@@ -101,11 +102,7 @@ def test_manager_killed_during_an_in_place_reload_leaves_one_engine_on_one_confi
     # Whichever stage the kill lands in (the rebuild takes a fraction of a
     # second here), the outcome must be the same: one engine, one config.
     wait_for(lambda: op_property(host, path, "Stage") != "validate", timeout=60, what="the reload under way")
-    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
-    wait_for(lambda: active(host, "hostd.service") == "active", timeout=60, what="manager back")
-    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
-                              check=False).returncode == 1, timeout=300, what="intent record resolved")
-    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    kill_manager_and_await_recovery(host)
     assert active(host, MAIN) == "active" and active(host, NEXT) == "inactive"
     assert pids(host)[0] == before[0] and pids(host)[2] == before[2]  # recovered in place: no engine start
     running = running_limits(host)

@@ -138,6 +138,17 @@ def identity(host: SystemdContainer) -> tuple[int, int]:
     return main_pid(host, "model-weights@tiny.service"), stat(host, "/run/hostd/tiny/weights.sock")["inode"]
 
 
+def kill_manager_and_await_recovery(host: SystemdContainer) -> None:
+    """kill -9 of hostd.service mid-reload; returns once systemd started it
+    again, its recovery resolved the intent record and the model answers."""
+    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
+    wait_for(lambda: host.systemctl("is-active", "hostd.service", check=False).stdout.strip() == "active",
+             timeout=60, what="manager back")
+    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
+                              check=False).returncode == 1, timeout=300, what="intent record resolved")
+    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+
+
 def read_file(host: SystemdContainer, path: str) -> str:
     result = host.run(["cat", path], check=False)
     return result.stdout if result.returncode == 0 else "<absent>"

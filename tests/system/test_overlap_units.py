@@ -20,8 +20,9 @@ import pytest
 
 from container import SystemdContainer, wait_for
 from ports import reserved_port
-from test_manager import DROPINS, hostctl, last_operation, model_state, op_property, read_file
-from test_model_units import main_pid, prepare_model, status_code
+from test_manager import DROPINS, hostctl, kill_manager_and_await_recovery, last_operation, model_state, \
+    op_property, read_file
+from test_model_units import main_pid, prepare_model
 
 MAIN = "model-engine@tiny.service"
 NEXT = "model-engine-next@tiny.service"
@@ -151,11 +152,7 @@ def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
                    check=True).stdout.strip()
     wait_for(lambda: op_property(host, path, "Stage") in ("start-next", "switch", "restart"), timeout=120,
              what="the overlap under way")
-    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
-    wait_for(lambda: active(host, "hostd.service") == "active", timeout=60, what="manager back")
-    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
-                              check=False).returncode == 1, timeout=300, what="intent record resolved")
-    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    kill_manager_and_await_recovery(host)
     wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=120, what="the second engine stopped")
     assert active(host, MAIN) == "active"
     running = running_limits(host)

@@ -24,7 +24,8 @@ import pytest
 
 from container import SystemdContainer, wait_for
 from ports import reserved_port
-from test_manager import DROPINS, hostctl, last_operation, model_state, op_property, read_file
+from test_manager import DROPINS, hostctl, kill_manager_and_await_recovery, last_operation, model_state, \
+    op_property, read_file
 from test_model_units import main_pid, prepare_model, status_code
 from test_overlap_units import MAIN, NEXT, active, another_max_num_seqs, gateway_metrics, running_limits, \
     under_load
@@ -198,11 +199,7 @@ def test_manager_killed_during_a_standby_reload_leaves_main_serving_one_config_a
                    check=True).stdout.strip()
     wait_for(lambda: op_property(host, path, "Stage") in ("switch", "settle", "restart"), timeout=120,
              what="the standby reload under way")
-    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
-    wait_for(lambda: active(host, "hostd.service") == "active", timeout=60, what="manager back")
-    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
-                              check=False).returncode == 1, timeout=300, what="intent record resolved")
-    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    kill_manager_and_await_recovery(host)
     assert active(host, MAIN) == "active" and active(host, STANDBY) == "active"
     running = running_limits(host)
     on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)

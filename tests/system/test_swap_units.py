@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_manager import DROPINS, busctl, hostctl, last_operation, op_property, read_file
-from test_model_units import main_pid, status_code
+from test_manager import DROPINS, busctl, hostctl, kill_manager_and_await_recovery, last_operation, op_property, \
+    read_file
+from test_model_units import main_pid
 from test_overlap_units import active, serving_tiny, under_load
 
 CHECKPOINTS = "/var/lib/hostd/checkpoints"
@@ -189,11 +190,7 @@ def test_a_manager_killed_mid_swap_leaves_one_checkpoint_serving_the_one_on_disk
     path = hostctl(host, "reload", "tiny", f"model={target}", "--no-wait", check=True).stdout.strip()
     wait_for(lambda: op_property(host, path, "Stage") in stages, timeout=120, interval=0.05,
              what=f"the swap at {' or '.join(stages)}")
-    host.run(["kill", "-9", str(main_pid(host, "hostd.service"))])
-    wait_for(lambda: active(host, "hostd.service") == "active", timeout=60, what="manager back")
-    wait_for(lambda: host.run(["test", "-e", "/var/lib/hostd/.manager/tiny/reload-intent.json"],
-                              check=False).returncode == 1, timeout=300, what="intent record resolved")
-    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
+    kill_manager_and_await_recovery(host)
     wait_for(lambda: active(host, SWAP_ENGINE) == "inactive" and active(host, NEXT_WEIGHTS) in ("inactive", "failed"),
              timeout=120, what="the swap's pair stopped")
     assert active(host, MAIN) == "active" and active(host, WEIGHTS) == "active"
