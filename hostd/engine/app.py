@@ -435,10 +435,12 @@ def full_kv_bytes(model, limits: Limits) -> int:
                                  page=budget.PAGE_SIZE[kind])
 
 
-def make_runner(model, tokenizer, limits: Limits, *, full: bool = False) -> Runner:
+def make_runner(model, tokenizer, limits: Limits, *, full: bool = False, precapture: bool = True) -> Runner:
     """The runner LIMITS ask for: one batched loop (batch.BatchRunner), or a
     worker thread per request. With an idle budget (the standby), the idle
-    runner unless FULL. Blocking: the cache is allocated here."""
+    runner unless FULL. PRECAPTURE false: a runner rebuilt beside a serving
+    one, whose CUDA graphs are all captured at first use (batch.py). Blocking:
+    the cache is allocated here."""
     if limits.batching == "none":
         return Runner(model, tokenizer, limits.max_num_seqs)
     from hostd.engine import batch
@@ -446,7 +448,8 @@ def make_runner(model, tokenizer, limits: Limits, *, full: bool = False) -> Runn
     idle = limits.kv_cache_bytes_idle is not None and not full
     return batch.BatchRunner(model, tokenizer, limits.max_num_seqs, max_model_len=limits.max_model_len,
                              kv_cache_bytes=limits.kv_cache_bytes_idle if idle else full_kv_bytes(model, limits),
-                             idle=idle, cuda_graphs=batch.CUDA_GRAPHS if limits.cuda_graphs else None)
+                             idle=idle, cuda_graphs=batch.CUDA_GRAPHS if limits.cuda_graphs else None,
+                             precapture=precapture)
 
 
 def build_app(

@@ -336,7 +336,9 @@ class _Rebuilder:
             phases = rebuilt.phases_s
             phases["refusals"] = round(time.monotonic() - started, 4)
             mark = time.monotonic()
-            runner = await asyncio.to_thread(make_runner, rebuilt.model, self.tokenizer, rebuilt.limits)
+            # No pre-capture of the largest step's CUDA graph: most of a rebuild's time on the H200 (batch.py)
+            runner = await asyncio.to_thread(make_runner, rebuilt.model, self.tokenizer, rebuilt.limits,
+                                             precapture=False)
             phases["runner"] = round(time.monotonic() - mark, 4)  # KV allocation and batching start
             if self.stop.is_set():
                 runner.cancel_all()
