@@ -68,8 +68,9 @@ Why `standby` is named so and is off by default: it is the "warm standby" of
 docs/design.md and of NVIDIA Dynamo's shadow engine, one per model, so a boolean.
 It is opt-in because it holds a second engine's memory all the time (on CPU the
 engine's anonymous memory beyond the shared weights, on a GPU its CUDA context
-and activations; docs/benchmarks.md measures both), while the default overlap
-reload already answers no 503 and pays for a second engine only during a
+and activations; docs/benchmarks.md measures both), while the default reload
+already answers no 503: a builtin limit change in place, with no second
+engine at all, and otherwise overlap, with a second engine only during a
 reload. Turn it on where a reload must serve the new config within about a
 second or an engine crash must not answer 503: the standby takes both. A
 host sized for one engine per GPU would lose that memory silently if it were

@@ -212,7 +212,7 @@ class ReloadConfig(_Strict):
             "preflight finds no room for a second engine or the backend cannot "
             "run two. restart: drain, restart the engine, resume (503 meanwhile)."
         ),
-    ] = "overlap"
+    ] = "in-place"
     overlap_reserve_mib: Annotated[
         int,
         _doc(

@@ -157,8 +157,8 @@ def strategy(c: SystemdContainer, name: str):
     c.write_file(f"{DROPINS}/40-strategy.yaml", tier_configs.strategy_dropin(name))
     try:
         yield
-    finally:
-        c.run(["rm", "-f", f"{DROPINS}/40-strategy.yaml"])
+    finally:  # back to the tier's own (tier_configs.files), not the schema's default
+        c.write_file(f"{DROPINS}/40-strategy.yaml", tier_configs.strategy_dropin(tier_configs.TIER_STRATEGY))
 
 
 # ---------------------------------------------------------------- the container

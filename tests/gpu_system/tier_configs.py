@@ -29,6 +29,12 @@ def model_yaml(model_dir: str, device: str, port: int, gpus: tuple[int, ...] = (
 STANDBY_DROPIN = "standby: true\n"
 
 
+#: The strategy the tier's model runs under unless a test asks for another:
+#: overlap, which runs the standby strategy while the standby answers (the
+#: default, in-place, has a test of its own: test_an_in_place_reload_...).
+TIER_STRATEGY = "overlap"
+
+
 def strategy_dropin(name: str) -> str:
     """qwen.d/40-strategy.yaml: the reload strategy a test asks for."""
     return f"reload:\n  strategy: {name}\n"
@@ -38,7 +44,7 @@ def strategy_dropin(name: str) -> str:
 #: (tests/unit/test_gpu_configs.py loads them together).
 def files(model_dir: str, device: str, port: int) -> dict[str, str]:
     return {"qwen.yaml": model_yaml(model_dir, device, port), "qwen.d/30-standby.yaml": STANDBY_DROPIN,
-            "qwen.d/40-strategy.yaml": strategy_dropin("overlap")}
+            "qwen.d/40-strategy.yaml": strategy_dropin(TIER_STRATEGY)}
 
 
 #: test_two_gpus.py (issue 39): two models pinned apart, and one across both

@@ -26,7 +26,7 @@ def test_readme_main_job_serves_a_model_under_systemd():
     assert "completion (16 tokens):" in out
     assert "Active: active (running)" in out
     assert "engine.max_num_seqs 4 -> 8" in out and "unchanged: weights reused" in out
-    assert "reload of smollm2: done (strategy overlap, weights reused)" in out
+    assert "reload of smollm2: done (strategy in-place, weights reused)" in out  # the default: no process start
     # No manual start of the manager (D-Bus activation), hostd and hostctl on PATH.
     assert "systemctl start hostd" not in out and "\n$ hostctl reload smollm2" in out
     assert "hostd-engine[" in out and "hostd-weights[" in out and "hostd-gateway[" in out

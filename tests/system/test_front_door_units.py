@@ -28,7 +28,7 @@ def host(systemd_container: SystemdContainer):
     port = reserved_port()
     container = systemd_container
     container.write_file("/etc/hostd/keys/tiny", f"# keys of model tiny\n{KEY}\n", mode=0o600)
-    # The default strategy (overlap): nothing here depends on which one runs.
+    # The default strategy (in-place): nothing here depends on which one runs.
     metrics_port = reserved_port()
     prepare_model(container, port, timeouts="{start: 120, stop: 60}",
                   gateway=f"{{api_keys: /etc/hostd/keys/tiny, metrics_listen: '127.0.0.1:{metrics_port}'}}")

@@ -36,7 +36,7 @@ ADMIN_DROPIN = f"{DROPINS}/50-admin.yaml"
 def host(systemd_container: SystemdContainer):
     host, port = systemd_container, reserved_port()
     prepare_model(host, port, timeouts="{start: 120, stop: 60}", standby="true")
-    host.write_file(f"{DROPINS}/40-strategy.yaml", "reload:\n  strategy: in-place\n")
+    # No strategy drop-in: in-place is the default (a builtin engine's limits).
     host.base_url = f"http://127.0.0.1:{port}"
     host.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
     wait_for(lambda: model_state(host) == "serving", timeout=120, what="serving per the manager")

@@ -1,4 +1,4 @@
-"""The overlap reload (the default strategy) under a real systemd 252: no
+"""The overlap reload (reload.strategy: overlap, a drop-in) under a real systemd 252: no
 request is refused while the engine is replaced, a new engine that fails
 costs nothing, a manager killed mid-way leaves one engine, and a preflight
 that finds no room falls back to restart and says so.
@@ -29,10 +29,13 @@ NEXT = "model-engine-next@tiny.service"
 
 
 def serving_tiny(container: SystemdContainer, dropins: dict[str, str] | None = None) -> SystemdContainer:
-    """Model tiny (default strategy) and hostd.service started, with DROPINS
-    (file name -> YAML) in tiny.d first; serving per the manager."""
+    """Model tiny and hostd.service started, its reloads under the overlap
+    strategy (the default, in-place, would take these limit changes in the
+    engine's own process: test_in_place_units.py), with DROPINS (file name ->
+    YAML) in tiny.d first; serving per the manager."""
     port = reserved_port()
     prepare_model(container, port, timeouts="{start: 120, stop: 60}")
+    container.write_file(f"{DROPINS}/40-strategy.yaml", "reload:\n  strategy: overlap\n")
     for name, text in (dropins or {}).items():
         container.write_file(f"{DROPINS}/{name}", text)
     container.base_url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""What the overlap reload (the default strategy) promises beyond refusing
+"""What the overlap reload (reload.strategy: overlap) promises beyond refusing
 nothing, under a real systemd 252: a failed `systemctl reload` pins the
 previous values above the administrator's drop-in, as the restart strategy
 does; Cancel works until the switch; and a request running on the engine being

@@ -8,7 +8,10 @@ a stream it had started gets the engine_down error event (issue 34); a
 manager killed mid-way leaves the main engine serving one config and the
 standby on it.
 
-One container for the module (model tiny with standby: true, hostd.service).
+One container for the module (model tiny with standby: true, hostd.service),
+its reloads under reload.strategy: overlap, which runs the standby strategy
+when the standby answers (the default, in-place, keeps the main engine's
+process and the standby follows: test_in_place_units.py).
 Clients are the official openai client without retries, streaming the whole
 time (test_overlap_units.under_load).
 """
@@ -40,6 +43,7 @@ def host(systemd_container: SystemdContainer):
     generator's Wants= comes from it), started with hostd.service."""
     host, port = systemd_container, reserved_port()
     prepare_model(host, port, timeouts="{start: 120, stop: 60}", standby="true")
+    host.write_file(f"{DROPINS}/40-strategy.yaml", "reload:\n  strategy: overlap\n")
     host.base_url = f"http://127.0.0.1:{port}"
     host.systemctl("start", "model@tiny.service", "hostd.service", timeout=300)
     wait_for(lambda: model_state(host) == "serving", timeout=120, what="serving per the manager")
