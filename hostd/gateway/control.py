@@ -1,4 +1,4 @@
-"""The gateway's control socket: drain, resume, status, switch, settle, keys.
+"""The gateway's control socket: drain, resume, status, switch, settle, keys, mark.
 
 Trust model: /run/hostd/NAME/control.sock is 0600 in the private 0700 runtime
 directory, and every peer is checked with SO_PEERCRED (the gateway's uid or
@@ -28,13 +28,17 @@ and a field an earlier gateway lacks has a default.
     <- {"ok": true, "protocol": 3, "settled": true, "remaining": 0}   running on that engine end)
     -> {"verb": "keys", "source": "/etc/hostd/keys/qwen", "keys": ["sk-..."]}   (root only: new API keys,
     <- {"ok": true, "protocol": 5, "keys": 2}                 read from SOURCE by hostd.gateway.keys)
+    -> {"verb": "mark"}   (an in-place reload begins: nothing here changes but the reload clock)
+    -> {"verb": "mark", "outcome": "done"}   (and ends)       <- GatewayStatus
     <- {"ok": false, "protocol": 2, "error": "..."}          a refusal, for any request
 
 PROTOCOL: 1 (no `protocol` in answers): a gateway from before switch took an
 `outcome`; 2: switch takes one; 3: settle; 4: keys; 5: the standby slot
 (switch and settle take "standby"; status says `failed_over` when the
 gateway itself moved new requests to the standby because their engine
-died). The gateway and the manager ship together, but
+died); 6: mark (a reload the gateway takes no part in, an in-place
+rebuild behind the same engine socket, begins and ends on its reload
+clock). The gateway and the manager ship together, but
 a model's gateway keeps running across an upgrade of hostd.service, so the
 manager asks before it sends a field an older gateway would refuse
 (manager/probe.py).
@@ -105,11 +109,19 @@ class Keys(msgspec.Struct, tag_field="verb", tag="keys", forbid_unknown_fields=T
     keys: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
 
 
-Request = Union[Drain, Resume, Status, Switch, Settle, Keys]
+class Mark(msgspec.Struct, tag_field="verb", tag="mark", forbid_unknown_fields=True, omit_defaults=True):
+    """A reload the gateway takes no part in (in-place: the engine rebuilds
+    behind the same socket) begins (no OUTCOME) or ends (OUTCOME), for the
+    gateway's reload histograms; admission and slots are untouched."""
+
+    outcome: Optional[Outcome] = None
+
+
+Request = Union[Drain, Resume, Status, Switch, Settle, Keys, Mark]
 ROOT_ONLY = (Keys,)  # verbs a peer of the gateway's own uid may not send
 _decoder = msgspec.json.Decoder(Request)
 
-PROTOCOL = 5  # see the module docstring
+PROTOCOL = 6  # see the module docstring
 
 
 class Answer(msgspec.Struct, kw_only=True):
@@ -164,7 +176,7 @@ class GatewayStatus(Answer, kw_only=True):
 
 # The answer to each request.
 ANSWERS: dict[type, type] = {Drain: Drained, Resume: Resumed, Status: GatewayStatus, Switch: GatewayStatus,
-                             Settle: Settled, Keys: KeysReplaced}
+                             Settle: Settled, Keys: KeysReplaced, Mark: GatewayStatus}
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
@@ -179,7 +191,7 @@ def parse(line: bytes) -> Request:
     except msgspec.ValidationError as exc:
         message = str(exc)
         if "Invalid value" in message and "$.verb" in message:
-            message = f"{message}; expected verb drain, resume, status, switch, settle or keys"
+            message = f"{message}; expected verb drain, resume, status, switch, settle, keys or mark"
         raise ControlError(message) from None
     except msgspec.DecodeError as exc:
         raise ControlError(f"not a JSON object: {exc}") from None

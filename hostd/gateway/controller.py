@@ -1,7 +1,7 @@
 """What the control socket's requests do to one gateway (control.py carries
 them): drain and resume around a restart reload, switch new requests to
-another engine's slot and back, settle a slot, replace the API keys, answer
-the status; and the reload clock those requests start and stop
+another engine's slot and back, settle a slot, replace the API keys, mark
+an in-place reload's begin and end, answer the status; and the reload clock those requests start and stop
 (metrics.ReloadClock: hostd_gateway_reload_*).
 
 Trusts every request it is handed: only root and the manager can reach the
@@ -65,6 +65,13 @@ class Controller:
                 self.reload_clock.end(self._now(), request.outcome or result.state)
         elif isinstance(request, control.Keys):
             result = self.replace_keys(request)
+        elif isinstance(request, control.Mark):
+            # An in-place reload: the engine rebuilds behind the same socket; only the clock moves.
+            if request.outcome is None:
+                self.reload_clock.begin(self._now(), serving=admission.state == State.SERVING)
+            else:
+                self.reload_clock.end(self._now(), request.outcome)
+            result = admission.snapshot(slots.current, slots.failed_over)
         elif isinstance(request, control.Settle):
             log.info("settle: waiting for %d request(s) on the %s engine", admission.on_slot.get(request.slot, 0),
                      request.slot)

@@ -148,6 +148,23 @@ class Probe:
             return None
         return await self._control(control.Settle(slot=slot, timeout=timeout))
 
+    async def mark(self, outcome: Optional[str] = None) -> None:
+        """An in-place reload begins (no OUTCOME) or ends (OUTCOME) on the
+        gateway's reload clock, which no drain or switch starts for it. Only
+        a metric rides on it: a gateway older than control protocol 6, or one
+        that fails to answer, is logged and the reload goes on."""
+        try:
+            if self.gateway_protocol is None:
+                await self.gateway_status()
+            if self.gateway_protocol is not None and self.gateway_protocol < 6:
+                log.info("the gateway of %s speaks control protocol %d (no mark); its reload histogram "
+                         "does not count this in-place reload", self.name, self.gateway_protocol)
+                return
+            await self._control(control.Mark(outcome=outcome or None))
+        except (OSError, control.ControlError) as exc:
+            log.warning("the gateway of %s did not mark the in-place reload's %s: %s", self.name,
+                        "end" if outcome else "begin", exc, extra={"hostd_model": self.name})
+
     async def gateway_status(self) -> Optional[control.GatewayStatus]:
         """The gateway's status; None when it does not answer, or answers
         counts no gateway can have (the D-Bus InFlight is a u)."""

@@ -532,19 +532,25 @@ async function submitReload() {
     }
 }
 
-/* The stages the page saw pass, then those still ahead on the strategy's
- * path; both the path (Stages) and whether Cancel would be honoured now
- * (Cancellable) are the manager's, never a table of the page's own. */
+/* The stages the page saw pass (the whole path of a reload done before it
+ * looked), then those still ahead on the strategy's path; both the path
+ * (Stages) and whether Cancel would be honoured now (Cancellable) are the
+ * manager's, never a table of the page's own. */
 function renderProgress(op) {
     const stages = $("r-stages");
     for (const ahead of stages.querySelectorAll("li.ahead")) ahead.remove();
+    const running = op.State === "running";
+    const path = op.Stages || [];
+    if (!running && op.State === "done" && !stages.childElementCount) {
+        // Done before the page saw it run (an in-place reload takes well under a
+        // second): a reload that ends done passed exactly its strategy's path.
+        stages.replaceChildren(...path.map(stage => el("li", { class: "passed", "data-stage": stage, text: stage })));
+    }
     const last = stages.lastElementChild;
     if (!last || last.dataset.stage !== op.Stage) {
         if (last) last.classList.add("passed");
         stages.append(el("li", { "data-stage": op.Stage, text: op.Stage }));
     }
-    const running = op.State === "running";
-    const path = op.Stages || [];
     if (running && path.includes(op.Stage)) {
         for (const stage of path.slice(path.indexOf(op.Stage) + 1))
             stages.append(el("li", { class: "ahead", "data-stage": stage, text: stage }));

@@ -173,7 +173,7 @@ def test_drain_that_times_out_reports_what_still_runs_and_leaves_it_running(serv
 @pytest.mark.parametrize(
     "line, error",
     [
-        (b'{"verb": "reboot"}\n', "expected verb drain, resume, status, switch, settle or keys"),
+        (b'{"verb": "reboot"}\n', "expected verb drain, resume, status, switch, settle, keys or mark"),
         (b"not json\n", "not a JSON object"),
         (b'{"verb": "drain", "timeout": "soon"}\n', "Expected `float`"),
         (b'{"verb": "drain", "timeout": -1}\n', "Expected `float` > 0.0"),

@@ -414,6 +414,20 @@ def test_an_overlap_reload_is_measured_from_switch_to_switch_back_with_no_503(do
     assert unavailable['_bucket{le="0.0"}'] == 1  # the overlap's zero has a bucket of its own
 
 
+def test_an_in_place_reload_is_marked_begin_to_end_and_the_gateway_serves_throughout(door: FrontDoor):
+    before = door.tree.control("status")
+    assert door.tree.control("mark")["state"] == "serving"  # the begin: nothing drains, nothing switches
+    time.sleep(0.3)
+    assert httpx.post(door.base_url + "/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+    after = door.tree.control("mark", outcome="done")
+    assert (after["state"], after["slot"], after["drains"]) == ("serving", "main", before["drains"])
+    text = door.metrics()
+    duration = histogram(text, "hostd_gateway_reload_duration_seconds")
+    assert duration['_count{outcome="done"}'] == 1 and duration['_sum{outcome="done"}'] >= 0.3
+    unavailable = histogram(text, "hostd_gateway_reload_unavailable_seconds")
+    assert unavailable["_count"] == 1 and unavailable["_sum"] == 0
+
+
 def test_a_reload_outcome_outside_the_known_set_is_refused_and_changes_nothing(door: FrontDoor):
 
     door.tree.control("drain", timeout=5)
@@ -423,6 +437,8 @@ def test_a_reload_outcome_outside_the_known_set_is_refused_and_changes_nothing(d
     with pytest.raises(control.ControlError, match="switch back to main"):
         door.tree.control("switch", slot="next", outcome="done")  # an outcome ends a reload, never starts one
     assert door.tree.control("status")["slot"] == "main"
+    with pytest.raises(control.ControlError, match="outcome"):
+        door.tree.control("mark", outcome="sideways")
     door.tree.control("resume", outcome="done")
     assert histogram(door.metrics(), "hostd_gateway_reload_duration_seconds")['_count{outcome="done"}'] == 1
 

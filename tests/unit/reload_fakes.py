@@ -330,6 +330,10 @@ class FakeProbe:
             raise OSError("control socket: connection refused")
         return control.Resumed(state="serving")
 
+    async def mark(self, outcome: str | None = None) -> None:
+        """The real one never raises (a metric only: probe.py)."""
+        self.calls.append("mark" if outcome is None else f"mark {outcome}")
+
     async def verify_engine(self, cfg, weights_before, slot: str = "main", weights_slot: str = "main",
                             ask_daemon: bool = True, health: Optional[EngineHealth] = None) -> EngineHealth:
         self.calls.append("verify" if slot == "main" else f"verify {slot}")

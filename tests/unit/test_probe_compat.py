@@ -2,7 +2,9 @@
 running across an upgrade of hostd.service): a gateway of control protocol 1
 refuses the `outcome` field of `switch`, so the manager asks which protocol
 the gateway speaks before it sends one, and an overlap reload still hands
-back. The answers are decoded as the control socket's types."""
+back; below protocol 6 an in-place reload's mark is not sent (a metric
+only: the reload goes on). The answers are decoded as the control socket's
+types."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ from hostd.engine.health import EngineHealth
 from hostd.manager.probe import Probe
 
 
-def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "") -> tuple[object, list[dict]]:
-    """Probe.switch("main", "done") against a control socket of PROTOCOL (None:
-    its answers do not say, as protocol 1 gateways' did not), which refuses an
-    `outcome` with a switch below PROTOCOL 2, and every switch with
-    SWITCH_REFUSAL when set."""
+def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "",
+                   ask=lambda probe: probe.switch("main", "done")) -> tuple[object, list[dict]]:
+    """ASK (Probe.switch("main", "done")) against a control socket of PROTOCOL
+    (None: its answers do not say, as protocol 1 gateways' did not), which
+    refuses an `outcome` with a switch below PROTOCOL 2, a mark below 6, and
+    every switch with SWITCH_REFUSAL when set."""
     (tmp_path / "tiny").mkdir(mode=0o700)
     seen: list[dict] = []
 
@@ -31,6 +34,8 @@ def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "
             answer = {"ok": False, "error": switch_refusal, **said}
         elif request["verb"] == "switch" and "outcome" in request and (protocol or 1) < 2:
             answer = {"ok": False, "error": "Object contains unknown field `outcome`"}
+        elif request["verb"] == "mark" and (protocol or 1) < 6:
+            answer = {"ok": False, "error": "Invalid value 'mark' - at `$.verb`", **said}
         else:
             answer = {"ok": True, "state": "serving", "in_flight": 0, "slot": request.get("slot", "main"), **said}
         writer.write(json.dumps(answer).encode() + b"\n")
@@ -40,7 +45,7 @@ def switch_against(tmp_path: Path, protocol: int | None, switch_refusal: str = "
     async def scenario():
         server = await asyncio.start_unix_server(handle, path=str(tmp_path / "tiny" / "control.sock"))
         try:
-            return await Probe("tiny").switch("main", "done")
+            return await ask(Probe("tiny"))
         except control.ControlError as exc:
             return exc
         finally:
@@ -61,6 +66,21 @@ def test_a_gateway_of_this_protocol_gets_the_outcome(tmp_path, monkeypatch):
     answer, seen = switch_against(tmp_path, protocol=control.PROTOCOL)
     assert isinstance(answer, control.GatewayStatus) and answer.slot == "main"
     assert seen == [{"verb": "status"}, {"verb": "switch", "slot": "main", "outcome": "done"}]
+
+
+def test_an_in_place_reload_marks_a_gateway_of_protocol_6_and_skips_an_older_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))
+    answer, seen = switch_against(tmp_path, protocol=control.PROTOCOL, ask=lambda probe: probe.mark("done"))
+    assert answer is None and seen == [{"verb": "status"}, {"verb": "mark", "outcome": "done"}]
+    (tmp_path / "old").mkdir()
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path / "old"))
+    answer, seen = switch_against(tmp_path / "old", protocol=5, ask=lambda probe: probe.mark())
+    assert answer is None and seen == [{"verb": "status"}]  # never sent a verb it would refuse
+
+
+def test_a_mark_the_gateway_does_not_answer_never_fails_the_reload(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOSTD_RUNTIME_DIR", str(tmp_path))  # no control socket at all
+    assert asyncio.run(Probe("tiny").mark()) is None
 
 
 def test_any_refusal_of_a_switch_is_an_error(tmp_path, monkeypatch):

@@ -62,6 +62,8 @@ def test_a_limit_change_rebuilds_the_main_engine_in_place_and_starts_no_process(
     calls = world.probe.calls
     assert "drain" not in calls and not any(c.startswith(("switch", "resume")) for c in calls)  # never a 503
     assert calls.index("rebuild main") < calls.index("verify")
+    # the gateway's reload clock runs from before the rebuild to after the verify (its histograms)
+    assert calls.index("mark") < calls.index("rebuild main") and calls.index("verify") < calls.index("mark done")
     assert world.probe.engine["max_num_seqs"] == 4 and world.probe.engine["kv_cache_mib"] == 8
     assert yaml.safe_load(world.dropin.read_text()) == {"engine": {"max_num_seqs": 4, "kv_cache_mib": 8}}
     assert world.records.committed("tiny").engine["max_num_seqs"] == 4 and world.records.intent("tiny") is None
@@ -90,6 +92,7 @@ def test_a_refused_rebuild_rolls_back_with_the_engines_words_and_the_old_runner_
     assert jobs(world) == [] and world.probe.rebuilds == [{**before, "max_model_len": 99999}]  # not again
     assert world.probe.engine == before and world.probe.standby_engine == before
     assert not world.dropin.exists() and world.records.intent("tiny") is None
+    assert world.probe.calls[-1] == "mark rolled-back"  # the gateway counts it by its outcome
 
 
 def test_a_refused_change_from_the_admins_own_dropin_is_pinned(tmp_path):

@@ -19,6 +19,9 @@ in-place: no 503 at any point, no process start.
                                  section (it still runs it when the rebuild was refused),
                                  verified -> finished (rolled-back)
 
+    record: the gateway is told the reload began (control's mark: its
+      reload histograms; it drains and switches nothing), and told how it
+      ended before the standby follows or the rollback finishes;
     rebuild: POST /hostd/rebuild to model-engine@NAME with the target's engine
       section: refusals checked as a start checks them, the new runner
       (its KV cache beside the serving one's: the preflight counts both),
@@ -74,6 +77,11 @@ class InPlace(Strategy):
     def memory_problem(self, run: Run, memory: Memory) -> Optional[str]:
         return run.model.probe.in_place_problem(run.target, run.health, memory)
 
+    async def prepare(self, run: Run) -> None:
+        """Nothing drains or switches: the gateway is only told the reload
+        began, for its reload histogram (hand_back tells it the end)."""
+        await run.model.probe.mark()
+
     async def put_main_on(self, run: Run, cfg: ModelConfig) -> None:
         """The main engine rebuilds on CFG's engine section; in a rollback
         (CFG the previous config) only when it does not run it still (a
@@ -98,7 +106,9 @@ class InPlace(Strategy):
 
     async def hand_back(self, run: Run, outcome: str) -> None:
         """Done: a warm standby follows onto the target in its own process
-        (rolled back: it never left the previous config)."""
+        (rolled back: it never left the previous config). The gateway's
+        reload clock ends with OUTCOME first."""
+        await run.model.probe.mark(outcome)
         if outcome != State.DONE.value or not getattr(run.target, "standby", False):
             return
         op, model = run.op, run.model
