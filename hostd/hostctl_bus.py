@@ -289,8 +289,8 @@ def model_summary(hostd, name: str) -> dict:
         "standby": props.get("Standby", False), "standby_state": props.get("StandbyState", ""),
         "standby_pid": props.get("StandbyPID", 0), "start_problem": props.get("StartProblem", ""),
         "engine": props["Config"].get("engine", {}), "editable": props["EditableFields"],
-        # The checkpoint the engine was last verified on (a swap commits the
-        # new one), else the one the config names.
+        # The checkpoint that runs (RunningConfig: a swap's commit, or the
+        # disk at the model's last start), else the one the config names.
         "checkpoint": (props.get("RunningConfig") or {}).get("fixed", {}).get("model")
         or props["Config"].get("model", ""),
         "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",

@@ -193,10 +193,12 @@ class ModelInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def RunningConfig(self) -> "s":
-        committed = self.manager.records.committed(self.model_name)
-        if committed is None:
+        """What runs, as last recorded (records.running): a reload's commit,
+        or the config on disk at the units' last start if that came later."""
+        running = self.manager.records.running(self.model_name)
+        if running is None:
             return "{}"
-        return json.dumps(msgspec.to_builtins(msgspec.structs.replace(committed, fixed=redacted(committed.fixed))))
+        return json.dumps(msgspec.to_builtins(msgspec.structs.replace(running, fixed=redacted(running.fixed))))
 
     @dbus_property(access=PropertyAccess.READ)
     def EditableFields(self) -> "as":

@@ -5,6 +5,7 @@ One job: own that layout. Nothing else in hostd knows the file names.
     .manager/next-operation          the operation counter (ids survive restarts)
     .manager/NAME/reload-intent.json a reload in progress: what to restore
     .manager/NAME/committed.json     the config the engine was last verified to run
+    .manager/NAME/started.json       the config on disk when the model's units last started
     .manager/NAME/degraded.json      a reload whose rollback failed too: the model is degraded
 
 Each record is a msgspec Struct here (Intent, Committed, Degraded): the only spelling of
@@ -34,6 +35,7 @@ INTENT = "reload-intent.json"
 COMMITTED = "committed.json"
 COUNTER = "next-operation"
 DEGRADED = "degraded.json"
+STARTED = "started.json"
 
 
 class Intent(msgspec.Struct, kw_only=True):
@@ -143,6 +145,29 @@ class Records:
         """CFG (a config.schema model) is what the engine was verified to run,
         on the weight daemon WEIGHTS ((pid, socket inode), when known)."""
         self._write(self._dir(name) / COMMITTED, _encode(Committed.of(cfg, weights)))
+
+    def started(self, name: str) -> Optional[Committed]:
+        """The config on disk when the model's weight daemon last started
+        (start_record.py, its unit's ExecStartPre=, as root), or None."""
+        text = self._read(self._dir(name) / STARTED)
+        return _decode(text, Committed) if text else None
+
+    def write_started(self, name: str, cfg) -> None:
+        self._write(self._dir(name) / STARTED, _encode(Committed.of(cfg)))
+
+    def running(self, name: str, weights: Optional[tuple[int, int]] = None) -> Optional[Committed]:
+        """What runs, as last recorded: the newer of the committed record (a
+        verify) and the start record (a start of the units, which read the
+        disk). None when nothing says: no record, or a committed one older
+        than a weight daemon (WEIGHTS: its identity now, when known) that
+        started without writing a start record (units of an older hostd)."""
+        committed, started = self.committed(name), self.started(name)
+        if started is not None and (committed is None or started.at > committed.at):
+            return started
+        if committed is not None and weights is not None and committed.weights is not None \
+                and tuple(weights) != tuple(committed.weights):
+            return None
+        return committed
 
     # ------------------------------------------------------------ degraded
 

@@ -143,21 +143,23 @@ class Reload:
         check_patch_keys(patch, current.config, name, self.model.umbrella_unit)
         check_patch_types(current.config.engine, {k: v for k, v in patch.items() if k not in swappable})
         check_checkpoint_values(patch, swappable)
-        committed = self.model.records.committed(name)
         self.current = current.config
         health = self.health = await self.model.probe.engine_health()
-        weights = await self.model.probe.weights_status()  # asked once: restarted_since, change_of, record
+        weights = await self.model.probe.weights_status()  # asked once: records.running, change_of, record
         self.weights_before = identity(weights)
+        # What runs now, as last recorded: a verify's commit or the units' last
+        # start, whichever came later (records.running).
+        running = self.model.records.running(name, self.weights_before)
         # What the engine runs now: what a rollback must bring back.
-        self.running_engine = previous_engine(current.config.backend, committed, health)
+        self.running_engine = previous_engine(current.config.backend, running, health)
         if patch:
             self.reload_data = merge_patch(self.model.dropins / RELOAD_DROPIN, patch, swappable)
             self.reload_text = render(RELOAD_DROPIN, RELOAD_HEADER, self.reload_data)
             self.target = target_config(self.model, self.reload_text, patch)
         else:
             self.target = current.config
-        if committed is not None and not restarted_since(committed, self.weights_before):
-            check_fixed_unchanged(self.model, committed, self.target, swappable)
+        if running is not None:
+            check_fixed_unchanged(self.model, running, self.target, swappable)
         if swappable:
             self.change = change_of(name, self.model.weights_unit, self.target, "model" in patch, weights)
         if not patch and self.running_engine is None:
@@ -401,17 +403,6 @@ def weights_not_retained(cfg) -> str:
     return backends.for_config(cfg).weights_not_retained(cfg) or ""
 
 
-def restarted_since(committed: Committed, now: Optional[tuple[int, int]]) -> bool:
-    """Has another weight daemon started since COMMITTED was written (a
-    `systemctl restart model@NAME`, which is how a fixed key is applied)?
-    NOW: the daemon's identity as validate read it. Then the units read the
-    disk at that start, and the record's fixed fields describe what ran
-    before it."""
-    if committed.weights is None:  # a record of an older manager: compare as before
-        return False
-    return now is not None and tuple(now) != tuple(committed.weights)
-
-
 def target_config(model: ModelHandles, reload_text: str, patch: dict):
     """The effective config of MODEL if 90-reload.yaml held RELOAD_TEXT (the loader's
     answer, load_model with that overlay); a key a later drop-in overrides
@@ -438,17 +429,17 @@ def target_config(model: ModelHandles, reload_text: str, patch: dict):
     return cfg
 
 
-def check_fixed_unchanged(model: ModelHandles, committed: Committed, target, swappable: tuple[str, ...] = ()) -> None:
+def check_fixed_unchanged(model: ModelHandles, running: Committed, target, swappable: tuple[str, ...] = ()) -> None:
     """Refuse a reload when a fixed field on disk (TARGET: the effective
-    config) differs from what COMMITTED says runs; SWAPPABLE fields
-    (schema.swappable_fields) a checkpoint swap applies."""
-    if not committed.fixed:  # a record of an older manager, without them
+    config) differs from what RUNNING (records.running) says runs;
+    SWAPPABLE fields (schema.swappable_fields) a checkpoint swap applies."""
+    if not running.fixed:  # a record of an older manager, without them
         return
     now = Committed.of(target).fixed
     # reload.* steers the manager at each reload, never the units: not fixed.
     for key in ("reload", *swappable):
         now.pop(key, None)
-    running_fixed = {k: v for k, v in committed.fixed.items() if k not in ("reload", *swappable)}
+    running_fixed = {k: v for k, v in running.fixed.items() if k not in ("reload", *swappable)}
     changed = sorted(k for k in set(now) | set(running_fixed) if now.get(k) != running_fixed.get(k))
     if changed:
         raise errors.NotEditable(

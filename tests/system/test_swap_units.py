@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from container import SystemdContainer, wait_for
-from test_manager import DROPINS, busctl, hostctl, kill_manager_and_await_recovery, last_operation, op_property, \
-    read_file
+from test_manager import DROPINS, busctl, hostctl, kill_manager_and_await_recovery, last_operation, model_state, \
+    op_property, read_file
 from test_model_units import main_pid
 from test_overlap_units import active, serving_tiny, under_load
 
@@ -196,3 +196,46 @@ def test_a_manager_killed_mid_swap_leaves_one_checkpoint_serving_the_one_on_disk
     assert active(host, MAIN) == "active" and active(host, WEIGHTS) == "active"
     assert serving_checkpoint(host) == on_disk(host)  # committed or rolled back: disk and engine agree
     assert models(host)["root"] == on_disk(host)
+
+
+def running_config(host: SystemdContainer) -> dict:
+    out = busctl(host, "--json=short", "get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model",
+                 "RunningConfig").stdout
+    return json.loads(json.loads(out)["data"])
+
+
+def test_after_a_restart_reloads_are_held_to_what_the_restart_read_and_status_names_it(host):
+    """Issue 53: what the manager compares a reload against follows a restart
+    (model-weights@tiny's start records the disk it reads). A restart onto
+    another checkpoint by a drop-in: status and RunningConfig name the one
+    that serves (they named the last swap's). A fixed key changed after that
+    restart is refused by reload --check and by systemctl reload (both
+    accepted it), and putting it back is accepted (it was refused)."""
+    target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != serving_checkpoint(host))
+    model_dropin, fixed_dropin = f"{DROPINS}/95-model.yaml", f"{DROPINS}/95-fixed.yaml"
+    try:
+        host.write_file(model_dropin, f"model: {target}\n")
+        host.systemctl("daemon-reload")
+        host.systemctl("restart", "model@tiny.service", timeout=300)
+        wait_for(lambda: model_state(host) == "serving", timeout=120, what="serving after the restart")
+        assert serving_checkpoint(host) == target
+        assert f"Checkpoint: {target}" in hostctl(host, "status", "tiny").stdout.replace("  ", " ")
+        assert running_config(host)["fixed"]["model"] == target
+
+        host.write_file(fixed_dropin, "gateway:\n  retry_after: 7\n")
+        check = hostctl(host, "reload", "--check", "tiny", "max_num_seqs=3")
+        assert check.returncode != 0 and "gateway" in check.stdout + check.stderr, check.stdout + check.stderr
+        assert "changed on disk" in check.stdout + check.stderr
+        reload = host.systemctl("reload", "model@tiny.service", check=False, timeout=300)
+        assert reload.returncode != 0
+        assert running_config(host)["fixed"]["gateway"]["retry_after"] == 5  # not recorded as running
+
+        host.run(["rm", "-f", fixed_dropin])  # put back: what runs
+        check = hostctl(host, "reload", "--check", "tiny", "max_num_seqs=3")
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert host.systemctl("reload", "model@tiny.service", check=False, timeout=300).returncode == 0
+    finally:
+        host.run(["rm", "-f", model_dropin, fixed_dropin])
+        host.systemctl("daemon-reload")
+        host.systemctl("restart", "model@tiny.service", timeout=300)  # back on the checkpoint on disk
+        wait_for(lambda: model_state(host) == "serving", timeout=120, what="serving again")

@@ -123,6 +123,8 @@ class FakeBus:
         slot = {units.engine(self.world.name, s): s for s in ("main", "next", "standby")}.get(name)
         probe = self.world.probe
         if name == units.weights(self.world.name) and verb != "stop" and result == "done":
+            # The unit's ExecStartPre= (start_record.py) records the disk it starts on.
+            self.world.records.write_started(self.world.name, self.world.config())
             probe.daemon_restarted()
         if name == units.weights(self.world.name, "next"):
             probe.next_daemon_started() if verb != "stop" and result == "done" else probe.next_daemon_stopped()

@@ -28,7 +28,7 @@ from hostd.manager.probe import Probe  # noqa: E402
 # validate and verify; next in its verify and again for the bridge note)
 # and 4 weight-daemon statuses (swap_of, record, each verify); standby 4 and
 # 4 likewise (standby_problem, and the standby's verify after its rebuild).
-# Now: the daemon once in validate (restarted_since, change_of and record
+# Now: the daemon once in validate (records.running, change_of and record
 # read that answer) and once in the main engine's verify; a verify returns
 # the /health it checked; a rebuild's answer is the engine's /health.
 ASKS = {

@@ -441,6 +441,55 @@ def test_a_fixed_key_changed_on_disk_is_not_editable_until_the_model_restarts(wo
     assert world.records.committed("tiny").fixed["served_model_name"] == "renamed"
 
 
+def restart_model(world) -> None:
+    """systemctl restart model@tiny as the fake systemd runs it: the weight
+    daemon's unit records the disk it starts on (its ExecStartPre=,
+    start_record.py), then another daemon runs."""
+    async def restart():
+        await world.connect()
+        await world.systemd.restart(units.weights("tiny"), timeout=5)
+
+    run(restart())
+
+
+def test_after_a_restart_a_fixed_key_changed_on_disk_is_refused_and_reverting_it_is_not(world):
+    """Issue 53: the start record says what the restart read. A fixed key
+    changed after it is NotEditable (it was accepted, and committed as
+    running, whenever the daemon had restarted since the last commit);
+    putting it back is accepted (it was refused as changed on disk)."""
+    assert run(world.reload({"max_num_seqs": 4})).state == R.State.DONE
+    restart_model(world)
+    assert world.records.running("tiny").fixed["gateway"]["retry_after"] == 5
+    dropin = world.root / "models/tiny.d/40-fixed.yaml"
+    dropin.write_text("gateway:\n  retry_after: 7\n")
+
+    async def check(patch: dict):
+        await world.connect()
+        return await R.check_only(world.model(), patch)
+
+    with pytest.raises(errors.NotEditable, match="fixed field.*gateway.*changed on disk"):
+        run(check({"max_num_seqs": 3}))
+    with pytest.raises(errors.NotEditable, match="gateway"):
+        run(world.reload({"max_num_seqs": 3}))
+    assert world.records.committed("tiny").engine["max_num_seqs"] == 4
+    dropin.unlink()  # reverted: what runs again
+    run(check({"max_num_seqs": 3}))
+    assert run(world.reload({"max_num_seqs": 3})).state == R.State.DONE
+    assert world.records.running("tiny").fixed["gateway"]["retry_after"] == 5
+
+
+def test_a_fixed_key_changed_before_a_restart_runs_after_it_and_is_what_running_says(world):
+    assert run(world.reload({"max_num_seqs": 4})).state == R.State.DONE
+    dropin = world.root / "models/tiny.d/40-fixed.yaml"
+    dropin.write_text("gateway:\n  retry_after: 7\n")
+    with pytest.raises(errors.NotEditable):
+        run(R.check_only(world.model(), {"max_num_seqs": 3}))
+    restart_model(world)  # applies it: the units read the disk
+    assert world.records.running("tiny").fixed["gateway"]["retry_after"] == 7
+    assert run(world.reload({"max_num_seqs": 3})).state == R.State.DONE
+    assert world.records.running("tiny") == world.records.committed("tiny")  # the commit is newer
+
+
 def test_an_engine_that_reports_another_weight_daemon_fails_verify(world):
     """The daemon answering the manager is the one from before, but the new
     engine says it attached another (pid, inode): not the weights retained."""
