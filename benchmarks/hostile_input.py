@@ -1,4 +1,4 @@
-"""Benchmark: issue 33's residual-high attacks against the builtin stack, through the gateway.
+"""Benchmark: issues 33's and 52's hostile bodies against the builtin stack, through the gateway.
 
 Starts a model's daemons by hand (harness/local.py's ModelTree: the weight
 daemon, the builtin engine and the gateway, default limits, no key) on a tiny
@@ -18,6 +18,11 @@ Attacks (issue 33):
 - M3 bombs: 4 clients in parallel, in a loop for --bomb-seconds, POST a
   1 MiB gzip bomb (1 GiB inflated) to /v1/completions with the fields
   `Content-Encoding: identity` then `Content-Encoding: gzip`.
+
+Attacks (issue 52, H2's residual): one chat of about 31 MiB whose
+11,000,000 empty lists are in `messages`, in a field no request type names,
+or in the refused `logit_bias`; then the `messages` one from four source
+addresses at once (127.0.0.11 to .14).
 
     python benchmarks/hostile_input.py
     python benchmarks/hostile_input.py --checkout /tmp/hostd-before   # another tree's daemons
@@ -107,7 +112,7 @@ def post(tree: ModelTree, path: str, body: bytes, headers: dict) -> tuple[str, f
     try:
         with httpx.Client(timeout=600) as http:
             response = http.post(tree.base_url + path, content=body, headers=headers)
-            code = f"{response.status_code} {response.text[:80]!r}"
+            code = f"{response.status_code} ({len(response.content)} bytes) {response.text[:80]!r}"
     except httpx.HTTPError as exc:
         code = type(exc).__name__
     return code, time.perf_counter() - started
@@ -123,6 +128,47 @@ def many_messages(tree: ModelTree, _args) -> str:
     body = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u"}] * 1_000_000}).encode()
     code, seconds = post(tree, "/v1/chat/completions", body, {"Content-Type": "application/json"})
     return f"{len(body) / 1e6:.0f} MB: {code} after {seconds:.1f} s"
+
+
+LISTS = b"[" + b"[]," * 10_999_999 + b"[]]"  # 11 M empty lists, about 31 MiB
+CHAT = b'{"model": "tiny", "max_tokens": 2, '
+HI = b'"messages": [{"role": "user", "content": "hi"}]'
+
+
+def lists_body(where: str) -> bytes:
+    if where == "messages":
+        return CHAT + b'"messages": ' + LISTS + b"}"
+    return CHAT + HI + b', "%s": ' % where.encode() + LISTS + b"}"
+
+
+def lists_in(where: str):
+    def attack(tree: ModelTree, _args) -> str:
+        body = lists_body(where)
+        code, seconds = post(tree, "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        return f"{len(body) // MiB} MiB: {code} after {seconds:.2f} s"
+    return attack
+
+
+def lists_from_four(tree: ModelTree, _args) -> str:
+    body = lists_body("messages")
+    answers: list[tuple[str, float]] = []
+
+    def attacker(address: str) -> None:
+        started = time.perf_counter()
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=600) as http:
+                code = str(http.post(tree.base_url + "/v1/chat/completions", content=body,
+                                     headers={"Content-Type": "application/json"}).status_code)
+        except httpx.HTTPError as exc:
+            code = type(exc).__name__
+        answers.append((code, time.perf_counter() - started))
+
+    threads = [threading.Thread(target=attacker, args=(f"127.0.0.{i}",)) for i in range(11, 15)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return f"{len(body) // MiB} MiB x 4: " + ", ".join(f"{c} after {s:.2f} s" for c, s in answers)
 
 
 def bomb() -> bytes:
@@ -160,7 +206,9 @@ def double_encoding_bombs(tree: ModelTree, args) -> str:
 
 
 ATTACKS = {"H2 role (30 MiB)": huge_role, "H2 messages (1M)": many_messages,
-           "M3 double Content-Encoding bombs": double_encoding_bombs}
+           "M3 double Content-Encoding bombs": double_encoding_bombs,
+           "H2 11M lists in messages": lists_in("messages"), "H2 11M lists in an unknown field": lists_in("later"),
+           "H2 11M lists in logit_bias": lists_in("logit_bias"), "H2 11M lists in messages, 4 sources": lists_from_four}
 
 
 def figures(watch: Watch) -> tuple[str, str, str]:

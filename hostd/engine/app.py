@@ -291,7 +291,7 @@ async def _read_and_tokenize(request: web.Request, kind: type) -> tuple[Engine, 
     """The request's body and its prompt as token ids: the cheap checks on the
     loop first, then tokenizing (and a chat's template) on a preparation lane."""
     engine = request.app[ENGINE]
-    body = await read_request(request, kind)
+    body = await read_request(request, kind, engine.log)
     engine.prepare.check_model(body.model)
     engine.prepare.check_stop(body.stop)
     if kind is ChatRequest:

@@ -11,9 +11,9 @@ chat template run on two preparation lanes, each a thread with its own copy
 of the tokenizer (Hugging Face tokenizers are not thread-safe; the loop's
 copy decodes completions): texts up to SHORT_PREPARE_CHARS on one, longer
 ones on the other, so that one client's long prompts never hold up
-everyone's short ones. Stop strings are capped in count and total length
-(openai_api.MAX_STOP_STRINGS, MAX_STOP_CHARS), since each generated token is
-checked against all of them on the loop.
+everyone's short ones. Stop strings are capped in count (while decoding:
+openai_api.MAX_STOP_STRINGS) and total length (here: MAX_STOP_CHARS), since
+each generated token is checked against all of them on the loop.
 
 Trusts nothing of the request: every field it reads was typed by
 openai_api.read_request, and every size is checked here before it costs.
@@ -34,7 +34,6 @@ from hostd.engine.openai_api import (
     CommonFields,
     Job,
     MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     OpenAIError,
 )
 
@@ -106,10 +105,7 @@ class Preparer:
 
     def check_stop(self, stop: str | list[str] | None) -> None:
         """Stop strings are checked against the completion at every token, on the loop: bounded."""
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
-        if len(stops) > MAX_STOP_STRINGS:
-            raise OpenAIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
-                              param="stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or ())  # at most MAX_STOP_STRINGS: decoded so
         total = sum(len(s) for s in stops)
         if total > MAX_STOP_CHARS:
             raise OpenAIError(400, f"stop strings are {total} characters long together; at most {MAX_STOP_CHARS} "
