@@ -11,6 +11,14 @@ before it calls anything; after the call it reads the operation once (GetAll)
 and from then on follows the signals (the changes that came before it waited
 are kept, so every stage is seen). No polling, no introspection.
 
+Trust: only the manager. The system bus lets any user send a signal to
+any connection, whatever match rules name, so the client resolves the owner
+of org.hostd1 when it connects, follows its NameOwnerChanged, and drops
+every signal from another sender; and before it reports that an operation
+ended it reads the operation again with a method call, whose reply only the
+manager can send (issue 52: a forged `done` ended `hostctl reload`, and so
+ExecReload, while the reload still ran).
+
 Errors come back as dbus_fast DBusError with the manager's error names
 (org.hostd1.Error.NotEditable, ...). Patches travel as JSON (ReloadJSON), so
 every YAML value, null included, can be expressed.
@@ -34,10 +42,12 @@ from hostd.manager import api
 UNCLAIMED_PATHS = 8
 UNCLAIMED_CHANGES = 64
 
+BUS = "org.freedesktop.DBus"
 MATCHES = (
     f"type='signal',sender='{api.BUS_NAME}',interface='{api.MANAGER}',member='OperationFinished'",
     f"type='signal',sender='{api.BUS_NAME}',interface='{api.PROPERTIES}',member='PropertiesChanged',"
     f"path_namespace='{api.OPERATION_PATH}'",
+    f"type='signal',sender='{BUS}',interface='{BUS}',member='NameOwnerChanged',arg0='{api.BUS_NAME}'",
 )
 
 
@@ -51,6 +61,7 @@ class AsyncClient:
         # (the reply and the first signals can come in one read), which
         # wait() shows before the GetAll that is newer than them.
         self._unclaimed: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+        self._manager: Optional[str] = None  # the unique name owning org.hostd1: the one sender trusted
 
     async def __aenter__(self) -> "AsyncClient":
         if self._address:
@@ -59,8 +70,12 @@ class AsyncClient:
             self.bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
         self.bus.add_message_handler(self._signal)
         for rule in MATCHES:
-            await self._call("AddMatch", "s", [rule], destination="org.freedesktop.DBus",
-                             path="/org/freedesktop/DBus", interface="org.freedesktop.DBus")
+            await self._call("AddMatch", "s", [rule], destination=BUS, path="/org/freedesktop/DBus", interface=BUS)
+        try:  # after the match: an owner that changes from here on is seen
+            [self._manager] = await self._call("GetNameOwner", "s", [api.BUS_NAME], destination=BUS,
+                                               path="/org/freedesktop/DBus", interface=BUS)
+        except DBusError:  # not running yet: the first call activates it (NameOwnerChanged names it)
+            self._manager = None
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -79,6 +94,11 @@ class AsyncClient:
     def _signal(self, msg: Message) -> None:
         if msg.message_type != MessageType.SIGNAL:
             return
+        if msg.sender == BUS and msg.member == "NameOwnerChanged" and msg.body and msg.body[0] == api.BUS_NAME:
+            self._manager = msg.body[2] or None
+            return
+        if self._manager is None or msg.sender != self._manager:
+            return  # not the manager's: anyone on the bus may send a signal to us
         if msg.interface == api.MANAGER and msg.member == "OperationFinished":
             self._deliver(msg.body[1], {"State": msg.body[3]})
         elif msg.interface == api.PROPERTIES and msg.member == "PropertiesChanged" and msg.body[0] == api.OPERATION:
@@ -156,6 +176,9 @@ class AsyncClient:
                     props.update(await queue.get())
                     if queue.empty():
                         break
+                if props["State"] in api.FINAL_STATES:
+                    # The end is the manager's word only: read it again by a call.
+                    props = {**props, **await self.operation(path)}
         finally:
             del self._watching[path]
 

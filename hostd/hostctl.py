@@ -42,7 +42,7 @@ from hostd import backends, config, host_check, units
 from hostd.config import schema, show
 from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_list, cmd_log_level, cmd_operations,
                                cmd_reload, cmd_status, cmd_unit_verb)
-from hostd.hostctl_output import EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_USAGE, emit_json
+from hostd.hostctl_output import EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_USAGE, PrintableOnly, emit_json
 from hostd.manager import api
 
 
@@ -267,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    if not isinstance(sys.stdout, PrintableOnly):
+        sys.stdout, sys.stderr = PrintableOnly(sys.stdout), PrintableOnly(sys.stderr)
     args = build_parser().parse_args(argv)
     for option, default in (("json", None), ("no_legend", False), ("no_pager", False), ("config_dir", None)):
         if not hasattr(args, option):

@@ -2,15 +2,36 @@
 codes, `--json=short|pretty`, and its tables (`--no-legend`).
 
 One job: how hostctl prints. Trusts nothing it prints to be short or safe
-beyond what the caller hands it (the manager's words, the config's values).
+beyond what the caller hands it (the manager's words, the config's values):
+what it writes to a terminal or a pipe passes PrintableOnly, so a model's
+error text or a note cannot carry escape sequences to the reader's terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NO_SUCH_MODEL = 1, 2, 3, 4
+
+# C0 controls but tab and newline, DEL, and C1 (CSI, OSC, ... as one code point).
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class PrintableOnly:
+    """A text stream's wrapper that writes every control character but tab
+    and newline as U+FFFD (what systemctl does with unprintable text)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(CONTROL.sub("\ufffd", text))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def emit_json(args: argparse.Namespace, data) -> None:

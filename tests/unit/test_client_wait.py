@@ -9,7 +9,7 @@ from collections import Counter
 import sys
 import time
 
-from dbus_fast import MessageType
+from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
@@ -104,8 +104,9 @@ def test_reload_returns_on_the_final_signal_and_sees_every_stage(bus_address):
     print(f"client wait after the final signal: max {max(lags) * 1000:.1f} ms, "
           f"mean {sum(lags) / len(lags) * 1000:.1f} ms over {len(lags)} reloads", file=sys.stderr)
     assert all(s[-1] == "finished" and len(s) >= 2 for s in stages)  # progress, then the end
-    # One ReloadJSON and one GetAll per reload: no polling, no introspection.
-    assert Counter(calls) == {"ReloadJSON": 30, "GetAll": 30}, Counter(calls)
+    # One ReloadJSON and two GetAll per reload (the first, and the end read
+    # again from the manager: issue 52): no polling, no introspection.
+    assert Counter(calls) == {"ReloadJSON": 30, "GetAll": 60}, Counter(calls)
 
 
 def test_the_stages_passed_before_wait_are_shown_before_the_current_one(bus_address):
@@ -133,3 +134,40 @@ def test_the_stages_passed_before_wait_are_shown_before_the_current_one(bus_addr
     assert [stage for stage, _ in seen] == STAGES, seen
     assert {op_id for _, op_id in seen} == {1}  # the GetAll's other properties under the earlier stages
     assert Counter(calls) == {"ReloadJSON": 1, "GetAll": 1}, Counter(calls)
+
+
+def test_a_forged_end_from_another_connection_does_not_end_the_wait(bus_address):
+    """Issue 52, S2: any connection may send a signal to the client's unique
+    name, whatever its match rules say. A forger's PropertiesChanged
+    (State done) and OperationFinished (done) for the running operation, sent
+    straight to the client and broadcast, are dropped: the wait ends with the
+    manager's own end, and the state it returns is the manager's."""
+    async def go():
+        service, manager, calls = await serve_fake_manager(bus_address)
+        manager.step = 0.2  # the reload runs 1.4 s: the forgery comes well before its end
+        forger = await MessageBus(bus_address=bus_address).connect()
+        async with AsyncClient(bus_address) as client:
+            path = (await client.reload("tiny", {"max_num_seqs": 4}, wait=False))["path"]
+            waiting = asyncio.ensure_future(client.wait(path))
+            await asyncio.sleep(0.1)
+            for destination in (client.bus.unique_name, None):
+                await forger.send(Message.new_signal(path, api.PROPERTIES, "PropertiesChanged", "sa{sv}as",
+                                                     [api.OPERATION, {"State": Variant("s", "done"),
+                                                                      "Stage": Variant("s", "finished")}, []])
+                                  if destination is None else
+                                  Message(message_type=MessageType.SIGNAL, destination=destination, path=path,
+                                          interface=api.PROPERTIES, member="PropertiesChanged",
+                                          signature="sa{sv}as",
+                                          body=[api.OPERATION, {"State": Variant("s", "done"),
+                                                                "Stage": Variant("s", "finished")}, []]))
+                await forger.send(Message(message_type=MessageType.SIGNAL, destination=destination,
+                                          path=api.ROOT_PATH, interface=api.MANAGER, member="OperationFinished",
+                                          signature="uoss", body=[1, path, "tiny", "done"]))
+            await asyncio.sleep(0.3)
+            assert not waiting.done() and not manager.finished  # the forged end ended nothing
+            result = await asyncio.wait_for(waiting, 30)
+            assert manager.finished and result["State"] == "done" and result["Stage"] == "finished"
+        forger.disconnect()
+        service.disconnect()
+
+    asyncio.run(go())

@@ -125,6 +125,22 @@ def test_a_reload_waited_for_reports_its_end(monkeypatch, capsys):
     assert capsys.readouterr().out == "reload of tiny: done\n"
 
 
+def test_the_managers_words_reach_the_terminal_without_control_characters(monkeypatch, capsys):
+    """Issue 52: an operation's Error (a model's own words, an engine's
+    refusal) printed raw could carry escape sequences to the reader's
+    terminal; hostctl writes each control character but tab and newline as
+    U+FFFD."""
+    client = FakeClient()
+    client.wait = lambda path, on_change=None: {"State": "failed", "Id": 7,
+                                                "Error": "engine refused \x1b]0;pwned\x07 \x1b[2J\x9b31m"}
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
+    assert hostctl.main(["reload", "tiny", "max_num_seqs=4", "--quiet"]) != 0
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert "engine refused" in text and not any(c in text for c in "\x1b\x07\x9b"), repr(text)
+    assert "\ufffd]0;pwned\ufffd \ufffd[2J\ufffd31m" in text
+
+
 class StateClient(FakeClient):
     """A manager that answers STATE for every model."""
 
