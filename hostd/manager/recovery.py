@@ -32,6 +32,8 @@ from hostd.manager.dropins import RELOAD_DROPIN, ROLLBACK_DROPIN, pin_checkpoint
 from hostd.manager.operation import State, journal_fields
 from hostd.manager.records import Intent
 from hostd.manager.reload import ModelHandles
+from hostd.manager.strategies.swap import retire_leftover_pair
+from hostd.manager.systemd1 import job_timeout
 
 log = logging.getLogger("hostd.manager.reload")
 
@@ -184,7 +186,9 @@ def claim(manager) -> list:
 
 async def recover_claimed(manager, claimed: list) -> None:
     """End the reloads a previous manager left half done (recover), each
-    under the recovery Operation claim made for it."""
+    under the recovery Operation claim made for it; then stop a swap's
+    second pair that runs for a model no reload accounts for."""
+    await _retire_leftovers(manager, {model.model_name for model, _, _ in claimed})
     for model, intent, iface in claimed:
         name = model.model_name
         try:
@@ -199,3 +203,20 @@ async def recover_claimed(manager, claimed: list) -> None:
             iface.op.finish(state, "" if outcome == "committed" else f"reload {intent.operation}: {outcome}")
         model.forget()
         model.refresh()
+
+
+async def _retire_leftovers(manager, claimed: set[str]) -> None:
+    """A swap's second pair left running with no intent record (a stop
+    that failed after a swap ended, then a manager restart): stopped, and
+    said in the journal (swap.retire_leftover_pair). A failure is logged."""
+    for name, model in list(manager.models.items()):
+        if name in claimed:
+            continue
+        try:
+            try:
+                timeout = job_timeout(model.handles.load().config.timeouts.stop)
+            except Exception:  # a config that does not load: the units' own stop timeout
+                timeout = None
+            await retire_leftover_pair(model.handles, timeout, "at the manager's start")
+        except Exception as exc:
+            log.error("%s: a swap's second pair could not be stopped: %s", name, exc, extra={"hostd_model": name})

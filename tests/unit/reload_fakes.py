@@ -385,6 +385,8 @@ class World:
         if standby:
             self.probe.engine_started("standby")  # and waiting on it
         self.systemd = Systemd(self.bus)
+        for unit in (units.swap_engine(self.name), units.weights(self.name, "next")):  # a swap's pair: not running
+            self.bus.unit(unit)["ActiveState"] = "inactive"
 
     @property
     def dropin(self) -> Path:

@@ -217,3 +217,56 @@ def test_under_reload_strategy_restart_a_swap_drains_and_restarts_the_main_pair_
     assert (op.state, op.strategy_name) == (R.State.DONE, "restart")
     assert swap_jobs(world) == [f"restart {units.weights('tiny')}", f"start {units.engine('tiny')}"]
     assert "drain" in world.probe.calls and world.probe.held == str(new.resolve())
+
+
+def test_a_swap_engine_that_fails_to_stop_still_has_the_next_weight_daemon_stopped(tmp_path):
+    """Issue 52, S4: the retire stopped the swap's engine, then the next
+    weight daemon; a failed first stop skipped the second, leaving a full
+    second copy of the weights. Both are asked; the reload says it failed."""
+    import asyncio
+
+    from hostd import units
+    from hostd.manager import reload as R
+
+    world, new, _ = swap_world(tmp_path)
+    world.bus.job_results[units.swap_engine("tiny")] = ["done", "failed"]  # its start, then its stop
+    op = asyncio.run(world.reload({"model": new}))
+    assert f"stop {units.weights('tiny', 'next')}" in swap_jobs(world)
+    assert world.probe.next_weights is None  # the second copy is gone
+    assert op.state == R.State.FAILED and "stop model-engine-swap@tiny.service" in op.error, op.error
+    assert world.records.committed("tiny").fixed["model"] == new  # the main pair serves it: committed
+
+
+def test_a_second_pair_no_reload_accounts_for_is_stopped_at_the_managers_start_and_before_load_next(tmp_path):
+    """Issue 52, S4: a swap's second pair left running (its stop failed
+    after the swap ended) held a second copy of the weights for ever, and the
+    next swap started on that daemon. The manager's start stops it for a
+    model with no intent record, and so does a swap before its load-next."""
+    import asyncio
+
+    from hostd import units
+    from hostd.manager import recovery
+
+    world, new, _ = swap_world(tmp_path)
+
+    def leave_a_pair() -> None:
+        world.probe.next_daemon_started()
+        world.bus.set_state(units.weights("tiny", "next"), "active")
+
+    class Manager:  # what recovery reads of service.Manager
+        models = {"tiny": type("Model", (), {"handles": world.model()})()}
+
+    leave_a_pair()
+
+    async def manager_start():
+        await world.connect()
+        await recovery.recover_claimed(Manager(), [])
+
+    asyncio.run(manager_start())
+    assert swap_jobs(world) == [f"stop {units.swap_engine('tiny')}", f"stop {units.weights('tiny', 'next')}"]
+    assert world.probe.next_weights is None
+    world.bus.job_log.clear()
+    leave_a_pair()
+    asyncio.run(world.reload({"model": new}))
+    assert swap_jobs(world)[:3] == [f"stop {units.swap_engine('tiny')}", f"stop {units.weights('tiny', 'next')}",
+                                    f"start {units.weights('tiny', 'next')}"]

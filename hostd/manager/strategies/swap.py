@@ -71,6 +71,9 @@ class Swap(Overlap):
         on its own socket, attached to that daemon, on the daemon's digest."""
         op, model, probe = run.op, run.model, run.model.probe
         timeout = job_timeout(run.target.timeouts.start)
+        # A pair left by an earlier swap (a stop that failed after its end):
+        # this reload would start on that daemon and its checkpoint.
+        await retire_leftover_pair(model, job_timeout(run.target.timeouts.stop), f"before reload {op.id}")
         await model.systemd.start(model.next_weights_unit, timeout=timeout)
         status = await probe.weights_status("next")
         if status is None:
@@ -115,10 +118,38 @@ class Swap(Overlap):
         return await model.probe.engine_error(str(exc), "next", unit)
 
     async def stop_second(self, model: ModelHandles, timeout: float) -> None:
-        """The swap's engine, then the new checkpoint's weight daemon (its
-        copy of the weights)."""
-        await model.systemd.stop(model.swap_unit, timeout=timeout)
-        await model.systemd.stop(model.next_weights_unit, timeout=timeout)
+        await stop_pair(model, timeout)
+
+
+async def stop_pair(model: ModelHandles, timeout: float) -> None:
+    """The swap's engine, then the new checkpoint's weight daemon (its copy
+    of the weights), the second even when the first stop fails (a full copy
+    of the weights left on a GPU otherwise); the first failure is raised
+    once both were asked."""
+    failures = []
+    for unit in (model.swap_unit, model.next_weights_unit):
+        try:
+            await model.systemd.stop(unit, timeout=timeout)
+        except Exception as exc:
+            log.error("stopping %s failed: %s", unit, exc, extra={"hostd_model": model.name})
+            failures.append(exc)
+    if failures:
+        raise failures[0]
+
+
+async def retire_leftover_pair(model: ModelHandles, timeout: Optional[float], when: str) -> bool:
+    """Stop a swap's second pair (model-engine-swap@NAME,
+    model-weights-next@NAME) that runs WHEN no reload accounts for it: at
+    the manager's start for a model without an intent record, and before a
+    swap's load-next. True when one ran; a stop that fails is raised."""
+    running = [unit for unit in (model.swap_unit, model.next_weights_unit)
+               if await model.systemd.active_state(unit) not in ("inactive", "failed")]
+    if not running:
+        return False
+    log.warning("%s: %s ran with no reload accounting for it (a swap's second pair left behind); stopping it",
+                when, " and ".join(running), extra={"hostd_model": model.name})
+    await stop_pair(model, timeout)
+    return True
 
 
 def swap_problem(run: Run, memory: Memory) -> Optional[str]:
