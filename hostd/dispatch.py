@@ -18,22 +18,21 @@ max_model_len beyond the model's positions).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from hostd import backends, logs, paths, systemd
 from hostd import config as hostd_config
+from hostd.checkpoints import config_file
 
 
 def model_config(cfg) -> Optional[dict]:
     """The checkpoint's config.json, or None when there is none to read (the
     backend's refusals name a missing one)."""
     try:
-        return json.loads((Path(cfg.model) / "config.json").read_text())
-    except (OSError, ValueError):
+        return config_file.read(cfg.model)
+    except ValueError:
         return None
 
 

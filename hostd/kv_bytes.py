@@ -16,9 +16,9 @@ knows, and nothing else is read.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Optional
+
+from hostd.checkpoints import config_file
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: 'auto' where config.json names no dtype: what transformers loads such a
@@ -86,13 +86,6 @@ def bytes_per_token(config: dict, dtype: str, *, tensor_parallel_size: int = 1,
 def for_checkpoint(model_dir: str, dtype: str, *, tensor_parallel_size: int = 1) -> int:
     """bytes_per_token of the checkpoint directory MODEL_DIR, from its
     config.json; ValueError naming that file when it cannot be read or counted."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except OSError as error:
-        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
-    except ValueError as error:
-        raise ValueError(f"{path}: not JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
+    path = config_file.path_of(model_dir)
+    config = config_file.read(model_dir)  # the one guarded reader: a FIFO, a huge file
     return bytes_per_token(config, dtype, tensor_parallel_size=tensor_parallel_size, source=str(path))

@@ -9,6 +9,7 @@ same by hand.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -34,6 +35,20 @@ def notify(*lines: str) -> None:
     if _notifier is None:
         _notifier = sdnotify.SystemdNotifier()
     _notifier.notify("\n".join(lines))
+
+
+async def feed_watchdog() -> None:
+    """Tell systemd every third of the unit's WatchdogSec= that this event
+    loop still runs (WATCHDOG=1, sd_watchdog_enabled(3)'s rule: WATCHDOG_USEC,
+    and WATCHDOG_PID when set, naming this process). A loop that stops
+    turning stops feeding, and systemd restarts the unit (Restart=). Returns
+    at once when the unit has no watchdog."""
+    usec, pid = os.environ.get("WATCHDOG_USEC"), os.environ.get("WATCHDOG_PID")
+    if not usec or not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
+        return
+    while True:
+        notify("WATCHDOG=1")
+        await asyncio.sleep(int(usec) / 3e6)
 
 
 def status(text: str) -> None:

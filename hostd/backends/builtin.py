@@ -9,9 +9,9 @@ without them refuses a builtin model before anything starts
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from pathlib import Path
 from hostd.backends.base import Backend
+from hostd.checkpoints import config_file
 
 
 class BuiltinBackend(Backend):
@@ -81,10 +81,10 @@ class BuiltinBackend(Backend):
         if missing:
             return missing
         try:
-            model_config = json.loads((Path(cfg.model) / "config.json").read_text())
-        except (OSError, ValueError):
+            model_config = config_file.read(cfg.model)
+        except ValueError:
             return []  # refusals() names a missing config.json; the engine an unreadable one
-        return self._rules(cfg, model_config) if isinstance(model_config, dict) else []
+        return self._rules(cfg, model_config)
 
     @staticmethod
     def _install() -> list[str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import json
 import os
 import re
 import shutil
@@ -29,9 +28,8 @@ from typing import ClassVar, Optional
 from packaging.version import InvalidVersion, Version
 
 from hostd import kv_bytes, nvml
-from hostd.config.problems import ConfigError
-from hostd.config.yaml_files import read_regular_file
 from hostd.backends.base import Backend, Command, checkpoint_bytes
+from hostd.checkpoints import config_file
 
 # Variables that make PyTorch's allocator hand out expandable segments. CUDA
 # IPC cannot export memory from them: both upstream weight caches refuse to
@@ -152,7 +150,7 @@ def checkpoint_quantization(model_dir: str) -> Optional[dict]:
 
     Any user may make the manager ask (the D-Bus properties WeightsRetained,
     WeightsNotRetainedReason), and the checkpoint may be anyone's directory:
-    the file is read as the loader reads config files (read_regular_file: a
+    the file is read by the one guarded reader (checkpoints/config_file.py: a
     FIFO cannot hang the reader, nor a huge file fill its memory), and once
     per identity (device, inode, size, mtime) of the file."""
     path = Path(model_dir) / "config.json"
@@ -171,10 +169,10 @@ def checkpoint_quantization(model_dir: str) -> Optional[dict]:
 
 def _read_quantization(path: Path) -> Optional[dict]:
     try:
-        config = json.loads(read_regular_file(path, str(path)))
-    except (OSError, ValueError, ConfigError):
+        config = config_file.read(path.parent)
+    except ValueError:
         return None
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    quant = config.get("quantization_config")
     return quant if isinstance(quant, dict) else None
 
 

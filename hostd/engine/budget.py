@@ -23,11 +23,11 @@ are checked for being positive integers and nothing else is read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from hostd import kv_bytes
+from hostd.checkpoints import config_file
 
 # The unset budget's cap, as a fraction of the device's memory. Two engines
 # (the serving one and an overlap or standby engine beside it) take at most
@@ -83,7 +83,7 @@ def for_checkpoint(checkpoint: Path, *, dtype: str, kv_cache_mib: Optional[int],
     DEVICE ('cpu' or 'cuda': its PAGE_SIZE): DTYPE 'auto' is the checkpoint's
     own, max_model_len None its max_position_embeddings. With BRIDGE_KV_MIB,
     the swap engine's budget instead (swap_bytes)."""
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = config_file.read(checkpoint)
     length = max_model_len or positions(config)
     per_token = kv_bytes.bytes_per_token(config, dtype, source=str(checkpoint / "config.json"))
     full = kv_cache_bytes(kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, max_model_len=length,

@@ -50,6 +50,7 @@ import msgspec
 import torch
 
 from hostd import memory, paths, systemd
+from hostd.checkpoints import config_file
 from hostd.engine import budget
 from hostd.engine import health as engine_health
 from hostd.weights import checkpoint, client, fingerprint, shared
@@ -180,8 +181,8 @@ def rebuilder(cfg, backend, model, health_of, standby: bool):
     from hostd.engine import server
 
     try:
-        model_config = json.loads((Path(cfg.model) / "config.json").read_text())
-    except (OSError, ValueError):
+        model_config = config_file.read(cfg.model)
+    except ValueError:
         model_config = {}  # the start read it: a checkpoint changed under a running engine
 
     def rebuild(section: object) -> "server.Rebuilt":

@@ -13,19 +13,24 @@ and a checkpoint path is only stat()ed.
 
 from __future__ import annotations
 
-import os
-import stat
 from typing import Any
 
 import msgspec
 
 from hostd import config as hostd_config
+from hostd.checkpoints import config_file
 from hostd.config import schema
 from hostd.manager import errors
 
 
 def patch_from_variants(patch: dict[str, Any]) -> dict:
-    """D-Bus a{sv} -> plain values (Variant.value)."""
+    """D-Bus a{sv} -> plain values (Variant.value). Counted before anything
+    is built from it: an entry takes at least two bytes of MAX_PATCH_BYTES,
+    so more than MAX_PATCH_ENTRIES can never be a patch (a million cost
+    the manager's loop 0.9 s to build and then refuse)."""
+    if len(patch) > MAX_PATCH_ENTRIES:
+        raise errors.InvalidValue(f"the patch has {len(patch)} entries; a reload patch holds at most "
+                                  f"{MAX_PATCH_ENTRIES} (an engine's limits take a few)")
     return {k: getattr(v, "value", v) for k, v in patch.items()}
 
 
@@ -34,6 +39,7 @@ def patch_from_variants(patch: dict[str, Any]) -> dict:
 # multi-megabyte value to YAML held root's only event loop for seconds
 # (issue 33, N1). An engine's editable values take a few hundred bytes.
 MAX_PATCH_BYTES = 8192
+MAX_PATCH_ENTRIES = MAX_PATCH_BYTES // 2  # a key and its value: two bytes at least
 
 
 def check_patch_size(patch: dict) -> None:
@@ -71,15 +77,13 @@ def _weight(value: Any) -> int:
     return total
 
 
-CONFIG_JSON_MAX = 16 << 20  # a checkpoint's config.json takes kilobytes
-
-
 def check_checkpoint_values(patch: dict, swappable: tuple[str, ...]) -> None:
     """Refuse (InvalidValue naming the key) a SWAPPABLE key of PATCH that is
-    not an absolute path, or whose config.json is not a regular file of
-    sane size: the backend's checks read it as root, on root's only event
-    loop, and a FIFO or a device there would hold or exhaust the manager.
-    Only stat() here; nothing is opened."""
+    not an absolute path, or whose config.json is not a JSON object in a
+    regular file of sane size, read by the one guarded reader
+    (checkpoints/config_file.py: opened without blocking, checked on the
+    open file): the backend's checks read it as root, on root's only event
+    loop, and a FIFO or a device there would hold or exhaust the manager."""
     for key in swappable:
         if key not in patch:
             continue
@@ -88,12 +92,9 @@ def check_checkpoint_values(patch: dict, swappable: tuple[str, ...]) -> None:
             raise errors.InvalidValue(f"{key}: expected the absolute path of a checkpoint directory, "
                                       f"got {str(value)[:200]!r}")
         try:
-            info = os.stat(os.path.join(value, "config.json"))
-        except OSError as exc:
-            raise errors.InvalidValue(f"{key}: {value[:200]} has no config.json ({exc.strerror})") from None
-        if not stat.S_ISREG(info.st_mode) or info.st_size > CONFIG_JSON_MAX:
-            raise errors.InvalidValue(f"{key}: {value[:200]}/config.json is not a regular file of at most "
-                                      f"{CONFIG_JSON_MAX >> 20} MiB")
+            config_file.read(value)
+        except ValueError as exc:
+            raise errors.InvalidValue(f"{key}: {str(exc)[:500]}") from None
 
 
 def check_patch_types(engine: msgspec.Struct, patch: dict) -> None:

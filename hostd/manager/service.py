@@ -34,6 +34,7 @@ from dbus_fast.service import ServiceInterface, method, signal
 
 from hostd import config as hostd_config
 from hostd import logs
+from hostd import systemd as unit_notify
 from hostd.config import schema
 from hostd.manager import api, errors, recovery, tasks
 from hostd.manager import reload as reload_mod
@@ -387,6 +388,8 @@ async def serve(root: Path) -> None:
     log.info("manager on the system bus as %s; %d model(s)", api.BUS_NAME, len(manager.models))
     # Recovery may wait for engines; the bus name is already ours meanwhile.
     manager.keep(asyncio.create_task(manager.recover(claimed)))
+    # WatchdogSec= (units/hostd.service): a loop frozen on a read or a lock is restarted.
+    manager.keep(asyncio.create_task(unit_notify.feed_watchdog()))
     watcher = asyncio.create_task(manager.watch_in_flight())
     try:
         await bus.wait_for_disconnect()

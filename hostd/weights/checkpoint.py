@@ -14,13 +14,13 @@ the checkpoint is an error unless it is tied to one that is present.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from hostd import kv_bytes
+from hostd.checkpoints import config_file
 from hostd.weights import lean
 
 lean.apply()  # before anything in this process imports transformers
@@ -35,8 +35,8 @@ def resolve_dtype(checkpoint: Path, configured: str) -> str:
     ValueError naming config.json and the key for a dtype hostd does not know."""
     if configured != "auto":
         return configured
-    path = checkpoint / "config.json"
-    return kv_bytes.resolve_dtype(json.loads(path.read_text()), configured, source=str(path))
+    source = str(config_file.path_of(checkpoint))
+    return kv_bytes.resolve_dtype(config_file.read(checkpoint), configured, source=source)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ import msgspec
 import xxhash
 
 from hostd.config.atomic import write_atomic
+from hostd.checkpoints import config_file
 from hostd.weights.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def content_digest(checkpoint: Path, cache_dir: Optional[Path]) -> str:
 
 
 def architecture(checkpoint: Path) -> str:
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = config_file.read(checkpoint)
     archs = config.get("architectures") or [config.get("model_type", "unknown")]
     return str(archs[0])
 

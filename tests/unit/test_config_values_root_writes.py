@@ -535,3 +535,16 @@ def test_without_nvml_every_nvidia_gpu_is_allowed_and_the_log_says_why(monkeypat
     assert "DeviceAllow=char-nvidia-frontend rw" in text
     assert "/dev/nvidia1 rw" not in text
     assert "cannot read GPU minor numbers" in capsys.readouterr().err
+
+
+def test_a_patch_of_a_million_entries_is_refused_by_its_count_before_it_is_built():
+    """Issue 52, N1: a{sv} patches were weighed only after every entry was
+    unpacked; the count alone refuses what no patch can be."""
+    from dbus_fast import Variant
+
+    from hostd.manager.patch import MAX_PATCH_ENTRIES, patch_from_variants
+
+    huge = {f"k{i}": Variant("u", 1) for i in range(1_000_000)}
+    with pytest.raises(errors.InvalidValue, match=f"1000000 entries; a reload patch holds at most {MAX_PATCH_ENTRIES}"):
+        patch_from_variants(huge)
+    assert patch_from_variants({"max_num_seqs": Variant("u", 4)}) == {"max_num_seqs": 4}

@@ -40,9 +40,9 @@ def test_a_checkpoint_whose_config_json_is_no_regular_file_is_refused_before_any
     (tmp_path / "device").mkdir()
     (tmp_path / "device" / "config.json").symlink_to("/dev/zero")
     for name in ("fifo", "device"):
-        with pytest.raises(errors.InvalidValue, match="config.json is not a regular file"):
+        with pytest.raises(errors.InvalidValue, match="config.json: not a regular file"):
             check_checkpoint_values({"model": str(tmp_path / name)}, ("model",))
-    with pytest.raises(errors.InvalidValue, match="has no config.json"):
+    with pytest.raises(errors.InvalidValue, match="config.json: cannot be read .No such file"):
         check_checkpoint_values({"model": str(tmp_path / "absent")}, ("model",))
     (tmp_path / "good").mkdir()
     (tmp_path / "good" / "config.json").write_text("{}")

@@ -36,3 +36,42 @@ def test_a_unit_unloaded_outside_a_daemon_reload_reads_inactive(tmp_path):
         assert await world.systemd.active_state(UMBRELLA) == "inactive"
 
     asyncio.run(main())
+
+
+def test_the_watchdog_is_fed_from_the_event_loop_and_only_for_this_process(tmp_path, monkeypatch):
+    """hostd.service's WatchdogSec= (issue 52, S1: a manager frozen on a read
+    stayed frozen): feed_watchdog sends WATCHDOG=1 every third of
+    WATCHDOG_USEC from the loop, and nothing for a watchdog meant for
+    another process (WATCHDOG_PID) or for a unit without one."""
+    import os
+    import socket
+
+    from hostd import systemd as unit_notify
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify"))
+    listener.settimeout(5)
+    monkeypatch.setattr(unit_notify, "_notifier", None)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "30000")  # fed every 10 ms
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+
+    async def fed_for(seconds: float) -> None:
+        try:
+            await asyncio.wait_for(unit_notify.feed_watchdog(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    asyncio.run(fed_for(0.1))
+    received = []
+    listener.setblocking(False)
+    while True:
+        try:
+            received.append(listener.recv(64))
+        except BlockingIOError:
+            break
+    assert received and set(received) == {b"WATCHDOG=1"} and len(received) >= 3, received
+    for variable, value in (("WATCHDOG_PID", str(os.getpid() + 1)), ("WATCHDOG_USEC", "")):
+        monkeypatch.setenv(variable, value)
+        asyncio.run(asyncio.wait_for(unit_notify.feed_watchdog(), 1))  # returns at once: nothing to feed
+    listener.close()
