@@ -136,8 +136,8 @@ class Connections:
                  header_timeout: float, idle_timeout: float, refusal: bytes,
                  per_client: Optional[int] = None, write_timeout: float = float("inf"),
                  too_large: bytes = b"", on_event: Callable[[str], None] = lambda event: None):
-        """ON_EVENT is told "refused", "evicted" (an idle connection closed to
-        make room), or the phase of a connection closed for its deadline:
+        """ON_EVENT is told "refused", "evicted" (an idle connection, one in
+        an unfinished head or the slowest body closed to make room), or the phase of a connection closed for its deadline:
         "headers" (slow or oversized headers), "idle", "write" (its client
         stopped reading). TOO_LARGE answers headers over MAX_HEADER_BYTES."""
         self.factory = factory
@@ -152,6 +152,7 @@ class Connections:
         self.open: dict[asyncio.BaseTransport, "_Guarded"] = {}
         self.idle: dict["_Guarded", None] = {}  # idle keep-alive connections, longest idle first
         self.heads: dict["_Guarded", None] = {}  # connections in an unfinished request head, oldest first
+        self.bodies: dict["_Guarded", None] = {}  # connections whose request body is being read
         self.clients: dict[str, int] = {}  # open connections per client
         self.lingering = 0  # refused connections not closed yet
         self._sweeper: Optional[asyncio.Task] = None
@@ -177,7 +178,10 @@ class Connections:
 
     def admit(self, conn: "_Guarded") -> bool:
         """Make room for CONN (a new connection) within both caps, closing
-        the longest-idle connection where one is over; False when none is idle."""
+        the longest-idle connection where one is over, else the oldest in an
+        unfinished head, else the one reading its body the slowest (a
+        trickler holds a connection until body_timeout otherwise); False
+        when none is either (every connection is in an admitted request)."""
         if self.clients.get(conn.client, 0) >= self.per_client:
             victim = next((c for c in self.idle if c.client == conn.client), None)
             if victim is None:
@@ -188,17 +192,25 @@ class Connections:
             if victim is None:
                 victim = next(iter(self.heads), None)
             if victim is None:
+                victim = self.slowest_body()
+            if victim is None:
                 return False
             victim.evict()
         self.open[conn.transport] = conn
         self.clients[conn.client] = self.clients.get(conn.client, 0) + 1
         return True
 
+    def slowest_body(self) -> Optional["_Guarded"]:
+        """The connection reading its request body at the lowest rate so far."""
+        now = asyncio.get_running_loop().time()
+        return min(self.bodies, key=lambda c: c.body_bytes / max(now - c.body_since, 1e-3), default=None)
+
     def forget(self, conn: "_Guarded") -> None:
         if self.open.pop(conn.transport, None) is None:
             return
         self.idle.pop(conn, None)
         self.heads.pop(conn, None)
+        self.bodies.pop(conn, None)
         left = self.clients[conn.client] - 1
         if left:
             self.clients[conn.client] = left
@@ -211,10 +223,19 @@ class Connections:
         return conn.client if conn is not None else ""
 
     def started(self, transport: Optional[asyncio.BaseTransport]) -> None:
-        """A request's headers have arrived (called by the handler)."""
+        """A request's headers have arrived (called by the handler), or its
+        body has (after reading_body)."""
         conn = self.open.get(transport) if transport is not None else None
         if conn is not None:
             conn.set_phase("active")
+
+    def reading_body(self, transport: Optional[asyncio.BaseTransport]) -> None:
+        """The handler reads the request's body from here (read_body, within
+        body_timeout) until it calls started again: till then the connection
+        may be evicted for a new one, the slowest first."""
+        conn = self.open.get(transport) if transport is not None else None
+        if conn is not None:
+            conn.set_phase("body")
 
     def finished(self, transport: Optional[asyncio.BaseTransport], keep_alive: bool = True) -> None:
         """The handler returned; the connection waits for its next request,
@@ -240,6 +261,7 @@ class _Guarded(asyncio.Protocol):
         self.write_deadline = float("inf")  # set while the write buffer is full
         self.write_backlog = 0  # bytes buffered when that deadline was set
         self.timer: Optional[asyncio.TimerHandle] = None  # a refused connection's lingering close
+        self.body_bytes, self.body_since = 0, 0.0  # phase body: bytes received since when
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -268,9 +290,13 @@ class _Guarded(asyncio.Protocol):
     def set_phase(self, phase: str) -> None:
         self.guard.idle.pop(self, None)
         self.guard.heads.pop(self, None)
+        self.guard.bodies.pop(self, None)
         self.phase = phase
-        if phase == "active":
-            self.deadline = float("inf")
+        if phase in ("active", "body"):
+            self.deadline = float("inf")  # a body's own deadline is read_body's body_timeout
+            if phase == "body":
+                self.guard.bodies[self] = None
+                self.body_bytes, self.body_since = 0, asyncio.get_running_loop().time()
             return
         if phase == "idle":
             self.guard.idle[self] = None
@@ -288,7 +314,8 @@ class _Guarded(asyncio.Protocol):
             self.transport.close()
 
     def evict(self) -> None:
-        """Close this connection (idle, or in an unfinished head) to make room for a new one."""
+        """Close this connection (idle, in an unfinished head, or the slowest
+        body) to make room for a new one; no request of it was admitted."""
         self.guard.forget(self)
         self.guard.on_event("evicted")
         if self.transport is not None:
@@ -312,6 +339,8 @@ class _Guarded(asyncio.Protocol):
             return  # read and discarded until closed
         if self.phase == "idle":
             self.set_phase("headers")
+        elif self.phase == "body":
+            self.body_bytes += len(data)
         if self.phase == "headers" and self.header_bytes >= 0:
             # Count the head's bytes until its blank line; after it come body bytes.
             end = (self.tail + data).find(b"\r\n\r\n")
@@ -422,11 +451,13 @@ class Body:
 
 
 async def read_body(request: web.Request, budget: BodyBudget, max_bytes: int, timeout: float,
-                    client: str = "") -> Body:
-    """REQUEST's whole body within TIMEOUT, holding budget (CLIENT's share of
-    it) for the bytes that arrived; BodyRefused (413, 503 or 408) otherwise.
-    The caller releases the returned Body."""
-    body = Body(budget, client)
+                    connections: Optional[Connections] = None) -> Body:
+    """REQUEST's whole body within TIMEOUT, holding budget (its client's
+    share of it, by CONNECTIONS) for the bytes that arrived; BodyRefused
+    (413, 503 or 408) otherwise. While it waits for more bytes the
+    connection may be evicted for a new one at CONNECTIONS' cap, the slowest
+    body first (reading_body). The caller releases the returned Body."""
+    body = Body(budget, connections.client(request.transport) if connections is not None else "")
     if not request.body_exists:
         return body
     length = request.content_length
@@ -439,6 +470,8 @@ async def read_body(request: web.Request, budget: BodyBudget, max_bytes: int, ti
             # without arming a deadline, which costs a timer per request.
             body.add(request.content.read_nowait(-1), max_bytes)
             return body
+        if connections is not None:
+            connections.reading_body(request.transport)
         try:
             async with asyncio.timeout(timeout):
                 while chunk := await request.content.readany():
@@ -446,6 +479,9 @@ async def read_body(request: web.Request, budget: BodyBudget, max_bytes: int, ti
         except TimeoutError:
             raise BodyRefused(408, "body_timeout",
                               f"the request body did not arrive within {timeout:g} s") from None
+        finally:
+            if connections is not None:
+                connections.started(request.transport)  # the body is in (or refused): not evictable
     except BaseException:
         body.release()
         raise

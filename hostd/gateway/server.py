@@ -287,9 +287,8 @@ class Gateway:
                                    "with no Content-Encoding field or one field 'identity'")
             response.force_close()  # the body is not read
             return response
-        client = self.connections.client(request.transport) if self.connections is not None else ""
         try:
-            body = await limits.read_body(request, self.budget, g.max_body_bytes, g.body_timeout, client)
+            body = await limits.read_body(request, self.budget, g.max_body_bytes, g.body_timeout, self.connections)
         except limits.BodyRefused as exc:
             response = self.refuse(exc.status, "invalid_request_error", exc.code, str(exc),
                                    {"Retry-After": "1"} if exc.status == 503 else None)

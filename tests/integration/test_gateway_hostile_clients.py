@@ -172,6 +172,30 @@ def test_unfinished_heads_at_the_cap_make_room_for_a_new_client_oldest_first(tmp
             conn.close()
 
 
+def test_bodies_trickling_at_the_cap_make_room_for_a_new_client_slowest_first(tmp_path: Path):
+    """Issue 52, M2: a connection that had sent its head and trickled its
+    body was never evicted: 40 of them answered every new client 503 until
+    body_timeout. Now the slowest body makes room; none of them was admitted."""
+    with front_door(tmp_path, max_connections=20, max_connections_per_client=20, body_timeout=30) as door:
+        tricklers = [connect(door, head(1000) + b'{"pro') for _ in range(20)]  # the whole cap, bodies unfinished
+        time.sleep(0.5)
+        for conn in tricklers[1:]:
+            conn.sendall(b"m")  # the first one stays the slowest
+        time.sleep(0.2)
+        with client(LEGIT) as http:
+            assert http.post(door.base_url + "/v1/completions", json=COMPLETION).status_code == 200
+        assert answer_of(tricklers[0]) == b""  # the slowest body was closed unanswered to make room
+        assert all(still_open(conn) for conn in tricklers[2:])
+        text = metrics(door)
+        assert 'hostd_gateway_connections_refused_total{model="tiny"} 0.0' in text
+        assert "hostd_gateway_connections_evicted_total" in text
+        for conn in tricklers:
+            conn.close()
+        posts = [r for r in door.engine_saw() if r["method"] == "POST"]
+        assert len(posts) == 1  # the legitimate request alone reached the engine
+        assert "Traceback" not in door.gateway.log(), door.gateway.log()[-3000:]
+
+
 def test_one_client_holds_at_most_its_share_of_connections(tmp_path: Path):
     with front_door(tmp_path, max_connections=20, max_connections_per_client=5, header_timeout=30) as door:
         slow = [connect(door, b"GET /v1/mod") for _ in range(5)]  # unfinished headers: never idle
