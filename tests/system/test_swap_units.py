@@ -18,7 +18,7 @@ import pytest
 
 from container import SystemdContainer, wait_for
 from test_manager import DROPINS, busctl, hostctl, kill_manager_and_await_recovery, last_operation, model_state, \
-    op_property, read_file
+    op_property, read_file, wait_operation
 from test_model_units import main_pid
 from test_overlap_units import active, serving_tiny, under_load
 
@@ -186,7 +186,15 @@ def test_under_reload_strategy_restart_a_swap_restarts_the_pair_on_the_new_check
 @pytest.mark.parametrize("stages", [("load-next", "start-next"), ("restart", "verify")],
                          ids=["before-the-switch", "main-pair-restarting"])
 def test_a_manager_killed_mid_swap_leaves_one_checkpoint_serving_the_one_on_disk(host, stages):
-    target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != serving_checkpoint(host))
+    """Before the switch the main pair was never touched: recovery must roll
+    back to the checkpoint that served (the main daemon does not hold the new
+    one). While the main pair restarts, systemd's restart job outlives the
+    manager, so either end is right, by whether the engine came up on the new
+    checkpoint before recovery looked (recovery.py's _verified_target): the
+    recovery operation says which, and the disk, the engine, /v1/models and
+    RunningConfig agree with it."""
+    before = serving_checkpoint(host)
+    target = next(c for c in (f"{CHECKPOINTS}/tiny-3", f"{CHECKPOINTS}/tiny-2") if c != before)
     path = hostctl(host, "reload", "tiny", f"model={target}", "--no-wait", check=True).stdout.strip()
     wait_for(lambda: op_property(host, path, "Stage") in stages, timeout=120, interval=0.05,
              what=f"the swap at {' or '.join(stages)}")
@@ -194,8 +202,15 @@ def test_a_manager_killed_mid_swap_leaves_one_checkpoint_serving_the_one_on_disk
     wait_for(lambda: active(host, SWAP_ENGINE) == "inactive" and active(host, NEXT_WEIGHTS) in ("inactive", "failed"),
              timeout=120, what="the swap's pair stopped")
     assert active(host, MAIN) == "active" and active(host, WEIGHTS) == "active"
-    assert serving_checkpoint(host) == on_disk(host)  # committed or rolled back: disk and engine agree
-    assert models(host)["root"] == on_disk(host)
+    recovery = last_operation(host)
+    assert op_property(host, recovery, "Kind") == "recovery"
+    outcome = wait_operation(host, recovery)
+    if stages == ("load-next", "start-next"):
+        assert outcome == "rolled-back", outcome
+    expected = target if outcome == "done" else before
+    assert outcome in ("done", "rolled-back") and on_disk(host) == expected, (outcome, on_disk(host))
+    assert serving_checkpoint(host) == expected and models(host)["root"] == expected
+    assert running_config(host)["fixed"]["model"] == expected
 
 
 def running_config(host: SystemdContainer) -> dict:
