@@ -10,9 +10,11 @@ same by hand.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
+import time
 from typing import Optional
 
 import sdnotify
@@ -25,6 +27,7 @@ SD_LISTEN_FDS_START = 3
 PER_PROCESS_VARIABLES = ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 _notifier: Optional[sdnotify.SystemdNotifier] = None
+_log = logging.getLogger("hostd.systemd")
 
 
 def notify(*lines: str) -> None:
@@ -55,22 +58,50 @@ def status(text: str) -> None:
     notify(f"STATUS={text.splitlines()[0] if text else ''}")
 
 
-class ExtendTimeout:
-    """While a long step runs (loading weights), keep asking systemd for more
-    start-up time so TimeoutStartSec= bounds progress, not checkpoint size."""
+def process_age() -> float:
+    """Seconds since this process started (/proc/self/stat's starttime
+    against /proc/uptime): how much of its unit's start timeout it has used."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
-    def __init__(self, every: float = 10.0, extend_by: float = 30.0):
-        self._every, self._usec = every, int(extend_by * 1_000_000)
+
+class ExtendTimeout:
+    """While a long step runs (loading weights, an upstream server's start),
+    keep asking systemd for more start-up time (EXTEND_TIMEOUT_USEC), never
+    past LIMIT seconds from the process's start (timeouts.start, which the
+    generator also writes as the unit's TimeoutStartSec=; None: no bound, for
+    a unit without one). An extension sent for ever made timeouts.start
+    bound nothing: a start that hung stayed `activating`, holding its
+    memory, and Restart= never ran (issue 52). Past the limit one error line
+    and the unit's status name PHASE, the step that hung, and systemd fails
+    the unit at its start timeout."""
+
+    def __init__(self, limit: Optional[float] = None, phase: str = "starting", every: float = 10.0,
+                 extend_by: float = 30.0):
+        self._limit, self._phase, self._every, self._extend_by = limit, phase, every, extend_by
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(0 if not self._thread.ident else self._every):
-            notify(f"EXTEND_TIMEOUT_USEC={self._usec}")
+        deadline = time.monotonic() + (self._limit - process_age()) if self._limit is not None else float("inf")
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 1.0:  # said just before systemd's own timeout stops the unit
+                _log.error("the start hung in phase %s: timeouts.start (%g s) is up; systemd stops the unit",
+                           self._phase, self._limit)
+                status(f"start hung in phase {self._phase}: timeouts.start ({self._limit:g} s) is up")
+                return
+            notify(f"EXTEND_TIMEOUT_USEC={int(min(self._extend_by, left) * 1_000_000)}")
+            if self._stop.wait(min(self._every, left - 1.0)):
+                return
 
     def __enter__(self) -> "ExtendTimeout":
         if os.environ.get("NOTIFY_SOCKET"):
-            notify(f"EXTEND_TIMEOUT_USEC={self._usec}")
             self._thread.start()
         return self
 

@@ -227,7 +227,7 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
     # verb); the overlap's and the swap's second engines serve for one reload.
     rebuilds = slot in ("main", "standby") and backend is not None and getattr(args, "weights_slot", "main") == "main"
     try:
-        with systemd.ExtendTimeout():
+        with systemd.ExtendTimeout(cfg.timeouts.start, "building the model and attaching the weights"):
             model, info = load_model(cfg, args.name, args, phases)
     except (client.WeightsRefused, OSError, ValueError) as exc:
         log.error("cannot get the weights of %s: %s", args.name, exc)

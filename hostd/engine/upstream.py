@@ -302,7 +302,8 @@ class EngineSupervisor:
             await self.start()
             systemd.status(f"{self.cfg.backend} engine starting on weights pid {self.weights_pid}"
                            + (" (loading from disk: weights not retained)" if self.not_retained else ""))
-            with systemd.ExtendTimeout():
+            with systemd.ExtendTimeout(self.cfg.timeouts.start, f"waiting for the {self.cfg.backend} server "
+                                       "to answer /health"):
                 healthy = await self.wait_healthy()
             if not healthy:
                 if self.stopping.is_set():

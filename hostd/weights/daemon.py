@@ -164,7 +164,7 @@ def serve(args: argparse.Namespace, cfg) -> int:
     daemon = WeightDaemon(args.name, Path(cfg.model), cfg.dtype, cfg.device, state_dir)
     listener = None
     try:
-        with systemd.ExtendTimeout():
+        with systemd.ExtendTimeout(cfg.timeouts.start, f"loading {cfg.model}"):
             try:
                 daemon.load()
             except (OSError, ValueError, RuntimeError, KeyError) as exc:

@@ -227,7 +227,7 @@ def serve_without_cache(supervisor: Supervisor, socket_path: Path) -> int:
     reload restarts only the engine, which loads from disk."""
     log.warning("weights of %s are not retained: %s; the %s engine loads them from disk on "
                 "every start", supervisor.name, supervisor.not_retained, supervisor.cfg.backend)
-    with systemd.ExtendTimeout():
+    with systemd.ExtendTimeout(supervisor.cfg.timeouts.start, "computing the checkpoint's fingerprint"):
         supervisor.fingerprint = supervisor.compute_fingerprint()
     supervisor.loaded_at = time.time()
     listener = sockets.acquire(socket_path)
@@ -265,7 +265,8 @@ def run(args, cfg, backend) -> int:
             return serve_without_cache(supervisor, socket_path)
         supervisor.start_child()
         systemd.status(f"{cfg.backend} is loading {cfg.model}")
-        with systemd.ExtendTimeout():
+        with systemd.ExtendTimeout(cfg.timeouts.start, f"waiting for {cfg.backend}'s weight cache to load "
+                                   f"{cfg.model}"):
             ready = supervisor.wait_ready()
         if not ready:
             if supervisor.stopping.is_set():

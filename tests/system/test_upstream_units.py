@@ -260,3 +260,29 @@ def test_standby_true_after_a_committed_reload_then_a_reload_through_the_standby
             == "inactive"  # no bridge ran
     finally:
         host.systemctl("stop", f"model@{name}.service", timeout=120, check=False)
+
+
+def test_a_start_that_hangs_fails_at_timeouts_start_naming_its_phase(host):
+    """Issue 52: every start wrapped its wait in EXTEND_TIMEOUT_USEC sent every
+    10 s whatever happened, so a `vllm preload` that never finished kept
+    model-weights@ `activating` (and its memory held) for ever and Restart=
+    never ran. The double's load now takes an hour; timeouts.start is 12 s:
+    systemd times the start out, and the unit's journal names the phase."""
+    name = "hang"
+    text = yaml_for(host, "vllm", reserved_port(), env="  HOSTD_TEST_LOAD_SECONDS: '3600'\n")
+    host.write_model_yaml(name, text.replace("timeouts: {start: 60, stop: 30}", "timeouts: {start: 12, stop: 10}"))
+    host.systemctl("daemon-reload")
+    unit = f"model-weights@{name}.service"
+    since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+    try:
+        host.systemctl("start", "--no-block", unit)
+        wait_for(lambda: "timeout" in host.systemctl("show", "-p", "Result", "-p", "NRestarts", unit).stdout
+                 or "NRestarts=0" not in host.systemctl("show", "-p", "NRestarts", unit).stdout,
+                 timeout=90, what="the hung start timed out")
+        logged = host.run(["journalctl", "-u", unit, "--since", since, "-o", "cat", "--no-pager"]).stdout
+        assert "the start hung in phase waiting for vllm's weight cache to load" in logged, logged[-2000:]
+        assert "timeouts.start (12 s) is up" in logged
+    finally:
+        host.systemctl("stop", f"model@{name}.service", unit, check=False, timeout=60)
+        host.run(["rm", "-f", f"/etc/hostd/models/{name}.yaml"])
+        host.systemctl("reset-failed", check=False)

@@ -75,3 +75,38 @@ def test_the_watchdog_is_fed_from_the_event_loop_and_only_for_this_process(tmp_p
         monkeypatch.setenv(variable, value)
         asyncio.run(asyncio.wait_for(unit_notify.feed_watchdog(), 1))  # returns at once: nothing to feed
     listener.close()
+
+
+def test_start_extensions_never_pass_timeouts_start_and_a_hung_start_names_its_phase(tmp_path, monkeypatch, caplog):
+    """Issue 52: EXTEND_TIMEOUT_USEC sent every 10 s for as long as a step ran
+    kept a hung start `activating` for ever (systemd honours each one).
+    Now each extension ends by LIMIT from the process's start, and just
+    before it the error line and the status name the phase."""
+    import logging
+    import socket
+    import time
+
+    from hostd import systemd as unit_notify
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify"))
+    monkeypatch.setattr(unit_notify, "_notifier", None)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    limit = unit_notify.process_age() + 2.0
+    caplog.set_level(logging.ERROR, logger="hostd.systemd")
+    started = time.monotonic()
+    with unit_notify.ExtendTimeout(limit, "loading /srv/qwen", every=0.2):
+        time.sleep(2.5)  # the step hangs past the limit
+    listener.setblocking(False)
+    sent = []
+    while True:
+        try:
+            sent.append(listener.recv(256).decode())
+        except BlockingIOError:
+            break
+    extensions = [int(m.split("=")[1]) / 1e6 for m in sent if m.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert extensions and all(e <= 2.0 for e in extensions), sent  # never past the limit
+    assert sent[-1] == "STATUS=start hung in phase loading /srv/qwen: timeouts.start (%g s) is up" % limit, sent
+    assert "the start hung in phase loading /srv/qwen" in caplog.text
+    assert time.monotonic() - started >= 2.5
+    listener.close()
