@@ -155,21 +155,10 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
 
 
-class RefusedFields(msgspec.Struct, kw_only=True):
-    """REFUSED_FIELDS, each as its raw JSON (empty: not sent)."""
-
-    n: msgspec.Raw = msgspec.Raw()
-    best_of: msgspec.Raw = msgspec.Raw()
-    logprobs: msgspec.Raw = msgspec.Raw()
-    top_logprobs: msgspec.Raw = msgspec.Raw()
-    echo: msgspec.Raw = msgspec.Raw()
-    suffix: msgspec.Raw = msgspec.Raw()
-    logit_bias: msgspec.Raw = msgspec.Raw()
-    presence_penalty: msgspec.Raw = msgspec.Raw()
-    frequency_penalty: msgspec.Raw = msgspec.Raw()
-    tools: msgspec.Raw = msgspec.Raw()
-    functions: msgspec.Raw = msgspec.Raw()
-    response_format: msgspec.Raw = msgspec.Raw()
+# REFUSED_FIELDS, each as its raw JSON (empty: not sent): made from that
+# table, so a field refused is a field kept raw.
+RefusedFields = msgspec.defstruct("RefusedFields", [(name, msgspec.Raw, msgspec.Raw()) for name in REFUSED_FIELDS],
+                                  kw_only=True)
 
 
 class CommonFields(RefusedFields, kw_only=True):
