@@ -171,3 +171,19 @@ def test_a_forged_end_from_another_connection_does_not_end_the_wait(bus_address)
         service.disconnect()
 
     asyncio.run(go())
+
+
+def test_changes_of_operations_nobody_waits_on_are_kept_for_a_few_recent_ones_only():
+    """client.py keeps the changes of operations not waited on yet (the
+    stages passed before wait()), for UNCLAIMED_PATHS paths and
+    UNCLAIMED_CHANGES changes each: the oldest path goes first, so a bus full
+    of other operations' signals cannot grow a waiting client without bound."""
+    from hostd import client as client_mod
+
+    client = AsyncClient()
+    paths = [api.operation_path(n) for n in range(1, client_mod.UNCLAIMED_PATHS + 6)]
+    for path in paths:
+        for n in range(client_mod.UNCLAIMED_CHANGES + 10):
+            client._deliver(path, {"Stage": str(n)})
+    assert list(client._unclaimed) == paths[-client_mod.UNCLAIMED_PATHS:]  # the newest paths, oldest dropped
+    assert all(len(kept) == client_mod.UNCLAIMED_CHANGES for kept in client._unclaimed.values())
