@@ -260,6 +260,11 @@ class VllmBackend(upstream.UpstreamBackend):
             *self._layout_args(cfg),
             *load,
             "--uds", str(self.engine_socket(model, slot)),
+            # No access log: the gateway counts and logs every request, and a
+            # journal line per request meets journald's per-unit rate limit,
+            # which then drops vLLM's errors too. Back on:
+            # engine_extra_args: [--no-disable-uvicorn-access-log] (the last wins).
+            "--disable-uvicorn-access-log",
             *upstream.editable_args(cfg.engine, EDITABLE_FLAGS),
             *cfg.extra_args,
             *cfg.engine_extra_args,

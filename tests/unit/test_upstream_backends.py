@@ -84,10 +84,22 @@ def test_vllm_tp1_defaults(ckpt):
         "--load-format", "ipc_cache",
         "--model-loader-extra-config", json.dumps(
             {"fallback": False, "mode": "zero_copy", "socket_dir": f"{RUN}/vllm"}, sort_keys=True),
-        "--uds", f"{RUN}/vllm-engine.sock",
+        "--uds", f"{RUN}/vllm-engine.sock", "--disable-uvicorn-access-log",
         "--gpu-memory-utilization", "0.9", "--shutdown-timeout", "60",
     ]
     assert weights.env == engine.env == {"HOSTD_VLLM": VLLM, "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_vllm_runs_without_its_access_log_unless_the_operator_turns_it_back_on(ckpt):
+    """Issue 55: one journal line per request under the engine unit met
+    journald's per-unit rate limit, which then dropped vLLM's errors too. The
+    flag comes before the operator's arguments, and vLLM's parser keeps a
+    flag's last value, so engine_extra_args turns it back on."""
+    argv = backends.for_config(make("vllm", ckpt)).engine_command("m", make("vllm", ckpt)).argv
+    assert "--disable-uvicorn-access-log" in argv
+    cfg = make("vllm", ckpt, engine_extra_args=["--no-disable-uvicorn-access-log"])
+    argv = backends.for_config(cfg).engine_command("m", cfg).argv
+    assert argv.index("--no-disable-uvicorn-access-log") > argv.index("--disable-uvicorn-access-log")
 
 
 def test_a_swaps_weight_daemon_and_its_engine_use_the_next_slots_socket_directory(ckpt):
@@ -129,7 +141,7 @@ def test_vllm_tp2_every_editable_field_and_quantization(ckpt):
     ]
     engine = backend.engine_command("m", cfg)
     assert engine.argv[engine.argv.index("--uds") + 2:] == [
-        "--max-num-seqs", "16", "--max-num-batched-tokens", "4096", "--max-model-len", "2048",
+        "--disable-uvicorn-access-log", "--max-num-seqs", "16", "--max-num-batched-tokens", "4096", "--max-model-len", "2048",
         "--gpu-memory-utilization", "0.8", "--enforce-eager", "--cudagraph-capture-sizes", "1", "2", "4",
         "--max-cudagraph-capture-size", "4", "--shutdown-timeout", "30", "--trust-remote-code",
     ]
