@@ -105,7 +105,8 @@ class Preparer:
 
     def check_stop(self, stop: str | list[str] | None) -> None:
         """Stop strings are checked against the completion at every token, on the loop: bounded."""
-        stops = [stop] if isinstance(stop, str) else list(stop or ())  # at most MAX_STOP_STRINGS: decoded so
+        # Their count is capped while decoding (openai_api.MAX_STOP_STRINGS).
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
         total = sum(len(s) for s in stops)
         if total > MAX_STOP_CHARS:
             raise OpenAIError(400, f"stop strings are {total} characters long together; at most {MAX_STOP_CHARS} "

@@ -1,8 +1,9 @@
 """What the control socket's requests do to one gateway (control.py carries
 them): drain and resume around a restart reload, switch new requests to
 another engine's slot and back, settle a slot, replace the API keys, mark
-an in-place reload's begin and end, answer the status; and the reload clock those requests start and stop
-(metrics.ReloadClock: hostd_gateway_reload_*).
+an in-place reload's begin and end, answer the status; and the reload
+clock those requests start and stop (metrics.ReloadClock:
+hostd_gateway_reload_*).
 
 Trusts every request it is handed: only root and the manager can reach the
 control socket (0600 in the model's 0700 runtime directory, control.py);

@@ -137,8 +137,8 @@ class Connections:
                  per_client: Optional[int] = None, write_timeout: float = float("inf"),
                  too_large: bytes = b"", on_event: Callable[[str], None] = lambda event: None):
         """ON_EVENT is told "refused", "evicted" (an idle connection, one in
-        an unfinished head or the slowest body closed to make room), or the phase of a connection closed for its deadline:
-        "headers" (slow or oversized headers), "idle", "write" (its client
+        an unfinished head or the slowest body closed to make room), or the
+        phase of a connection closed for its deadline: "headers" (slow or oversized headers), "idle", "write" (its client
         stopped reading). TOO_LARGE answers headers over MAX_HEADER_BYTES."""
         self.factory = factory
         self.on_event = on_event

@@ -212,11 +212,9 @@ async def _retire_leftovers(manager, claimed: set[str]) -> None:
     for name, model in list(manager.models.items()):
         if name in claimed:
             continue
+        loaded = model.loaded()  # None for a config that does not load: the units' own stop timeout
+        timeout = job_timeout(loaded.config.timeouts.stop) if loaded is not None else None
         try:
-            try:
-                timeout = job_timeout(model.handles.load().config.timeouts.stop)
-            except Exception:  # a config that does not load: the units' own stop timeout
-                timeout = None
             await retire_leftover_pair(model.handles, timeout, "at the manager's start")
         except Exception as exc:
             log.error("%s: a swap's second pair could not be stopped: %s", name, exc, extra={"hostd_model": name})

@@ -245,6 +245,7 @@ def test_a_second_pair_no_reload_accounts_for_is_stopped_at_the_managers_start_a
     import asyncio
 
     from hostd import units
+    from hostd import config
     from hostd.manager import recovery
 
     world, new, _ = swap_world(tmp_path)
@@ -254,7 +255,8 @@ def test_a_second_pair_no_reload_accounts_for_is_stopped_at_the_managers_start_a
         world.bus.set_state(units.weights("tiny", "next"), "active")
 
     class Manager:  # what recovery reads of service.Manager
-        models = {"tiny": type("Model", (), {"handles": world.model()})()}
+        models = {"tiny": type("Model", (), {"handles": world.model(),
+                                             "loaded": lambda self: config.load_model("tiny", world.root)})()}
 
     leave_a_pair()
 
