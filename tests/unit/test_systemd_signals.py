@@ -53,7 +53,7 @@ def test_the_watchdog_is_fed_from_the_event_loop_and_only_for_this_process(tmp_p
     listener.settimeout(5)
     monkeypatch.setattr(unit_notify, "_notifier", None)
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
-    monkeypatch.setenv("WATCHDOG_USEC", "30000")  # fed every 10 ms
+    monkeypatch.setenv("WATCHDOG_USEC", "90000")  # fed every 30 ms
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
 
     async def fed_for(seconds: float) -> None:
@@ -62,7 +62,8 @@ def test_the_watchdog_is_fed_from_the_event_loop_and_only_for_this_process(tmp_p
         except asyncio.TimeoutError:
             pass
 
-    asyncio.run(fed_for(0.1))
+    # About 8 feeds due (a datagram queue holds 10 unread: more would block the sender); a loaded machine runs fewer.
+    asyncio.run(fed_for(0.25))
     received = []
     listener.setblocking(False)
     while True:
@@ -70,7 +71,7 @@ def test_the_watchdog_is_fed_from_the_event_loop_and_only_for_this_process(tmp_p
             received.append(listener.recv(64))
         except BlockingIOError:
             break
-    assert received and set(received) == {b"WATCHDOG=1"} and len(received) >= 3, received
+    assert received and set(received) == {b"WATCHDOG=1"} and len(received) >= 2, received  # fed again, not once
     for variable, value in (("WATCHDOG_PID", str(os.getpid() + 1)), ("WATCHDOG_USEC", "")):
         monkeypatch.setenv(variable, value)
         asyncio.run(asyncio.wait_for(unit_notify.feed_watchdog(), 1))  # returns at once: nothing to feed
