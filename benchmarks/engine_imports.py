@@ -48,19 +48,22 @@ checkpoint.build_skeleton(Path(sys.argv[1]), "bfloat16", meta_buffers=True)
 from transformers import AutoTokenizer
 AutoTokenizer.from_pretrained(sys.argv[1])
 import hostd.engine.server
-loaded = sorted(n for n in ("sklearn", "torchvision", "sympy", "torch._dynamo", "torch.distributed.tensor", "PIL") if sys.modules.get(n) is not None)
-print(f"{time.monotonic() - started:.3f} {','.join(loaded)}")
+heavy = ("sklearn", "scipy", "torchvision", "torchaudio", "accelerate", "triton", "PIL", "sympy", "torch._dynamo",
+         "torch.distributed.tensor")
+loaded = sorted(n for n in heavy if sys.modules.get(n) is not None)
+count = sum(m is not None for m in sys.modules.values())
+print(f"{time.monotonic() - started:.3f} {count} {','.join(loaded)}")
 """
 
 
-def run_child(checkpoint: Path, lean: bool, block: str, importtime: bool = False) -> tuple[float, str, str]:
+def run_child(checkpoint: Path, lean: bool, block: str, importtime: bool = False) -> tuple[float, str, str, str]:
     env = {**os.environ, "HOSTD_LEAN_IMPORTS": "1" if lean else "0"}
     argv = [sys.executable, *(["-X", "importtime"] if importtime else []), "-c", CHILD, str(checkpoint), block]
     started = time.monotonic()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
     wall = time.monotonic() - started
-    _, loaded = (proc.stdout.strip().split(" ", 1) + [""])[:2]
-    return wall, loaded, proc.stderr
+    _, modules, loaded = (proc.stdout.strip().split(" ", 2) + [""])[:3]
+    return wall, modules, loaded, proc.stderr
 
 
 def top_imports(stderr: str, count: int) -> list[tuple[int, int, str]]:
@@ -97,10 +100,11 @@ def main() -> int:
         variants["lean+no-distributed"] = (True, "torch.distributed")
     samples: dict[str, list[float]] = {name: [] for name in variants}
     loaded: dict[str, str] = {}
+    modules: dict[str, str] = {}
     run_child(checkpoint, True, "")  # warm the page cache and __pycache__
     for _ in range(args.runs):
         for name, (lean, block) in variants.items():
-            wall, loaded[name], _ = run_child(checkpoint, lean, block)
+            wall, modules[name], loaded[name], _ = run_child(checkpoint, lean, block)
             samples[name].append(wall)
             print(f"# {name}: {wall:.2f} s", file=sys.stderr)
 
@@ -110,15 +114,15 @@ def main() -> int:
     print(f"\nEngine imports + skeleton + tokenizer, fresh interpreter, {args.runs} runs each, "
           f"interleaved; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"Python {sys.version.split()[0]}.\n")
-    print("| variant | median s | min–max s | heavy modules still imported |")
-    print("|---|---|---|---|")
+    print("| variant | median s | min–max s | modules imported | heavy modules still imported |")
+    print("|---|---|---|---|---|")
     for name, values in samples.items():
         print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}–{max(values):.2f} "
-              f"| {loaded[name] or '-'} |")
+              f"| {modules[name]} | {loaded[name] or '-'} |")
     if args.importtime:
         for name in ("full", "lean"):
             lean, block = variants[name]
-            _, _, stderr = run_child(checkpoint, lean, block, importtime=True)
+            _, _, _, stderr = run_child(checkpoint, lean, block, importtime=True)
             print(f"\nCostliest imports ({name}; depth <= 2; cumulative and self, ms):\n")
             print("| module | cumulative | self |")
             print("|---|---|---|")

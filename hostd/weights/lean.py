@@ -37,6 +37,38 @@ BLOCKED = {
         "generation. 2.2 s of a 7B engine's imports on the GPU image by "
         "python -X importtime (transformers 5.17; docs/benchmarks.md)."
     ),
+    "scipy": (
+        "transformers' object-detection losses (loss/loss_for_object_detection.py, "
+        "pulled in by modeling_utils through loss/loss_utils.py) import scipy.optimize "
+        "when it is installed: 323 modules of a builtin engine's 3,446 on the GPU image "
+        "(2026-12-04); a causal LM never computes those losses."
+    ),
+    "torchvision": (
+        "the same losses import transformers.image_transforms, which imports torchvision "
+        "when it is installed (image_utils.py): 145 modules on the GPU image; the builtin "
+        "engine serves text."
+    ),
+    "torchaudio": (
+        "74 modules of a builtin engine's imports on the GPU image; transformers uses it "
+        "only for audio (audio_utils.py, loss/loss_rnnt.py) and the builtin engine serves text."
+    ),
+    "PIL": (
+        "transformers.utils.chat_template_utils and image_transforms import PIL.Image when "
+        "Pillow is installed, for image content in chats and image processors: 24 modules "
+        "on the GPU image; the builtin engine's chat template renders text."
+    ),
+    "accelerate": (
+        "modeling_utils and integrations/accelerate.py import accelerate when it is "
+        "installed, for device maps, offloading and model unwrapping; the builtin engine "
+        "builds its model on the meta device and attaches tensors itself "
+        "(hostd/weights/checkpoint.py): 49 modules on the GPU image."
+    ),
+    "triton": (
+        "torch._dynamo (imported by transformers.masking_utils) imports Triton when it is "
+        "installed, for torch.compile's GPU code generation; the builtin engine runs eager "
+        "kernels and CUDA graphs, never torch.compile (hostd/engine/batch.py): 69 modules "
+        "on the GPU image."
+    ),
 }
 
 _applied = False
@@ -47,9 +79,12 @@ def enabled() -> bool:
 
 
 def apply() -> None:
-    """Install the policy in this process (once; a no-op when disabled)."""
+    """Install the policy in this process (once; a no-op when disabled, and
+    where transformers is imported already: it decided at its import which
+    optional packages exist (accelerate, for one) and would import a blocked
+    one later and fail; random_model.py imports it first, for instance)."""
     global _applied
-    if _applied or not enabled():
+    if _applied or not enabled() or "transformers" in sys.modules:
         return
     _applied = True
     for name in BLOCKED:

@@ -10,6 +10,8 @@ machine pays the conversion (about a minute) once, later runs reuse it.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hostd.checkpoints import gguf
@@ -23,5 +25,11 @@ def smollm2_checkpoint() -> Path:
     source = gguf.smollm2_gguf()  # raises ConvertError saying how to install it
     out = CACHE / "checkpoints" / DIRNAME
     if not gguf.is_converted(out, source):
-        gguf.convert(source, out)
+        # In its own process, as a user runs it: this one may have imported
+        # hostd.weights.checkpoint, whose import policy (lean.py) keeps out
+        # accelerate, which transformers' GGUF reader needs.
+        done = subprocess.run([sys.executable, "-m", "hostd.main", "convert-gguf", str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise gguf.ConvertError(f"hostd convert-gguf {out} failed: {done.stderr.strip()[-2000:]}")
     return out

@@ -188,3 +188,53 @@ def test_an_upstream_models_weights_unit_fingerprints_its_checkpoint_without_tor
     fp = result["fingerprint"]
     assert len(fp["content_digest"]) == 64 and fp["architecture"] == "Qwen2ForCausalLM", fp
     assert (fp["backend"], fp["torch_version"], fp["transformers_version"]) == ("vllm", "", ""), fp
+
+
+# What an engine does before it serves, in the order it does it
+# (hostd/engine/main.py): its imports, the skeleton (which imports the model's
+# transformers module), the tokenizer, the server. Prints the BLOCKED names
+# that ended up imported, and whether the policy marked every one absent.
+ENGINE_START = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import hostd.engine.main
+    from hostd.weights import checkpoint, lean
+    checkpoint.build_skeleton(Path(sys.argv[1]), "bfloat16", meta_buffers=True)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(sys.argv[1])
+    import hostd.engine.server
+    print(sorted(n for n in lean.BLOCKED if sys.modules.get(n) is not None),
+          sorted(n for n in lean.BLOCKED if n in sys.modules and sys.modules[n] is None) == sorted(lean.BLOCKED))
+""")
+
+
+def test_the_builtin_engines_start_imports_none_of_the_blocked_packages_even_where_installed(tmp_path: Path):
+    """hostd/weights/lean.py: on a host where every BLOCKED package is
+    installed (a stand-in of each, with its dist-info, that raises if it is
+    ever imported), the engine's start builds the model and loads the
+    tokenizer without importing any of them; with HOSTD_LEAN_IMPORTS=0
+    transformers imports the stand-in Pillow (chat_template_utils), which
+    shows the stand-ins are where transformers looks."""
+    from hostd.checkpoints.random_model import write_checkpoint
+    from hostd.weights import lean
+
+    site = tmp_path / "site"
+    for name in lean.BLOCKED:
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"raise RuntimeError('the engine imported {name}')\n")
+        info = site / f"{name}-99.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 99.0\n")
+    (site / "pillow-99.0.dist-info").mkdir()
+    (site / "pillow-99.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: pillow\nVersion: 99.0\n")
+    model = write_checkpoint(tmp_path / "tiny")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+    lean_start = subprocess.run([sys.executable, "-c", ENGINE_START, str(model)], env=env,
+                                capture_output=True, text=True)
+    assert lean_start.returncode == 0, lean_start.stderr[-3000:]
+    assert lean_start.stdout.strip() == "[] True"  # none imported, every one marked absent
+
+    full_start = subprocess.run([sys.executable, "-c", ENGINE_START, str(model)],
+                                env={**env, "HOSTD_LEAN_IMPORTS": "0"}, capture_output=True, text=True)
+    assert full_start.returncode != 0 and "the engine imported PIL" in full_start.stderr, full_start.stderr[-3000:]
