@@ -259,7 +259,6 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
         return (lambda: {**facts, "memory": memory.snapshot()}) if cfg.device == "cpu" else (lambda: facts)
 
     def ready() -> None:
-        phases.mark("warm_up_and_listen")
         log.info("ready; start-up phases %s", json.dumps(phases.seconds))
         systemd.notify("READY=1", f"STATUS=serving {args.name}")
 
@@ -282,5 +281,6 @@ def serve(args: argparse.Namespace, cfg, backend=None) -> int:
         health_info=health_info(),
         log=log,
         rebuild=rebuilder(cfg, backend, model, health_info, standby) if rebuilds else None,
+        on_phase=phases.mark,  # warm_up, runner (built and warmed up: the standby's primed too), listen
     )
 
