@@ -15,6 +15,8 @@
 #        Installed without its recommends (node exporter) and with service
 #        starts denied (policy-rc.d), so that a machine whose PID 1 is not
 #        systemd does not start a Prometheus server from its init script.
+#        nginx-light (the reverse proxy of docs/gateway.md, which a system
+#        test runs), installed the same way.
 #        cockpit-ws cockpit-bridge cockpit-system (Cockpit: its login page, its
 #        shell and cockpit.js, for the page of docs/cockpit.md) and chromium
 #        (the browser tests/system/test_cockpit.py drives through Playwright's
@@ -49,15 +51,18 @@ apt_install -- "${apt_packages[@]}"
 # answers 101 denies the start. (The service stays enabled for the next boot.)
 # Tried on a machine without systemd as PID 1, with and without a
 # policy-rc.d of its own: installs in 8 to 13 s with the .debs cached.
-if ! installed prometheus; then
+# nginx-light likewise (its postinst starts nginx on port 80): the binary only,
+# which tests/system/test_front_door_units.py runs inside a container with the
+# reverse-proxy block of docs/gateway.md.
+if ! installed prometheus || ! installed nginx-light; then
     policy=/usr/sbin/policy-rc.d
     own_policy=
     if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\n# packaging/setup.sh: no service starts while it installs prometheus\nexit 101\n' > "$policy"
+        printf '#!/bin/sh\n# packaging/setup.sh: no service starts while it installs prometheus and nginx\nexit 101\n' > "$policy"
         chmod 755 "$policy"
         own_policy=1
     fi
-    apt_install --no-install-recommends -- prometheus
+    apt_install --no-install-recommends -- prometheus nginx-light
     if [ -n "$own_policy" ]; then
         rm -f "$policy"
     fi

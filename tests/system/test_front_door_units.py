@@ -4,16 +4,23 @@ reloaded with `systemctl reload` while an authorized stream runs; the stream
 finishes, the reload is done, the keys keep working and the manager's checks
 (which carry no key) never went through the public port. Its metrics
 listener (gateway.metrics_listen, bound by the gateway inside the unit's
-sandbox) answers curl without a key."""
+sandbox) answers curl without a key. docs/gateway.md's nginx block, in front
+of it, passes a stream to the openai client."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
+from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
+import yaml
+
+from hostd.config import schema
 
 from container import SystemdContainer, wait_for
 from ports import reserved_port
@@ -105,3 +112,59 @@ def test_the_metrics_listener_answers_curl_without_a_key_inside_the_units_sandbo
     assert status == "404" and '"not_found"' in body
     # Loopback TCP needs no opening of the sandbox (a Unix socket's directory would: ReadWritePaths=-DIR).
     assert "ReadWritePaths=-" not in host.systemctl("cat", "model@tiny.service").stdout
+
+
+def gateway_page_blocks(language: str) -> list[str]:
+    """The ```LANGUAGE fenced blocks of docs/gateway.md's reverse-proxy section."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    section = text[text.index("\n## Behind a reverse proxy"):]
+    section = section[:section.index("\n## ", 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+
+
+def test_a_stream_through_the_documented_nginx_block_reaches_the_openai_client(host: SystemdContainer):
+    """docs/gateway.md's nginx block, as written apart from its two
+    addresses, in front of this module's key-protected model: Debian's nginx
+    (packaging/setup.sh installs nginx-light; the container sees the host's
+    /usr) accepts it (nginx -t), a request without the key gets the
+    gateway's 401 through it, and the openai client's stream arrives through
+    it as many chunks, to its end with usage. Its YAML block is a valid
+    gateway section. (That events are passed on one by one rests on
+    proxy_buffering off, which nginx -T shows; no timing is asserted.)"""
+    [yaml_block] = gateway_page_blocks("yaml")
+    gateway = yaml.safe_load(yaml_block)
+    msgspec.convert({"backend": "builtin", "model": "/m", **gateway}, schema.BuiltinModel)  # raises if invalid
+
+    [block] = gateway_page_blocks("nginx")
+    assert "server 127.0.0.1:8000;" in block and "listen 8080;" in block
+    port = reserved_port()
+    block = block.replace("server 127.0.0.1:8000;", f"server 127.0.0.1:{host.port};").replace(
+        "listen 8080;", f"listen 127.0.0.1:{port};")
+    # The main file a site has around its server blocks, with no include
+    # (the container's /etc is its own) and every path in a scratch prefix.
+    conf = ("user root;\npid /run/nginx-front/nginx.pid;\nevents {}\nhttp {\n"
+            "    access_log off;\n"
+            "    client_body_temp_path /run/nginx-front/body;\n    proxy_temp_path /run/nginx-front/proxy;\n"
+            "    fastcgi_temp_path /run/nginx-front/fastcgi;\n    uwsgi_temp_path /run/nginx-front/uwsgi;\n"
+            "    scgi_temp_path /run/nginx-front/scgi;\n"
+            f"{block}}}\n")
+    host.run(["mkdir", "-p", "/run/nginx-front"])
+    host.write_file("/run/nginx-front/nginx.conf", conf)
+    nginx = ["/usr/sbin/nginx", "-e", "stderr", "-p", "/run/nginx-front", "-c", "/run/nginx-front/nginx.conf"]
+    checked = host.run([*nginx, "-t"], check=False)
+    assert checked.returncode == 0, checked.stderr
+    assert "proxy_buffering off;" in host.run([*nginx, "-T"]).stdout
+    host.run(["systemd-run", "--unit=nginx-front", *nginx, "-g", "daemon off;"])
+    try:
+        front = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(front + "/health", timeout=10).status_code == 200, timeout=60,
+                 what="nginx in front of the gateway")
+        assert httpx.get(front + "/v1/models", timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=front + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        chunks = list(client.completions.create(model="tiny", prompt="Once", max_tokens=100, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True},
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 100
+        assert len([c for c in chunks if c.choices]) > 1
+    finally:
+        host.run(["systemctl", "stop", "nginx-front.service"], check=False)
