@@ -34,13 +34,11 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(CHECKOUT / "tests" / "system"), str(CHECKOUT / "tests" / "upstream"), str(CHECKOUT)]
 
 import test_real_vllm as real  # noqa: E402  (the quickstart as the system tier runs it)
-from container import Bind, SystemdContainer, find_checkout  # noqa: E402
-from ports import reserved_port  # noqa: E402
-from test_quickstart import build_wheel, pip_inside  # noqa: E402
+from container import SystemdContainer  # noqa: E402
 
 # (row, the text that marks it in the engine unit's journal): vLLM 0.32.0's
-# lines, file:line in docs/benchmarks.md. The first line of each text found
-# after the start counts.
+# lines, file:line in docs/benchmarks.md; {engine} is the engine unit's name.
+# The first line of each text found after the start counts.
 MARKS = [
     ("first vLLM line (imports done)", "(APIServer pid="),
     ("engine core up: Initializing a V1 LLM engine", "Initializing a V1 LLM engine"),
@@ -52,29 +50,15 @@ MARKS = [
     ("init engine (profile, create kv cache, warmup model) took", "init engine (profile"),
     ("Starting vLLM server on", "Starting vLLM server on"),
     ("uvicorn: Application startup complete", "Application startup complete"),
-    ("systemd: Started (READY=1, serving)", "Started "),
+    ("systemd: Started (READY=1, serving)", "Started {engine}"),
 ]
 
 
 def boot(workdir: Path) -> SystemdContainer:
-    env = real.VLLM_ENV
-    if not (env / ".complete").exists():
-        raise SystemExit(f"{env} is not installed: run `bash packaging/setup-upstream.sh`")
-    wheel = build_wheel(workdir / "wheel")
-    pip_binds, pip_env = pip_inside()
-    c = SystemdContainer(checkout=find_checkout(Path(real.__file__)), workdir=workdir / "nspawn",
-                         binds=[Bind(env, env, readonly=True), Bind(wheel.parent, Path("/wheels")), *pip_binds],
-                         boot_timeout=120)
-    c.pip_env = pip_env
-    c.start()
-    c.sh("chmod o+x /root")  # vLLM's environment's Python installation lives under /root
-    c.port = reserved_port()
-    for block in real.quickstart_script(c.port, f"/wheels/{wheel.name}"):
-        if real.starts(block):
-            break
-        real.run_block(c, block)
-    c.systemctl("start", "hostd.service", timeout=120)
-    return c
+    """The system tier's real-vLLM host, set up to the quickstart's start."""
+    if not (real.VLLM_ENV / ".complete").exists():
+        raise SystemExit(f"{real.VLLM_ENV} is not installed: run `bash packaging/setup-upstream.sh`")
+    return real.boot_quickstart_host(workdir)
 
 
 def one_start(c: SystemdContainer, engine: str) -> dict[str, float]:
@@ -99,7 +83,7 @@ def one_start(c: SystemdContainer, engine: str) -> dict[str, float]:
     begin = starts[0]
     found = {}
     for row, text in MARKS:
-        text = text if text != "Started " else f"Started {engine}"
+        text = text.format(engine=engine)
         hits = [t for t, line in stamped if text in line and t >= begin]
         if hits:
             found[row] = hits[0] - begin
@@ -108,12 +92,9 @@ def one_start(c: SystemdContainer, engine: str) -> dict[str, float]:
 
 def set_enforce_eager(c: SystemdContainer, value: bool) -> None:
     path = f"/etc/hostd/models/{real.NAME}.yaml"
-    text = c.read_file(path)
-    old, new = ("enforce_eager: true", "enforce_eager: false") if not value else ("enforce_eager: false",
-                                                                                   "enforce_eager: true")
-    if old not in text and new not in text:
+    if "enforce_eager:" not in c.read_file(path):
         raise SystemExit(f"{path} has no engine.enforce_eager line to switch")
-    c.sh(f"sed -i 's/{old}/{new}/' {shlex.quote(path)}")
+    c.sh(f"sed -i 's/enforce_eager: [a-z]*/enforce_eager: {str(value).lower()}/' {shlex.quote(path)}")
 
 
 def main() -> int:
@@ -133,7 +114,6 @@ def main() -> int:
                 started = time.monotonic()
                 columns[name] = one_start(c, engine)
                 print(f"# {name}: {time.monotonic() - started:.1f} s to active; {columns[name]}", file=sys.stderr)
-            c.sh(f"ls -la /var/cache/hostd/{real.NAME}/vllm || true")
         finally:
             c.stop(check=False)
 

@@ -153,21 +153,15 @@ def run_block(host: SystemdContainer, block: str, timeout: float = 1200) -> str:
     return output
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    """One container for the module, with the vLLM environment bound
-    read-only, set up by the quickstart's blocks up to (not including) the
-    start (hostd's install among them, from a wheel of the checkout); the
-    start and the reload are tests of their own."""
-    problem = host_support_problem()
-    if problem:
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail(f"CI=true, so system tests must run, but: {problem}", pytrace=False)
-        pytest.skip(problem)
+def boot_quickstart_host(workdir: Path) -> SystemdContainer:
+    """A container with the vLLM environment bound read-only, set up by the
+    quickstart's blocks up to (not including) the start (hostd's install
+    among them, from a wheel of the checkout), hostd.service started; stopped
+    again if any of that fails. benchmarks/vllm_start.py boots the same."""
     env = require(VLLM_ENV)
-    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
+    wheel = build_wheel(workdir / "wheel")
     pip_binds, pip_env = pip_inside()
-    c = SystemdContainer(checkout=find_checkout(Path(__file__)), workdir=tmp_path_factory.mktemp("nspawn"),
+    c = SystemdContainer(checkout=find_checkout(Path(__file__)), workdir=workdir / "nspawn",
                          binds=[Bind(env, env, readonly=True), Bind(wheel.parent, Path("/wheels")), *pip_binds],
                          boot_timeout=120)
     c.pip_env = pip_env
@@ -183,6 +177,23 @@ def host(tmp_path_factory):
                 break
             c.quickstart_output.append(run_block(c, block))
         c.systemctl("start", "hostd.service", timeout=120)
+    except BaseException:
+        c.stop(check=False)
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    """One container for the module (boot_quickstart_host); the start and
+    the reload are tests of their own."""
+    problem = host_support_problem()
+    if problem:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI=true, so system tests must run, but: {problem}", pytrace=False)
+        pytest.skip(problem)
+    c = boot_quickstart_host(tmp_path_factory.mktemp("real-vllm"))
+    try:
         yield c
     finally:
         c.stop()  # raises ContainerLeak if anything survived
