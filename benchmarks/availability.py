@@ -226,12 +226,15 @@ class Stack:
         return self.tree.runtime_dir / paths.ENGINE_SOCKETS[slot]
 
     def start_engine(self, slot: str) -> Daemon:
-        engine = self.tree.start_engine("--slot", slot, wait=False)
-        wait_for(lambda: healthy(self.socket(slot)), 1800, f"engine in slot {slot}", engine.proc)
-        return engine
+        # With --spare the main engine is the process forked from the spare (harness ForkedProcess).
+        return self.tree.wait_engine(self.tree.start_engine("--slot", slot, wait=False), 1800, self.socket(slot))
 
     def start(self, gpu: bool) -> None:
         self.weights = self.tree.start_weights(timeout=3600)
+        if self.args.spare:
+            spare = self.tree._spawn("engine-spare")
+            wait_for(lambda: ModelTree._connectable(self.tree.runtime_dir / paths.SPARE_SOCKET), 600, "the spare",
+                     spare.proc)
         self.engine = self.start_engine("main")
         self.tree.start_gateway()
         wait_for(lambda: self.tree.control("status")["state"] == "serving", 60, "gateway serving")
@@ -863,7 +866,8 @@ def write_checkpoint_once(workdir: Path, args, seed: int = 0) -> Path:
 
 def write_model(tree: ModelTree, checkpoint: Path, port: int, args, max_num_seqs: int, standby: bool) -> None:
     """models/bench.yaml for --backend on CHECKPOINT, with MAX_NUM_SEQS."""
-    listen = {"listen": f"127.0.0.1:{port}", **({"standby": True} if standby else {})}
+    listen = {"listen": f"127.0.0.1:{port}", **({"standby": True} if standby else {}),
+              **({"spare": True} if args.spare else {})}
     if args.backend == "builtin":
         tree.write_config(checkpoint, device=args.device, fixed=listen, max_num_seqs=max_num_seqs)
         return
@@ -905,6 +909,8 @@ def parse_args() -> argparse.Namespace:
                         help="seconds of load to allow per kill for the main engine to come back")
     parser.add_argument("--restart-sec", type=float, default=2.0,
                         help="RestartSec= of model-engine@.service, from a kill to the new main engine")
+    parser.add_argument("--spare", action="store_true",
+                        help="builtin: `spare: true`, main engines forked from a pre-imported spare")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", default="tiny", help="builtin: hostd make-checkpoint size: tiny, 0.5b, 7b, 14b")
     parser.add_argument("--vllm", type=Path, default=VLLM_ENV / "bin" / "vllm",

@@ -12,8 +12,16 @@ daemon alone, with the daemon and each engine (read after its first token) and
 after everything stopped. Prints Markdown tables and the command that produced
 them.
 
+With --spare, after those starts the model's config gains `spare: true`,
+`hostd engine-spare` is started (the pre-imported spare, hostd/engine/spare.py)
+and the engine is started RUNS times more through it: `hostd engine`
+hands off to a process forked from the spare (by hand, without systemd's
+cgroup move) and exits; that process serves, timed from the `hostd engine`
+spawn as the others, and is stopped by its pid (/health).
+
     python benchmarks/engine_start.py --sizes tiny,0.5b --runs 6
     python benchmarks/engine_start.py --sizes 7b --device cuda --runs 4   # GPU host
+    python benchmarks/engine_start.py --sizes 7b --device cuda --runs 2 --spare
 """
 
 from __future__ import annotations
@@ -73,28 +81,30 @@ def gpu_used_mib(settle: float = 0.0):
         return None
 
 
-def one_start(tree: ModelTree, from_disk: bool, drop_caches: bool, gpu: bool) -> tuple[float, dict, object]:
+def one_start(tree: ModelTree, from_disk: bool, drop_caches: bool, gpu: bool,
+              spare: bool = False) -> tuple[float, dict, object]:
     if from_disk and drop_caches:
         drop_page_cache()
     started = time.monotonic()
-    engine = tree.start_engine(*(["--from-disk"] if from_disk else []), wait=False)
-    wait_for(lambda: tree.engine_healthy(), 1800, "engine /health", engine.proc)
+    engine = tree.wait_engine(tree.start_engine(*(["--from-disk"] if from_disk else []), wait=False), 1800)
     first_token(tree)
     elapsed = time.monotonic() - started
     phases = tree.health()["phases_s"]
     used = gpu_used_mib(1.0) if gpu else None
+    # From the spare the engine is the forked process (ForkedProcess), not `hostd engine`.
+    assert spare == (engine.log().count("forked from the spare") == 1), engine.log()[-2000:]
     assert engine.stop() == 0, engine.log()[-2000:]
     return elapsed, phases, used
 
 
-def bench(size: str, runs: int, device: str, workdir: Path, drop_caches: bool) -> dict:
+def bench(size: str, runs: int, device: str, workdir: Path, drop_caches: bool, spare: bool = False) -> dict:
     checkpoint = workdir / f"checkpoint-{size}"
     if not (checkpoint / "config.json").exists():
         print(f"# writing a random {size} checkpoint to {checkpoint}", file=sys.stderr)
         write_checkpoint(checkpoint, size)
     tree = ModelTree(workdir / f"tree-{size}", name=f"bench-{size}".replace(".", "_"))
     tree.write_config(checkpoint, device=device)
-    samples: dict[str, list[tuple[float, dict, object]]] = {"disk": [], "daemon": []}
+    samples: dict[str, list[tuple[float, dict, object]]] = {"disk": [], "daemon": [], "spare": []}
     gpu = device == "cuda"
     memory = {"before": gpu_used_mib() if gpu else None}
     try:
@@ -108,6 +118,17 @@ def bench(size: str, runs: int, device: str, workdir: Path, drop_caches: bool) -
             samples[kind].append(one_start(tree, from_disk=kind == "disk", drop_caches=drop_caches, gpu=gpu))
             elapsed, phases, used = samples[kind][-1]
             print(f"# {size} {kind}: {elapsed:.2f} s; phases {phases}; GPU used {used} MiB", file=sys.stderr)
+        if spare:
+            tree.write_config(checkpoint, device=device, fixed={"spare": True})
+            started = time.monotonic()
+            spare_daemon = tree._spawn("engine-spare")
+            wait_for(lambda: tree._connectable(tree.runtime_dir / "engine-spare.sock"), 600, "the spare",
+                     spare_daemon.proc)
+            print(f"# {size}: the spare's imports took {time.monotonic() - started:.2f} s", file=sys.stderr)
+            for _ in range(runs):
+                samples["spare"].append(one_start(tree, from_disk=False, drop_caches=False, gpu=gpu, spare=True))
+                elapsed, phases, used = samples["spare"][-1]
+                print(f"# {size} spare: {elapsed:.2f} s; phases {phases}; GPU used {used} MiB", file=sys.stderr)
     finally:
         tree.stop_all()
     memory["after"] = gpu_used_mib(3.0) if gpu else None
@@ -125,35 +146,43 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=6, help="starts of each kind")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--workdir", type=Path, help="keep checkpoints here between runs")
+    parser.add_argument("--spare", action="store_true",
+                        help="then RUNS starts through the pre-imported spare (spare: true)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="drop the page cache before each cold start (root): a checkpoint read from disk")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hostd-bench-"))
-    results = [bench(size, args.runs, args.device, workdir, args.drop_caches) for size in args.sizes.split(",")]
+    results = [bench(size, args.runs, args.device, workdir, args.drop_caches, args.spare)
+               for size in args.sizes.split(",")]
 
     print(f"\nEngine start to first greedy token, {args.runs} runs each in ABBA order, "
           f"median (min–max), seconds. Device: {args.device}; page cache "
           f"{'dropped before each cold start' if args.drop_caches else 'warm'}; host: {platform.node()}, "
           f"{platform.processor() or platform.machine()}.\n")
-    print("| checkpoint | weights | cold start (from disk) | start attaching to daemon | attach/cold | daemon load (once) |")
-    print("|---|---|---|---|---|---|")
+    spare = " start attaching, forked from the spare |" if args.spare else ""
+    print(f"| checkpoint | weights | cold start (from disk) | start attaching to daemon |{spare} attach/cold "
+          "| daemon load (once) |")
+    print("|---|---|---|---|---|---|" + ("---|" if args.spare else ""))
     for r in results:
         cold = [s[0] for s in r["disk"]]
         warm = [s[0] for s in r["daemon"]]
+        forked = f" {spread([s[0] for s in r['spare']])} |" if args.spare else ""
         print(
-            f"| {r['size']} | {r['bytes'] / 2**20:.1f} MiB | {spread(cold)} | {spread(warm)} "
-            f"| {statistics.median(warm) / statistics.median(cold):.2f} | {r['daemon_load']:.2f} |"
+            f"| {r['size']} | {r['bytes'] / 2**20:.1f} MiB | {spread(cold)} | {spread(warm)} |{forked} "
+            f"{statistics.median(warm) / statistics.median(cold):.2f} | {r['daemon_load']:.2f} |"
         )
     print("\nWhere the time goes: median seconds per start-up phase (engine's own clock).\n")
-    phases = list(dict.fromkeys(p for r in results for k in ("disk", "daemon") for _, ph, _ in r[k] for p in ph))
+    kinds = ("disk", "daemon", "spare") if args.spare else ("disk", "daemon")
+    phases = list(dict.fromkeys(p for r in results for k in kinds for _, ph, _ in r[k] for p in ph))
     print("| checkpoint | start | " + " | ".join(phases) + " |")
     print("|---|---|" + "---|" * len(phases))
     for r in results:
-        for kind in ("disk", "daemon"):
+        for kind in kinds:
             cells = [
                 f"{statistics.median([ph.get(p, 0.0) for _, ph, _ in r[kind]]):.3f}" for p in phases
             ]
-            print(f"| {r['size']} | {'cold' if kind == 'disk' else 'attach'} | " + " | ".join(cells) + " |")
+            label = {"disk": "cold", "daemon": "attach", "spare": "attach, from the spare"}[kind]
+            print(f"| {r['size']} | {label} | " + " | ".join(cells) + " |")
     if any(r["memory"]["before"] is not None for r in results):
         print("\nGPU 0 used memory (NVML), MiB; engines read after their first token, "
               "median (min–max) over the starts; in brackets the increase over the row's previous state.\n")

@@ -38,6 +38,40 @@ def wait_for(probe: Callable[[], object], timeout: float, what: str, proc: Optio
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class ForkedProcess:
+    """Popen's poll, send_signal, kill and wait for a process this one did
+    not start: an engine forked from the spare (`spare: true`), which its
+    `hostd engine` handed over to before exiting (hostd/engine/handoff.py),
+    reparented to init. Its exit status is not ours to read: 0 once gone."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> Optional[int]:
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            state = "X"
+        if state in ("Z", "X"):  # a zombie its adoptive parent has not reaped is gone as well
+            self.returncode = 0
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
 @dataclass
 class Daemon:
     proc: subprocess.Popen
@@ -120,7 +154,26 @@ class ModelTree:
     def start_engine(self, *args: str, wait: bool = True, timeout: float = 180) -> Daemon:
         daemon = self._spawn("engine", *args)
         if wait:
-            wait_for(self.engine_healthy, timeout, "engine /health", daemon.proc)
+            self.wait_engine(daemon, timeout)
+        return daemon
+
+    def wait_engine(self, daemon: Daemon, timeout: float = 180, socket_path: Optional[Path] = None) -> Daemon:
+        """Wait until the engine DAEMON started answers /health on SOCKET_PATH
+        (default engine.sock). One that came from the spare (its `hostd
+        engine` exited 0, having handed over) becomes the forked process."""
+        path = socket_path or self.engine_socket
+
+        def up() -> bool:
+            if daemon.proc.poll() not in (None, 0):
+                raise AssertionError(f"engine {path}: process exited with {daemon.proc.returncode}")
+            return self._connectable(path) and self._healthy(path)
+
+        wait_for(up, timeout, f"engine /health on {path}")
+        with self._http(path) as client:
+            pid = client.get("/health").json()["pid"]
+        if pid != daemon.proc.pid:
+            daemon.proc.wait(30)
+            daemon.proc = ForkedProcess(pid)
         return daemon
 
     @property
@@ -169,17 +222,22 @@ class ModelTree:
         return True
 
     def http(self, timeout: float = 60) -> httpx.Client:
-        transport = httpx.HTTPTransport(uds=str(self.engine_socket))
+        return self._http(self.engine_socket, timeout)
+
+    @staticmethod
+    def _http(path: Path, timeout: float = 60) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=str(path))
         return httpx.Client(transport=transport, base_url="http://engine", timeout=timeout)
 
-    def engine_healthy(self) -> bool:
-        if not self._connectable(self.engine_socket):
-            return False
+    def _healthy(self, path: Path) -> bool:
         try:
-            with self.http(timeout=5) as client:
+            with self._http(path, timeout=5) as client:
                 return client.get("/health").status_code == 200
         except httpx.HTTPError:
             return False
+
+    def engine_healthy(self) -> bool:
+        return self._connectable(self.engine_socket) and self._healthy(self.engine_socket)
 
     def health(self) -> dict:
         with self.http() as client:

@@ -10,7 +10,8 @@ For each valid model it writes, into NORMAL_DIR:
 - model@NAME.socket.d/50-hostd.conf: ListenStream= from `listen:`
 - model@NAME.service.d, model-engine@NAME.service.d, model-engine-next@NAME.service.d
   (the overlap reload's second engine), model-engine-standby@NAME.service.d
-  (the warm standby), model-weights@NAME.service.d, and a checkpoint swap's
+  (the warm standby), model-engine-spare@NAME.service.d (the pre-imported
+  spare), model-weights@NAME.service.d, and a checkpoint swap's
   model-weights-next@NAME.service.d and model-engine-swap@NAME.service.d
   /50-hostd.conf: start/stop timeouts from `timeouts:`; the engines and the
   weights daemon run as the model's own user; for CUDA models the
@@ -24,6 +25,10 @@ For each valid model it writes, into NORMAL_DIR:
   for `standby: true`; otherwise model-engine-standby@NAME.service.d/50-hostd-standby.conf:
   ExecCondition=/bin/false, so that the standby never starts (a restart of the
   model stops one left from before `standby: true` was removed)
+- model@NAME.service.d/50-hostd-spare.conf: Wants=model-engine-spare@NAME for
+  `spare: true`, with Delegate=yes in model-engine@NAME's 50-hostd.conf (the
+  engine's process comes from the spare: hostd/engine/handoff.py); otherwise
+  the spare's own 50-hostd-spare.conf: ExecCondition=/bin/false, as the standby's
 - multi-user.target.wants/model@NAME.service for `autostart: true`
 
 Every drop-in names the YAML it came from (SourcePath=, as podman's Quadlet
@@ -61,6 +66,7 @@ from hostd import accounts, backends, config, nvml, paths, units
 
 DROPIN = "50-hostd.conf"
 STANDBY_DROPIN = "50-hostd-standby.conf"  # model@NAME.service.d: Wants= the standby (`standby: true`)
+SPARE_DROPIN = "50-hostd-spare.conf"  # model@NAME.service.d: Wants= the spare (`spare: true`)
 # model-engine-standby@NAME.service.d/STANDBY_DROPIN without `standby: true`:
 # a start is skipped (exit 1 of ExecCondition=: not a failure, no restart).
 STANDBY_OFF = "ExecCondition=/bin/false\n"
@@ -188,9 +194,14 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
            + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n" for slot in ("main", "next")},
         f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg) + metrics_listen_lines(cfg)) + "\n",
     }
+    spare = getattr(cfg, "spare", False)
     for unit in (units.engine(name), units.engine(name, "next"), units.engine(name, "standby"), units.swap_engine(name),
-                 units.weights(name), units.weights(name, "next")):
-        body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg))
+                 units.spare(name), units.weights(name), units.weights(name, "next")):
+        # Delegate=: systemd moves a process into a unit's cgroup only for
+        # a delegated unit (AttachProcessesToUnit), which is how the main
+        # engine's process comes from the spare (hostd/engine/handoff.py).
+        delegate = ["Delegate=yes"] if spare and unit == units.engine(name) else []
+        body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg) + delegate)
         files[f"{unit}.d/{DROPIN}"] = header + "[Service]\n" + body + "\n"
     if getattr(cfg, "standby", False):
         # The umbrella wants the warm standby as it wants the main engine: a
@@ -204,6 +215,11 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
         # instead of keeping a second engine and its memory.
         files[f"{units.engine(name, 'standby')}.d/{STANDBY_DROPIN}"] = (
             header + "[Service]\n" + STANDBY_OFF)
+    if spare:
+        files[f"{units.umbrella(name)}.d/{SPARE_DROPIN}"] = header + "[Unit]\n" + f"Wants={units.spare(name)}\n"
+    else:
+        # As the standby: never started, and a restart of the model stops one left from before.
+        files[f"{units.spare(name)}.d/{SPARE_DROPIN}"] = header + "[Service]\n" + STANDBY_OFF
     return files
 
 

@@ -15,6 +15,7 @@ import hostd
 SUBCOMMANDS = [
     ("weights", "hostd.dispatch:weights", "run the weight cache daemon of a model"),
     ("engine", "hostd.dispatch:engine", "run the engine of a model (builtin, or a vLLM/SGLang supervisor)"),
+    ("engine-spare", "hostd.engine.spare", "run the pre-imported spare of a builtin model's main engine"),
     ("gateway", "hostd.gateway.server", "run the front door of a model"),
     ("manager", "hostd.manager.service", "run the D-Bus manager (org.hostd1)"),
     ("make-checkpoint", "hostd.checkpoints.random_model", "write a random Qwen2 checkpoint (offline)"),

@@ -38,6 +38,9 @@ ENGINE_SOCKET = "engine.sock"
 # beside main at all times for a model with `standby: true`.
 ENGINE_SOCKETS = {"main": ENGINE_SOCKET, "next": "engine-next.sock", "standby": "engine-standby.sock"}
 CONTROL_SOCKET = "control.sock"
+# Where model-engine-spare@NAME (`spare: true`) takes fork requests from the
+# main engine's start (hostd/engine/spare.py): the model's user only (0600).
+SPARE_SOCKET = "engine-spare.sock"
 # Where each slot's `vllm serve --uds` listens, behind hostd's engine socket of
 # that slot: two engines of one model (an overlap reload, a standby) never share
 # one ("standby": model-engine-standby@NAME's vLLM, `standby: true`).
@@ -72,6 +75,10 @@ def weights_socket(name: str, slot: str = "main") -> Path:
 
 def engine_socket(name: str, slot: str = "main") -> Path:
     return runtime_dir(name) / ENGINE_SOCKETS[slot]
+
+
+def spare_socket(name: str) -> Path:
+    return runtime_dir(name) / SPARE_SOCKET
 
 
 def upstream_socket_dir(name: str, main_dir: str, slot: str = "main") -> Path:

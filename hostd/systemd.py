@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import socket
+import struct
 import threading
 import time
 from typing import Optional
@@ -52,6 +54,29 @@ async def feed_watchdog() -> None:
     while True:
         notify("WATCHDOG=1")
         await asyncio.sleep(int(usec) / 3e6)
+
+
+def barrier(timeout: float = 10.0) -> bool:
+    """Wait until systemd has processed every notification this process sent
+    (sd_notify_barrier(3): BARRIER=1 with a pipe's write end, which systemd
+    closes once it got there). True outside systemd."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return True
+    read_end, write_end = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect("\0" + path[1:] if path.startswith("@") else path)
+            sock.sendmsg([b"BARRIER=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", write_end))])
+        os.close(write_end)
+        write_end = -1
+        poller = select.poll()
+        poller.register(read_end, select.POLLHUP)
+        return bool(poller.poll(int(timeout * 1000)))
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
 
 
 def status(text: str) -> None:

@@ -22,6 +22,10 @@ ENGINE_NEXT = "model-engine-next@.service"
 # new config or the main engine dies (docs/operations.md, The standby engine).
 ENGINE_STANDBY = "model-engine-standby@.service"
 ENGINES = {"main": ENGINE, "next": ENGINE_NEXT, "standby": ENGINE_STANDBY}
+# The pre-imported spare (`spare: true`, builtin): torch and the model's code
+# imported, nothing else; each start of ENGINE forks its process from it
+# (hostd/engine/spare.py). Not an engine slot: it serves nothing.
+ENGINE_SPARE = "model-engine-spare@.service"
 WEIGHTS = "model-weights@.service"
 WEIGHTS_SOCKET = "model-weights@.socket"
 # A checkpoint swap (a reload that changes `model:`): a second weight cache
@@ -106,6 +110,11 @@ def weights_socket(name: str, slot: str = "main") -> str:
     return instance(WEIGHTS_NEXT_SOCKET if slot == "next" else WEIGHTS_SOCKET, name)
 
 
+def spare(name: str) -> str:
+    """The pre-imported spare that model NAME's main engine forks from."""
+    return instance(ENGINE_SPARE, name)
+
+
 def swap_engine(name: str) -> str:
     """The checkpoint swap's engine: the second slot, on the next weights."""
     return instance(ENGINE_SWAP, name)
@@ -118,5 +127,5 @@ def journal_units(name: str) -> list[str]:
     (`logger --journald`, systemd-cat): a reader of one model's journal
     (hostctl logs, the Cockpit page) matches both, so a line a local user
     forged with HOSTD_MODEL=NAME is not shown as the model's."""
-    return [umbrella(name), socket(name), *(engine(name, slot) for slot in ENGINES), swap_engine(name),
+    return [umbrella(name), socket(name), *(engine(name, slot) for slot in ENGINES), swap_engine(name), spare(name),
             weights(name), weights_socket(name), weights(name, "next"), weights_socket(name, "next"), MANAGER]

@@ -35,6 +35,15 @@ class BuiltinBackend(Backend):
         return daemon.serve(args, cfg)
 
     def run_engine(self, args, cfg) -> int:
+        # The main engine with `spare: true` takes a process forked from the
+        # spare, its imports done (hostd/engine/handoff.py); the other slots,
+        # a cold start from disk, and that process itself start as always.
+        if (cfg.spare and args.slot == "main" and args.weights_slot == "main" and not args.from_disk
+                and not getattr(args, "from_spare", None)):
+            from hostd.engine import handoff
+
+            if handoff.take(args.name):
+                return 0
         from hostd.engine import main
 
         return main.serve(args, cfg, self)

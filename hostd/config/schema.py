@@ -537,6 +537,20 @@ class BuiltinModel(_ModelBase, kw_only=True):
             "`systemctl restart model@NAME` (with a daemon-reload)."
         ),
     ] = False
+    spare: Annotated[
+        bool,
+        _doc(
+            "Keep a pre-imported spare process (model-engine-spare@NAME.service): "
+            "torch, transformers and the model's code imported, nothing on a GPU, "
+            "no weights. Each start of the main engine (after a crash, a restart "
+            "reload, a fixed-key change, a checkpoint swap) forks its process from "
+            "the spare, which systemd then makes model-engine@NAME's main process, "
+            "so the start skips the imports (most of it: docs/builtin.md, The "
+            "pre-imported spare). Costs the spare's host memory (about a process "
+            "with torch imported). Takes effect at the next `systemctl restart "
+            "model@NAME` (with a daemon-reload)."
+        ),
+    ] = False
     engine: BuiltinEngine = msgspec.field(default_factory=BuiltinEngine)
 
 

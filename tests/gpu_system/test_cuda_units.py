@@ -45,6 +45,7 @@ MODEL = "qwen"
 UMBRELLA, ENGINE, NEXT, WEIGHTS = (f"model@{MODEL}.service", f"model-engine@{MODEL}.service",
                                    f"model-engine-next@{MODEL}.service", f"model-weights@{MODEL}.service")
 STANDBY = f"model-engine-standby@{MODEL}.service"
+SPARE = f"model-engine-spare@{MODEL}.service"
 DROPINS = f"/etc/hostd/models/{MODEL}.d"
 INTENT = f"/var/lib/hostd/.manager/{MODEL}/reload-intent.json"
 #: Where packaging/run-gpu-tier.sh writes the 7B checkpoint on the host
@@ -814,6 +815,52 @@ def test_the_warm_standby_reloads_under_load_and_takes_over_a_killed_engine(host
     finally:
         host.run(["rm", "-f", f"{DROPINS}/30-standby.yaml"])
         host.systemctl("daemon-reload")
+
+
+def from_the_spare(c: SystemdContainer) -> int:
+    """The engine's MainPID, checked to be a process forked from the spare
+    (its command line is the spare's) that systemd moved into the engine unit."""
+    pid = main_pid(c, ENGINE)
+    assert engine_health(c)["pid"] == pid
+    assert c.read_file(f"/proc/{pid}/cmdline") == c.read_file(f"/proc/{main_pid(c, SPARE)}/cmdline")
+    assert c.read_file(f"/proc/{pid}/cgroup").rstrip().endswith(f"/{ENGINE}")
+    return pid
+
+
+def test_the_pre_imported_spare_starts_the_engine_and_restarts_it_after_kill_9(host, gpu, results):
+    """spare: true (issue 51): model-engine-spare@ imports torch, transformers
+    and the model's code and holds nothing on the GPU; a restart of the
+    engine unit and a kill -9 of its main process (Restart=) each start the
+    engine from a process forked from it, which systemd takes as the engine
+    unit's main process, attached to the daemon's one copy of the weights."""
+    serving(host)
+    host.write_file(f"{DROPINS}/35-spare.yaml", tier_configs.SPARE_DROPIN)
+    try:
+        host.systemctl("daemon-reload")
+        t0 = time.monotonic()
+        host.systemctl("start", SPARE, timeout=300)
+        figures = {"spare_ready_s": round(time.monotonic() - t0, 1)}
+        if gpu is not None:  # no CUDA context: nothing for NVML or the preflight to count
+            assert gpu.of_process(host_pid(host, main_pid(host, SPARE))) is None
+        old = main_pid(host, ENGINE)
+        t0 = time.monotonic()
+        host.systemctl("restart", ENGINE, timeout=300)
+        figures["restart_s"] = seconds_to_serve_again(host, t0, {ENGINE: old})
+        killed = from_the_spare(host)
+        figures["restart_phases_s"] = engine_health(host)["phases_s"]
+        assert engine_health(host)["tensors_outside_shared"] == 0
+        t0 = time.monotonic()
+        host.run(["kill", "-9", str(killed)])
+        figures["kill_9_answered_again_s"] = seconds_to_serve_again(host, t0, {ENGINE: killed})
+        from_the_spare(host)
+        figures["kill_9_phases_s"] = engine_health(host)["phases_s"]
+        assert "status=9/KILL" in journal(host, ENGINE)
+        assert journal(host, ENGINE).count("forked from the spare") >= 2
+        results["spare"] = figures
+    finally:
+        host.run(["rm", "-f", f"{DROPINS}/35-spare.yaml"])
+        host.systemctl("daemon-reload")
+        host.systemctl("stop", SPARE, check=False, timeout=120)
 
 
 # ---------------------------------------------------------------- stop

@@ -29,6 +29,11 @@ def model_yaml(model_dir: str, device: str, port: int, gpus: tuple[int, ...] = (
 STANDBY_DROPIN = "standby: true\n"
 
 
+#: qwen.d/35-spare.yaml (test_the_pre_imported_spare_...): the engine's
+#: starts forked from a pre-imported spare (a fixed key).
+SPARE_DROPIN = "spare: true\n"
+
+
 #: The strategy the tier's model runs under unless a test asks for another:
 #: overlap, which runs the standby strategy while the standby answers (the
 #: default, in-place, has a test of its own: test_an_in_place_reload_...).
@@ -44,6 +49,7 @@ def strategy_dropin(name: str) -> str:
 #: (tests/unit/test_gpu_configs.py loads them together).
 def files(model_dir: str, device: str, port: int) -> dict[str, str]:
     return {"qwen.yaml": model_yaml(model_dir, device, port), "qwen.d/30-standby.yaml": STANDBY_DROPIN,
+            "qwen.d/35-spare.yaml": SPARE_DROPIN,
             "qwen.d/40-strategy.yaml": strategy_dropin(TIER_STRATEGY)}
 
 

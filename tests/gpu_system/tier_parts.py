@@ -17,7 +17,7 @@ PART_ENV = "HOSTD_GPU_TIER_PART"
 #: Test function names start with these.
 EVERY_PART = ("test_start_returns_once_serving", "test_stop_returns_gpu_memory")
 PART_2 = ("test_a_checkpoint_swap", "test_the_warm_standby", "test_the_nvml_preflight",
-          "test_a_reload_the_engine_refuses", "test_an_in_place_reload")
+          "test_a_reload_the_engine_refuses", "test_an_in_place_reload", "test_the_pre_imported_spare")
 
 
 def tier_part(test_name: str) -> set[str]:

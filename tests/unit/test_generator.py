@@ -392,6 +392,29 @@ def test_standby_true_makes_the_umbrella_want_the_standby_engine_with_the_models
     assert not (out / "model-engine-standby@warm.service.d/50-hostd-standby.conf").exists()
 
 
+def test_spare_true_wants_the_spare_with_the_engines_user_environment_and_a_delegated_engine(tmp_path: Path,
+                                                                                              monkeypatch):
+    """The forked engine keeps the spare's environment: both units get the
+    same generated lines; the engine alone is delegated (AttachProcessesToUnit
+    needs it), and only with spare: true."""
+    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "quick", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [1]\nspare: true\n")
+    model(etc, "plain", "backend: builtin\nmodel: /m\n")
+    generator.generate(out, Path("/etc/systemd/system"), etc)
+    assert (out / "model@quick.service.d/50-hostd-spare.conf").read_text().endswith(
+        "[Unit]\nWants=model-engine-spare@quick.service\n")
+    spare = (out / "model-engine-spare@quick.service.d/50-hostd.conf").read_text()
+    engine = (out / "model-engine@quick.service.d/50-hostd.conf").read_text()
+    assert engine.replace("Delegate=yes\n", "") == spare
+    assert "Delegate=yes" in engine and "Environment=CUDA_VISIBLE_DEVICES=1" in spare
+    assert not (out / "model-engine-spare@quick.service.d/50-hostd-spare.conf").exists()
+    assert not (out / "model@plain.service.d/50-hostd-spare.conf").exists()
+    assert "Delegate" not in (out / "model-engine@plain.service.d/50-hostd.conf").read_text()
+    assert (out / "model-engine-spare@plain.service.d/50-hostd-spare.conf").read_text().endswith(
+        "[Service]\nExecCondition=/bin/false\n")
+
+
 def test_a_standby_removed_from_the_yaml_is_stopped_by_the_next_restart_of_the_model(tmp_path: Path):
     """standby: true, then removed, then daemon-reload (the generator runs
     again): the umbrella no longer wants the standby, and the standby's own

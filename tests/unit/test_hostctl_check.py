@@ -122,6 +122,7 @@ def test_logs_shows_only_lines_the_models_units_or_the_manager_wrote(monkeypatch
                     "_SYSTEMD_UNIT=model@tiny.service", "_SYSTEMD_UNIT=model@tiny.socket",
                     "_SYSTEMD_UNIT=model-engine@tiny.service", "_SYSTEMD_UNIT=model-engine-next@tiny.service",
                     "_SYSTEMD_UNIT=model-engine-standby@tiny.service", "_SYSTEMD_UNIT=model-engine-swap@tiny.service",
+                    "_SYSTEMD_UNIT=model-engine-spare@tiny.service",
                     "_SYSTEMD_UNIT=model-weights@tiny.service", "_SYSTEMD_UNIT=model-weights@tiny.socket",
                     "_SYSTEMD_UNIT=model-weights-next@tiny.service", "_SYSTEMD_UNIT=model-weights-next@tiny.socket",
                     "_SYSTEMD_UNIT=hostd.service",

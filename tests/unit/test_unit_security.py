@@ -39,7 +39,7 @@ def test_every_installed_service_is_rated_ok(tmp_path: Path):
         scores[path.name] = exposure(path)
     assert set(scores) == {"hostd.service", "model@tiny.service", "model-engine@tiny.service",
                            "model-engine-next@tiny.service", "model-engine-standby@tiny.service",
-                           "model-engine-swap@tiny.service", "model-weights@tiny.service",
+                           "model-engine-swap@tiny.service", "model-engine-spare@tiny.service", "model-weights@tiny.service",
                            "model-weights-next@tiny.service"}
     assert all(score <= 3.0 for score in scores.values()), scores
 

@@ -1,0 +1,192 @@
+"""The main engine's start from the pre-imported spare (`spare: true`).
+
+One job: before `hostd engine NAME` imports anything heavy, get a process
+with the imports done from model-engine-spare@NAME (spare.py), make it this
+unit's main process and step aside. Each step that fails leaves a normal
+start: this process imports and serves itself, the reason in the journal.
+
+1. Connect to engine-spare.sock (the spare's uid must be ours) and send our
+   argv and start clock; the spare forks the engine's process.
+2. Read its pid, uid, environment and code stamp. Refuse a process of
+   another uid, one whose environment differs from ours apart from systemd's
+   per-process variables (an Environment= set on one unit and not the
+   other: the forked process keeps the spare's), and one that runs other
+   code than is installed (hostd, torch or transformers upgraded since the
+   spare started; a restart of the model starts a new spare).
+3. Under systemd: AttachProcessesToUnit(our unit, pid). systemd 252 moves a
+   process into a unit for a caller of the process's and the unit's uid
+   when the unit is delegated (src/core/dbus-unit.c,
+   bus_unit_method_attach_processes; the generator gives model-engine@NAME
+   Delegate=yes with `spare: true`). Check it is in our cgroup now, send
+   MAINPID=pid and wait on BARRIER=1 until systemd has processed it: from
+   then on the unit's MainPID is the engine (KillMode=, Restart=, the
+   journal's _PID, `systemctl status`), and READY=1 is its to send.
+4. Send "go" with our per-invocation variables and exit 0. systemd ignores
+   the exit of a process that is no longer the main one.
+
+By hand (no NOTIFY_SOCKET: the benchmarks) step 3 is skipped: the engine's
+process serves on, reparented, and this one exits.
+
+Trusts: the spare's socket only when its peer is of our uid, and a process
+only when it is of our uid and, under systemd, in the spare's unit; systemd
+checks the uids again. A model's own uid could hand over any process of
+that uid: nothing it could not do to them already.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import hostd
+from hostd import paths, systemd, units
+
+log = logging.getLogger("hostd.engine")
+
+# What systemd sets for one process alone, or for one unit's run: left out
+# when the spare's environment is compared with ours, and ours handed over.
+PER_INVOCATION = frozenset({
+    "INVOCATION_ID", "JOURNAL_STREAM", "NOTIFY_SOCKET", "SYSTEMD_EXEC_PID", "MAINPID", "MANAGERPID",
+    "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_PID", "WATCHDOG_USEC",
+})
+HANDSHAKE_WAIT = 10.0  # seconds for the spare to fork and answer
+
+
+class Refused(Exception):
+    """Why this start does not take the spare's process."""
+
+
+def take(name: str) -> bool:
+    """Make a process forked from the spare this unit's engine (True: this
+    process should exit 0), or say why not and return False."""
+    path = paths.spare_socket(name)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(HANDSHAKE_WAIT)
+    try:
+        conn.connect(str(path))
+    except OSError as exc:
+        conn.close()
+        log.info("starting without the spare: %s has no spare listening (%s)", path, exc.strerror or exc)
+        return False
+    with conn:
+        try:
+            if peer_uid(conn) != os.getuid():
+                raise Refused(f"{path} is served by another uid")
+            argv = sys.argv[1:]  # `hostd engine NAME ...` as systemd ran it, --config-dir included
+            conn.sendall(json.dumps({"argv": argv, "started": hostd.STARTED}).encode() + b"\n")
+            forked = read_line(conn, 1 << 20)
+            pid = check(forked)
+            if os.environ.get("NOTIFY_SOCKET"):  # a unit's main process (Type=notify)
+                make_main(pid, name)
+            env = {k: v for k, v in os.environ.items() if k in PER_INVOCATION}
+            conn.sendall(json.dumps({"go": True, "env": env}).encode() + b"\n")
+        except (OSError, ValueError, Refused) as exc:
+            log.warning("starting without the spare: %s", exc)
+            return False
+    log.info("the engine is process %d, forked from the spare in %.2f s since this start",
+             pid, time.monotonic() - hostd.STARTED)
+    return True
+
+
+def check(forked: object) -> int:
+    """The forked process's pid, if it is ours to take (step 2)."""
+    if not (isinstance(forked, dict) and isinstance(forked.get("pid"), int) and isinstance(forked.get("env"), dict)):
+        raise Refused("the spare's answer is not {pid, uid, env, code}")
+    pid = forked["pid"]
+    if forked.get("uid") != os.getuid() or process_uid(pid) != os.getuid():
+        raise Refused(f"process {pid} is not of this uid")
+    theirs = {k: v for k, v in forked["env"].items() if k not in PER_INVOCATION}
+    ours = {k: v for k, v in os.environ.items() if k not in PER_INVOCATION}
+    differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    if differ:
+        raise Refused("the spare's environment differs from this unit's in " + ", ".join(differ)
+                      + " (an Environment= on one unit only?); restart the model after changing either")
+    if forked.get("code") != code_stamp():
+        raise Refused("the spare runs other code than is installed now (an upgrade since it started); "
+                      "`systemctl restart model@NAME` starts a new one")
+    return pid
+
+
+def make_main(pid: int, name: str) -> None:
+    """Step 3: PID, a process of the spare's unit, into this unit's cgroup,
+    then this unit's main process."""
+    unit = units.engine(name)
+    if not Path(f"/proc/{pid}/cgroup").read_text().rstrip().endswith(f"/{units.spare(name)}"):
+        raise Refused(f"process {pid} is not in {units.spare(name)}")
+    attach_to_unit(unit, pid)
+    if Path(f"/proc/{pid}/cgroup").read_text() != Path("/proc/self/cgroup").read_text():
+        raise Refused(f"systemd did not move process {pid} into {unit}")
+    systemd.notify(f"MAINPID={pid}")
+    if not systemd.barrier():
+        raise Refused("systemd did not confirm MAINPID= in time")
+
+
+def attach_to_unit(unit: str, pid: int) -> None:
+    import asyncio
+
+    from dbus_fast import BusType, Message, MessageType
+    from dbus_fast.aio import MessageBus
+
+    async def call() -> None:
+        bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+        try:
+            reply = await bus.call(Message(
+                destination="org.freedesktop.systemd1", path="/org/freedesktop/systemd1",
+                interface="org.freedesktop.systemd1.Manager", member="AttachProcessesToUnit",
+                signature="ssau", body=[unit, "", [pid]]))
+        finally:
+            bus.disconnect()
+        if reply.message_type == MessageType.ERROR:
+            raise Refused(f"systemd did not move process {pid} into {unit}: {reply.error_name}: "
+                          f"{reply.body[0] if reply.body else ''}")
+
+    asyncio.run(asyncio.wait_for(call(), HANDSHAKE_WAIT))
+
+
+def peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def process_uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[2])  # the effective uid
+    raise Refused(f"process {pid} has no Uid line")
+
+
+def read_line(conn: socket.socket, limit: int) -> object:
+    """One JSON line from CONN, at most LIMIT bytes (ValueError otherwise)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(min(65536, limit + 1 - len(data)))
+        if not chunk:
+            raise ValueError("the peer closed the connection mid-line" if data else "the peer closed the connection")
+        data += chunk
+        if len(data) > limit:
+            raise ValueError(f"a line longer than {limit} bytes")
+    return json.loads(data)
+
+
+def code_stamp() -> str:
+    """What code a process started now would run: hostd's modules, and
+    torch's and transformers' installs, by path, size and mtime (stat only:
+    no import)."""
+    files = sorted(Path(hostd.__file__).parent.rglob("*.py"))
+    for name in ("torch", "transformers"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            files.append(Path(spec.origin))
+    digest = hashlib.sha256()
+    for path in files:
+        st = path.stat()
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
