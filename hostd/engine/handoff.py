@@ -119,14 +119,26 @@ def make_main(pid: int, name: str) -> None:
     """Step 3: PID, a process of the spare's unit, into this unit's cgroup,
     then this unit's main process."""
     unit = units.engine(name)
-    if not Path(f"/proc/{pid}/cgroup").read_text().rstrip().endswith(f"/{units.spare(name)}"):
-        raise Refused(f"process {pid} is not in {units.spare(name)}")
+    if not systemd_cgroup(pid).endswith(f"/{units.spare(name)}"):
+        raise Refused(f"process {pid} is not in {units.spare(name)} ({systemd_cgroup(pid) or 'no cgroup'})")
     attach_to_unit(unit, pid)
-    if Path(f"/proc/{pid}/cgroup").read_text() != Path("/proc/self/cgroup").read_text():
-        raise Refused(f"systemd did not move process {pid} into {unit}")
+    if systemd_cgroup(pid) != systemd_cgroup("self"):
+        raise Refused(f"systemd did not move process {pid} into {unit} ({systemd_cgroup(pid) or 'no cgroup'})")
     systemd.notify(f"MAINPID={pid}")
     if not systemd.barrier():
         raise Refused("systemd did not confirm MAINPID= in time")
+
+
+def systemd_cgroup(pid: int | str) -> str:
+    """PID's cgroup in systemd's hierarchy: the name=systemd line under
+    cgroup v1 (legacy or hybrid: the GPU machine's systemd runs legacy,
+    where the controllers' lines come after it), else the unified "0::" line."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    for marker in (":name=systemd:", "0::"):
+        for line in lines:
+            if marker in line and (marker != "0::" or line.startswith("0::")):
+                return line.split(marker, 1)[1]
+    return ""
 
 
 def attach_to_unit(unit: str, pid: int) -> None:
