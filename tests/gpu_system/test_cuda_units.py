@@ -820,6 +820,7 @@ def test_the_warm_standby_reloads_under_load_and_takes_over_a_killed_engine(host
 def from_the_spare(c: SystemdContainer) -> int:
     """The engine's MainPID, checked to be a process forked from the spare
     (its command line is the spare's) that systemd moved into the engine unit."""
+    wait_for(lambda: active(c, ENGINE) == "active", timeout=120, what="the engine unit active")
     pid = main_pid(c, ENGINE)
     assert engine_health(c)["pid"] == pid
     assert c.read_file(f"/proc/{pid}/cmdline") == c.read_file(f"/proc/{main_pid(c, SPARE)}/cmdline")
@@ -836,6 +837,10 @@ def test_the_pre_imported_spare_starts_the_engine_and_restarts_it_after_kill_9(h
     engine from a process forked from it, which systemd takes as the engine
     unit's main process, attached to the daemon's one copy of the weights."""
     serving(host)
+    # The standby left running by the test before (its drop-in gone, it stops
+    # at the next restart of the model) would answer while the engine
+    # restarts: the kill below measures the main engine coming back alone.
+    host.systemctl("stop", STANDBY, timeout=120)
     host.write_file(f"{DROPINS}/35-spare.yaml", tier_configs.SPARE_DROPIN)
     try:
         host.systemctl("daemon-reload")
