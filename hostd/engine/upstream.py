@@ -361,6 +361,22 @@ def checkpoint_problem(cfg, held: protocol.Fingerprint, weights_path: Path) -> O
             "model loads it")
 
 
+def version_problem(cfg, backend, held: str, weights_path: Path, name: str) -> Optional[str]:
+    """Why this engine must not start on a daemon that started upstream at
+    version HELD: its own upstream is another (installed in place since,
+    `pip install -U vllm`). vLLM keys its weight cache by its version and
+    hostd runs it without a fallback to disk, so it would fail later and
+    less clearly; SGLang's client and daemon are one release. None when the
+    two match or either cannot be told."""
+    mine = backend.upstream_version(cfg)
+    if not held or not mine or held == mine:
+        return None
+    return (f"the weight daemon at {weights_path} runs {cfg.backend} {held}, this engine's {cfg.backend} is {mine} "
+            f"(upgraded in place since the daemon started?): both must be one version; restart the model so that "
+            f"both run {mine} (systemctl restart model@{name}.service, which loads the weights once), or put "
+            f"{held} back (docs/vllm.md, Upgrading vLLM)")
+
+
 def run(args, cfg, backend) -> int:
     """`hostd engine NAME` for an upstream BACKEND (its run_engine, once
     hostd/dispatch.py has checked CFG)."""
@@ -371,7 +387,8 @@ def run(args, cfg, backend) -> int:
         log.error("cannot reach the weight cache of %s at %s: %s", args.name, weights_path, exc)
         systemd.status(f"failed: no weight cache ({exc})")
         return 1
-    problem = checkpoint_problem(cfg, status.fingerprint, weights_path)
+    problem = (checkpoint_problem(cfg, status.fingerprint, weights_path)
+               or version_problem(cfg, backend, status.upstream_version, weights_path, args.name))
     if problem:
         log.error("cannot serve %s: %s", args.name, problem)
         systemd.status(f"refused: {problem}")

@@ -137,6 +137,10 @@ class Status(msgspec.Struct, tag="status"):
     not_retained: str = ""
     protocol: int = 1
     hostd_version: str = ""
+    # The version of the upstream installation the daemon started (vllm,
+    # sglang; '' for builtin or when it cannot be told): an engine of another
+    # refuses it (hostd/engine/upstream.py), as vLLM's cache key would later.
+    upstream_version: str = ""
 
 
 class Attach(msgspec.Struct, tag="attach"):

@@ -113,6 +113,9 @@ class Supervisor:
         # Why the weight cache does not hold this model's weights, or None:
         # then no upstream daemon runs and this process only answers status.
         self.not_retained = self.backend.weights_not_retained(cfg)
+        # What the child starts from: probed before it starts, so that an
+        # upgrade in place later does not change what this daemon reports.
+        self.upstream_version = self.backend.upstream_version(cfg)
 
     # ------------------------------------------------------------ child
 
@@ -197,6 +200,7 @@ class Supervisor:
             not_retained=self.not_retained or "",
             protocol=protocol.PROTOCOL,
             hostd_version=hostd.__version__,
+            upstream_version=self.upstream_version,
         )
 
     def summary(self) -> str:

@@ -286,3 +286,41 @@ def test_a_start_that_hangs_fails_at_timeouts_start_naming_its_phase(host):
         host.systemctl("stop", f"model@{name}.service", unit, check=False, timeout=60)
         host.run(["rm", "-f", f"/etc/hostd/models/{name}.yaml"])
         host.systemctl("reset-failed", check=False)
+
+
+def test_an_engine_of_another_vllm_version_is_refused_naming_both_until_the_model_restarts(host):
+    """Issue 52: vLLM keys its weight cache by its version, and hostd runs its
+    engines without a fallback to disk; after `pip install -U vllm` into the
+    model's environment the next engine (here a crash's restart) met a
+    daemon of the old version and failed later, unclearly. The double's
+    version is what its executable prints (its environment: the model's
+    env:), so an upgrade in place is a changed HOSTD_TEST_VLLM_VERSION. The
+    engine is refused, naming both versions; the documented recipe, a
+    restart of the model (docs/vllm.md, Upgrading vLLM), serves on the new."""
+    name, port = "upg", reserved_port()
+    unit = f"model-engine@{name}.service"
+    host.write_model_yaml(name, yaml_for(host, "vllm", port, env="  HOSTD_TEST_VLLM_VERSION: '0.32.0'\n"))
+    host.systemctl("daemon-reload")
+    try:
+        host.systemctl("start", f"model@{name}.service", timeout=180)
+        assert weights_status(host, name)["upstream_version"] == "0.32.0"
+        host.write_model_yaml(name, yaml_for(host, "vllm", port, env="  HOSTD_TEST_VLLM_VERSION: '0.33.0'\n"))
+        since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
+        host.systemctl("restart", unit, timeout=120, check=False)
+        wanted = (f"the weight daemon at /run/hostd/{name}/weights.sock runs vllm 0.32.0, this engine's vllm is "
+                  "0.33.0 (upgraded in place since the daemon started?)")
+        wait_for(lambda: wanted in host.run(["journalctl", "-u", unit, "--since", since, "-o", "cat", "--no-pager"])
+                 .stdout, timeout=60, what="the refusal in the engine's journal")
+        assert active_state(host, unit) != "active"
+        host.systemctl("restart", f"model@{name}.service", timeout=180)  # the recipe's last step
+        wait_for(lambda: active_state(host, unit) == "active", timeout=120, what="the engine on the new version")
+        assert weights_status(host, name)["upstream_version"] == "0.33.0"
+        assert engine_health(host, name)["upstream_version"] == "0.33.0"
+    finally:
+        host.systemctl("stop", f"model@{name}.service", check=False, timeout=60)
+        host.run(["rm", "-f", f"/etc/hostd/models/{name}.yaml"])
+        host.systemctl("reset-failed", check=False)
+
+
+def active_state(host: SystemdContainer, unit: str) -> str:
+    return host.systemctl("is-active", unit, check=False).stdout.strip()
