@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -42,23 +43,23 @@ class ForkedProcess:
     """Popen's poll, send_signal, kill and wait for a process this one did
     not start: an engine forked from the spare (`spare: true`), which its
     `hostd engine` handed over to before exiting (hostd/engine/handoff.py),
-    reparented to init. Its exit status is not ours to read: 0 once gone."""
+    reparented to init. Held by a pidfd, so a signal never reaches another
+    process that reused the pid. Its exit status is its adoptive parent's
+    to read: returncode 0 means gone, not that it exited 0."""
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
+        self._pidfd = os.pidfd_open(pid)
 
     def poll(self) -> Optional[int]:
-        try:
-            state = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            state = "X"
-        if state in ("Z", "X"):  # a zombie its adoptive parent has not reaped is gone as well
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:  # readable: it ended
             self.returncode = 0
+            os.close(self._pidfd)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            signal.pidfd_send_signal(self._pidfd, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

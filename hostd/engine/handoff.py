@@ -8,19 +8,25 @@ start: this process imports and serves itself, the reason in the journal.
 1. Connect to engine-spare.sock (the spare's uid must be ours) and send our
    argv and start clock; the spare forks the engine's process.
 2. Read its pid, uid, environment and code stamp. Refuse a process of
-   another uid, one whose environment differs from ours apart from systemd's
-   per-process variables (an Environment= set on one unit and not the
-   other: the forked process keeps the spare's), and one that runs other
-   code than is installed (hostd, torch or transformers upgraded since the
-   spare started; a restart of the model starts a new spare).
+   another uid, one whose environment, resource limits or nice level
+   differ from ours apart from systemd's per-process variables (an
+   Environment=, Limit*= or Nice= set on one unit and not the other: the
+   forked process keeps the spare's), and one that runs other code than is
+   installed (hostd, torch, transformers or the interpreter upgraded since
+   the spare started; a restart of the model starts a new spare).
+   Namespaces are the spare's too (its own private /tmp and network): the
+   units' sandbox lines are the same, and a drop-in that changes them on
+   the engine alone is not seen (docs/builtin.md says so).
 3. Under systemd: AttachProcessesToUnit(our unit, pid). systemd 252 moves a
    process into a unit for a caller of the process's and the unit's uid
    when the unit is delegated (src/core/dbus-unit.c,
    bus_unit_method_attach_processes; the generator gives model-engine@NAME
    Delegate=yes with `spare: true`). Check it is in our cgroup now, send
-   MAINPID=pid and wait on BARRIER=1 until systemd has processed it: from
-   then on the unit's MainPID is the engine (KillMode=, Restart=, the
-   journal's _PID, `systemctl status`), and READY=1 is its to send.
+   MAINPID=pid, wait on BARRIER=1 until systemd has read it and ask for the
+   unit's MainPID: from then on the engine is the unit's main process
+   (KillMode=, Restart=, the journal's _PID, `systemctl status`), and
+   READY=1 is its to send. Not taken, this process says MAINPID= of its
+   own again and starts alone.
 4. Send "go" with our per-invocation variables and exit 0. systemd ignores
    the exit of a process that is no longer the main one.
 
@@ -29,8 +35,10 @@ process serves on, reparented, and this one exits.
 
 Trusts: the spare's socket only when its peer is of our uid, and a process
 only when it is of our uid and, under systemd, in the spare's unit; systemd
-checks the uids again. A model's own uid could hand over any process of
-that uid: nothing it could not do to them already.
+checks the uids again. Delegate=yes lets any process of the model's uid
+move itself into the engine unit, and with it to the engine's GPUs
+(DeviceAllow=) and limits: the only such process without them, the
+network-facing gateway, has no system bus to ask with (model@.service).
 """
 
 from __future__ import annotations
@@ -56,7 +64,14 @@ log = logging.getLogger("hostd.engine")
 PER_INVOCATION = frozenset({
     "INVOCATION_ID", "JOURNAL_STREAM", "NOTIFY_SOCKET", "SYSTEMD_EXEC_PID", "MAINPID", "MANAGERPID",
     "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_PID", "WATCHDOG_USEC",
+    # systemd 254+: each unit's own cgroup's memory.pressure
+    "MEMORY_PRESSURE_WATCH", "MEMORY_PRESSURE_WRITE",
 })
+PER_INVOCATION_PREFIXES = ("MONITOR_", "EXIT_", "SERVICE_RESULT", "TRIGGER_")
+
+
+def per_invocation(key: str) -> bool:
+    return key in PER_INVOCATION or key.startswith(PER_INVOCATION_PREFIXES)
 HANDSHAKE_WAIT = 10.0  # seconds for the spare to fork and answer
 
 
@@ -86,10 +101,13 @@ def take(name: str) -> bool:
             pid = check(forked)
             if os.environ.get("NOTIFY_SOCKET"):  # a unit's main process (Type=notify)
                 make_main(pid, name)
-            env = {k: v for k, v in os.environ.items() if k in PER_INVOCATION}
+            env = {k: v for k, v in os.environ.items() if per_invocation(k)}
             conn.sendall(json.dumps({"go": True, "env": env}).encode() + b"\n")
         except (OSError, ValueError, Refused) as exc:
             log.warning("starting without the spare: %s", exc)
+            return False
+        except Exception:  # a timeout, the bus library's own errors, deep JSON: still a normal start
+            log.exception("starting without the spare, after an unexpected error")
             return False
     log.info("the engine is process %d, forked from the spare in %.2f s since this start",
              pid, time.monotonic() - hostd.STARTED)
@@ -103,12 +121,18 @@ def check(forked: object) -> int:
     pid = forked["pid"]
     if forked.get("uid") != os.getuid() or process_uid(pid) != os.getuid():
         raise Refused(f"process {pid} is not of this uid")
-    theirs = {k: v for k, v in forked["env"].items() if k not in PER_INVOCATION}
-    ours = {k: v for k, v in os.environ.items() if k not in PER_INVOCATION}
+    theirs = {k: v for k, v in forked["env"].items() if not per_invocation(k)}
+    ours = {k: v for k, v in os.environ.items() if not per_invocation(k)}
     differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
     if differ:
         raise Refused("the spare's environment differs from this unit's in " + ", ".join(differ)
                       + " (an Environment= on one unit only?); restart the model after changing either")
+    # Limits and priority a process keeps from its unit's start (LimitNOFILE=,
+    # Nice=): the engine unit's must be the spare's too.
+    if Path(f"/proc/{pid}/limits").read_text() != Path("/proc/self/limits").read_text():
+        raise Refused("the spare's resource limits differ from this unit's (a Limit*= on one unit only?)")
+    if os.getpriority(os.PRIO_PROCESS, pid) != os.getpriority(os.PRIO_PROCESS, 0):
+        raise Refused("the spare's nice level differs from this unit's (a Nice= on one unit only?)")
     if forked.get("code") != code_stamp():
         raise Refused("the spare runs other code than is installed now (an upgrade since it started); "
                       "`systemctl restart model@NAME` starts a new one")
@@ -125,8 +149,15 @@ def make_main(pid: int, name: str) -> None:
     if systemd_cgroup(pid) != systemd_cgroup("self"):
         raise Refused(f"systemd did not move process {pid} into {unit} ({systemd_cgroup(pid) or 'no cgroup'})")
     systemd.notify(f"MAINPID={pid}")
-    if not systemd.barrier():
-        raise Refused("systemd did not confirm MAINPID= in time")
+    systemd.barrier()
+    # The barrier says systemd read MAINPID=, not that it took it (a refusal
+    # is a debug line of its own): ask. Refused, this process is the main one
+    # again (it says so too) before it starts on its own.
+    main = unit_main_pid(unit)
+    if main != pid:
+        systemd.notify(f"MAINPID={os.getpid()}")
+        systemd.barrier()
+        raise Refused(f"systemd did not take process {pid} as {unit}'s main process (MainPID {main})")
 
 
 def systemd_cgroup(pid: int | str) -> str:
@@ -142,25 +173,37 @@ def systemd_cgroup(pid: int | str) -> str:
 
 
 def attach_to_unit(unit: str, pid: int) -> None:
+    systemd1_call("org.freedesktop.systemd1.Manager", "AttachProcessesToUnit", "ssau", [unit, "", [pid]],
+                  f"systemd did not move process {pid} into {unit}")
+
+
+def unit_main_pid(unit: str) -> int:
+    [path] = systemd1_call("org.freedesktop.systemd1.Manager", "GetUnit", "s", [unit], f"no unit {unit}")
+    [value] = systemd1_call("org.freedesktop.DBus.Properties", "Get", "ss",
+                            ["org.freedesktop.systemd1.Service", "MainPID"], f"no MainPID of {unit}", path)
+    return int(value.value)
+
+
+def systemd1_call(interface: str, member: str, signature: str, body: list, failed: str,
+                  path: str = "/org/freedesktop/systemd1") -> list:
+    """One call to systemd's bus API; its reply's body, or Refused naming FAILED."""
     import asyncio
 
     from dbus_fast import BusType, Message, MessageType
     from dbus_fast.aio import MessageBus
 
-    async def call() -> None:
+    async def call() -> list:
         bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
         try:
-            reply = await bus.call(Message(
-                destination="org.freedesktop.systemd1", path="/org/freedesktop/systemd1",
-                interface="org.freedesktop.systemd1.Manager", member="AttachProcessesToUnit",
-                signature="ssau", body=[unit, "", [pid]]))
+            reply = await bus.call(Message(destination="org.freedesktop.systemd1", path=path, interface=interface,
+                                           member=member, signature=signature, body=body))
         finally:
             bus.disconnect()
         if reply.message_type == MessageType.ERROR:
-            raise Refused(f"systemd did not move process {pid} into {unit}: {reply.error_name}: "
-                          f"{reply.body[0] if reply.body else ''}")
+            raise Refused(f"{failed}: {reply.error_name}: {reply.body[0] if reply.body else ''}")
+        return reply.body
 
-    asyncio.run(asyncio.wait_for(call(), HANDSHAKE_WAIT))
+    return asyncio.run(asyncio.wait_for(call(), HANDSHAKE_WAIT))
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -189,11 +232,11 @@ def read_line(conn: socket.socket, limit: int) -> object:
 
 
 def code_stamp() -> str:
-    """What code a process started now would run: hostd's modules, and
-    torch's and transformers' installs, by path, size and mtime (stat only:
-    no import)."""
-    files = sorted(Path(hostd.__file__).parent.rglob("*.py"))
-    for name in ("torch", "transformers"):
+    """What code a process started now would run: the interpreter, hostd's
+    modules, and the installs of torch, transformers and what they load the
+    model with, by path, size and mtime (stat only: no import)."""
+    files = [Path(sys.executable).resolve(), *sorted(Path(hostd.__file__).parent.rglob("*.py"))]
+    for name in ("torch", "transformers", "tokenizers", "safetensors", "numpy"):
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
             files.append(Path(spec.origin))

@@ -52,6 +52,7 @@ log = logging.getLogger("hostd.spare")
 # The environment systemd gave the spare, before any import set variables of
 # its own (torch's and hostd's caches): what an engine forked from it starts with.
 UNIT_ENVIRONMENT = dict(os.environ)
+CONFIG_REFUSED = 78  # the unit's RestartPreventExitStatus=: starting again would not change it
 REQUEST_LIMIT = 64 << 10  # bytes of a request line: an argv and a clock
 ANSWER_WAIT = 60.0  # seconds the forked process waits for "go" before it gives up
 
@@ -77,8 +78,15 @@ def preimport(cfg) -> None:
     # one: build it on the meta device (no memory) so the engine need not.
     checkpoint.build_skeleton(model_dir, checkpoint.resolve_dtype(model_dir, cfg.dtype), meta_buffers=True)
     AutoTokenizer.from_pretrained(cfg.model)  # its tokenizer's modules, the same way
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() or cuda_loaded():
         raise RuntimeError("the spare initialised CUDA, which a forked process cannot use")
+
+
+def cuda_loaded() -> bool:
+    """Has this process loaded the CUDA driver (libcuda)? torch loads it at
+    CUDA's first use, transformers may through torch.cuda.is_available():
+    either would leave a forked engine without a usable GPU."""
+    return "libcuda.so" in Path("/proc/self/maps").read_text()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,15 +97,15 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(cfg, "spare", False):  # a key of the builtin backend's models only (config/schema.py)
         log.error("the config of %s does not say spare: true", args.name)
         systemd.status("refused: the model's config does not say spare: true")
-        return 1
+        return CONFIG_REFUSED
     systemd.status("importing")
+    stamp = handoff.code_stamp()  # before the imports: an upgrade meanwhile is then seen
     try:
         preimport(cfg)
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("the spare of %s cannot prepare: %s", args.name, exc)
         systemd.status(f"failed: {exc}")
         return 1
-    stamp = handoff.code_stamp()
     listener = listen(Path(args.socket) if args.socket else paths.spare_socket(args.name))
     took = time.monotonic() - hostd.STARTED
     log.info("spare of %s ready: imports done in %.2f s, %d threads", args.name, took, threading.active_count())
@@ -108,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             serve_request(conn, listener, args.name, stamp)
         except (OSError, ValueError) as exc:
             log.warning("a fork request failed: %s", exc)
+        except Exception:  # deep JSON, anything else: this request fails, the spare stays
+            log.exception("a fork request failed")
         finally:
             conn.close()
 
@@ -134,21 +144,22 @@ def serve_request(conn: socket.socket, listener: socket.socket, name: str, stamp
     if not (isinstance(request, dict) and isinstance(request.get("argv"), list)
             and all(isinstance(a, str) for a in request["argv"]) and isinstance(request.get("started"), (int, float))):
         raise ValueError("refused a request that is not {argv: [strings], started: seconds}")
-    import torch
-
-    if torch.cuda.is_initialized():  # never: preimport() checked; a fork of it would fail later
-        raise ValueError("the spare has a CUDA context; it cannot fork an engine")
+    if cuda_loaded():  # never: preimport() checked; a fork of it would fail at its first CUDA call
+        raise ValueError("the spare has loaded the CUDA driver; it cannot fork an engine")
     first = os.fork()
     if first:
         os.waitpid(first, 0)
         return
     # In the first child: fork the engine's process and leave it to PID 1.
+    # Whatever happens, never back into the spare's loop.
     try:
         if os.fork():
             os._exit(0)
         listener.close()
         code = become_engine(conn, request, first, name, stamp)
-    except BaseException:  # never back into the spare's loop
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
         log.exception("the forked engine of %s failed", name)
         code = 1
     logging.shutdown()
@@ -172,9 +183,12 @@ def become_engine(conn: socket.socket, request: dict, parent: int, name: str, st
     conn.close()
     if not (isinstance(answer, dict) and answer.get("go") is True):
         return 0  # the engine's start refused this process (its journal says why) and starts on its own
-    for key in handoff.PER_INVOCATION:
-        os.environ.pop(key, None)
-    os.environ.update({k: v for k, v in answer.get("env", {}).items() if k in handoff.PER_INVOCATION})
+    for key in [k for k in os.environ if handoff.per_invocation(k)]:
+        os.environ.pop(key)
+    os.environ.update({k: v for k, v in answer.get("env", {}).items() if handoff.per_invocation(k)})
+    for key in ("SYSTEMD_EXEC_PID", "WATCHDOG_PID", "MAINPID"):  # they named the handing-over process: now this one
+        if key in os.environ:
+            os.environ[key] = str(os.getpid())
     own_journal_stream()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)

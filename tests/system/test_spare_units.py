@@ -4,7 +4,7 @@ model-engine-spare@tiny, and systemd takes that process as
 model-engine@tiny's own: its cgroup, its MainPID (kill -9 of it is a crash
 that Restart= answers, again from the spare), `systemctl restart` and
 stopping the model (nothing left behind), the engine's journal lines under
-the engine's unit. A spare whose environment differs from the engine
+the engine's unit. A spare whose environment or limits differ from the engine
 unit's is refused, and the engine starts on its own, saying why.
 
 One container for the module: model tiny with spare: true, started with
@@ -103,9 +103,14 @@ def test_kill_9_of_the_engine_is_a_crash_restarted_from_the_spare(host: SystemdC
     assert answers(host) and pid != killed
 
 
-def test_an_environment_only_the_engine_unit_has_refuses_the_spare_and_starts_alone(host: SystemdContainer):
+@pytest.mark.parametrize("line, words", [
+    ("Environment=HOSTD_TEST_ONLY_HERE=1", "the spare's environment differs from this unit's in HOSTD_TEST_ONLY_HERE"),
+    ("LimitNOFILE=4096", "the spare's resource limits differ from this unit's"),
+])
+def test_an_execution_setting_only_the_engine_unit_has_refuses_the_spare_and_it_starts_alone(
+        host: SystemdContainer, line: str, words: str):
     since = host.run(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
-    host.write_file(f"/run/systemd/system/{ENGINE}.d/60-test.conf", "[Service]\nEnvironment=HOSTD_TEST_ONLY_HERE=1\n")
+    host.write_file(f"/run/systemd/system/{ENGINE}.d/60-test.conf", f"[Service]\n{line}\n")
     host.systemctl("daemon-reload")
     try:
         host.systemctl("restart", ENGINE, timeout=180)
@@ -113,8 +118,7 @@ def test_an_environment_only_the_engine_unit_has_refuses_the_spare_and_starts_al
         pid = main_pid(host, ENGINE)
         assert "engine-spare" not in host.read_file(f"/proc/{pid}/cmdline")  # its own process
         lines = engine_lines(host, since)
-        assert any("starting without the spare: the spare's environment differs from this unit's in "
-                   "HOSTD_TEST_ONLY_HERE" in line for line in lines), lines
+        assert any(f"starting without the spare: {words}" in line for line in lines), lines
         wait_for(lambda: status_code(host) == 200, timeout=30, what="the gateway serving again")
         assert answers(host)
     finally:
@@ -138,3 +142,14 @@ def test_stopping_the_model_stops_engine_and_spare_leaving_no_process_and_the_ne
     host.systemctl("restart", ENGINE, timeout=180)  # the model's first start may have run before its spare was ready
     assert from_the_spare(host) != pid
     assert answers(host)
+
+
+def test_the_gateway_cannot_reach_the_system_bus_to_move_itself_into_the_delegated_engine(host: SystemdContainer):
+    """Delegate=yes lets a process of the model's user ask systemd to move it
+    into the engine unit (and to its GPUs and limits); the gateway, the one
+    such process facing the network, sees the bus socket as nothing it may open."""
+    gateway = main_pid(host, "model@tiny.service")
+    seen = host.run(["nsenter", "-t", str(gateway), "-m", "--", "stat", "-L", "-c", "%a %F",
+                     "/run/dbus/system_bus_socket"]).stdout.split()
+    assert seen[0] == "0", seen  # InaccessiblePaths=: mode 000, whatever its type
+    assert host.run(["stat", "-c", "%F", "/run/dbus/system_bus_socket"]).stdout.strip() == "socket"
