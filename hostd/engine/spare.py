@@ -78,15 +78,24 @@ def preimport(cfg) -> None:
     # one: build it on the meta device (no memory) so the engine need not.
     checkpoint.build_skeleton(model_dir, checkpoint.resolve_dtype(model_dir, cfg.dtype), meta_buffers=True)
     AutoTokenizer.from_pretrained(cfg.model)  # its tokenizer's modules, the same way
-    if torch.cuda.is_initialized() or cuda_loaded():
+    if torch.cuda.is_initialized() or cuda_opened():
         raise RuntimeError("the spare initialised CUDA, which a forked process cannot use")
 
 
-def cuda_loaded() -> bool:
-    """Has this process loaded the CUDA driver (libcuda)? torch loads it at
-    CUDA's first use, transformers may through torch.cuda.is_available():
-    either would leave a forked engine without a usable GPU."""
-    return "libcuda.so" in Path("/proc/self/maps").read_text()
+def cuda_opened() -> bool:
+    """Has this process opened a GPU (a descriptor on /dev/nvidia*)? CUDA's
+    driver does at its initialisation (torch's first CUDA call, or
+    torch.cuda.is_available(), which transformers may call), and a forked
+    engine could not use what it inherits. libcuda merely mapped is no sign:
+    on the H200 `import torch` maps it and forked engines run (2026-12-04)."""
+    fds = Path("/proc/self/fd")
+    for fd in fds.iterdir():
+        try:
+            if os.readlink(fd).startswith("/dev/nvidia"):
+                return True
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+    return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,8 +153,8 @@ def serve_request(conn: socket.socket, listener: socket.socket, name: str, stamp
     if not (isinstance(request, dict) and isinstance(request.get("argv"), list)
             and all(isinstance(a, str) for a in request["argv"]) and isinstance(request.get("started"), (int, float))):
         raise ValueError("refused a request that is not {argv: [strings], started: seconds}")
-    if cuda_loaded():  # never: preimport() checked; a fork of it would fail at its first CUDA call
-        raise ValueError("the spare has loaded the CUDA driver; it cannot fork an engine")
+    if cuda_opened():  # never: preimport() checked; a fork of it would fail at its first CUDA call
+        raise ValueError("the spare has opened a GPU; it cannot fork an engine")
     first = os.fork()
     if first:
         os.waitpid(first, 0)
