@@ -49,13 +49,12 @@ import json
 import logging
 import os
 import socket
-import struct
 import sys
 import time
 from pathlib import Path
 
 import hostd
-from hostd import paths, systemd, units
+from hostd import paths, sockets, systemd, units
 
 log = logging.getLogger("hostd.engine")
 
@@ -93,7 +92,7 @@ def take(name: str) -> bool:
         return False
     with conn:
         try:
-            if peer_uid(conn) != os.getuid():
+            if sockets.peer_credentials(conn)[1] != os.getuid():
                 raise Refused(f"{path} is served by another uid")
             argv = sys.argv[1:]  # `hostd engine NAME ...` as systemd ran it, --config-dir included
             conn.sendall(json.dumps({"argv": argv, "started": hostd.STARTED}).encode() + b"\n")
@@ -204,11 +203,6 @@ def systemd1_call(interface: str, member: str, signature: str, body: list, faile
         return reply.body
 
     return asyncio.run(asyncio.wait_for(call(), HANDSHAKE_WAIT))
-
-
-def peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 def process_uid(pid: int) -> int:

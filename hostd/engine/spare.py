@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import hostd
-from hostd import logs, paths, systemd
+from hostd import logs, paths, sockets, systemd
 from hostd import config as hostd_config
 from hostd.engine import handoff
 
@@ -132,20 +132,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def listen(path: Path) -> socket.socket:
-    path.unlink(missing_ok=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        listener.bind(str(path))
-    finally:
-        os.umask(old)
-    listener.listen(4)
-    return listener
+    """PATH, 0600 in a private directory (hostd/sockets.py: a stale socket of
+    ours is replaced, a live one or anything else refused)."""
+    return sockets.bind_private(path, backlog=4)
 
 
 def serve_request(conn: socket.socket, listener: socket.socket, name: str, stamp: str) -> None:
     """One request on CONN: check its peer and shape, then fork the engine's process."""
-    uid = handoff.peer_uid(conn)
+    uid = sockets.peer_credentials(conn)[1]
     if uid != os.getuid():
         raise ValueError(f"refused a request from uid {uid}: only the model's user ({os.getuid()}) may ask")
     conn.settimeout(10)

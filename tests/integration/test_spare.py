@@ -80,7 +80,7 @@ def test_the_spare_refuses_garbage_oversized_lines_and_other_uids_then_forks_for
     open_dir = Path(tempfile.mkdtemp(prefix="hostd-spare-test-"))
     try:
         path = open_dir / "tiny" / paths.SPARE_SOCKET
-        path.parent.mkdir()
+        path.parent.mkdir(mode=0o700)  # the spare listens in a private directory only
         tree.write_config(tiny_checkpoint, fixed={"spare": True}, max_num_seqs=2)
         daemon = tree._spawn("engine-spare", "--socket", str(path))
         wait_for(lambda: tree._connectable(path), 120, "the spare", daemon.proc)
