@@ -171,8 +171,8 @@ class ModelTree:
 
         wait_for(up, timeout, f"engine /health on {path}")
         with self._http(path) as client:
-            pid = client.get("/health").json()["pid"]
-        if pid != daemon.proc.pid:
+            pid = client.get("/health").json().get("pid")  # the builtin engine's; an upstream supervisor has none
+        if pid is not None and pid != daemon.proc.pid:
             daemon.proc.wait(30)
             daemon.proc = ForkedProcess(pid)
         return daemon
