@@ -159,6 +159,12 @@ def boot_quickstart_host(workdir: Path) -> SystemdContainer:
     among them, from a wheel of the checkout), hostd.service started; stopped
     again if any of that fails. benchmarks/vllm_start.py boots the same."""
     env = require(VLLM_ENV)
+    if any(env.resolve().is_relative_to(hidden) for hidden in ("/tmp", "/var/tmp")):
+        # The units' PrivateTmp= gives them their own /tmp and /var/tmp: an
+        # environment there is "does not exist" to them (a run with
+        # HOSTD_UPSTREAM_ROOT=/var/tmp/... failed so, 2026-12-04).
+        raise AssertionError(f"{env} is under /tmp or /var/tmp, which the model's units do not see "
+                             "(PrivateTmp=): set HOSTD_UPSTREAM_ROOT elsewhere (default /var/cache/hostd-tests)")
     wheel = build_wheel(workdir / "wheel")
     pip_binds, pip_env = pip_inside()
     c = SystemdContainer(checkout=find_checkout(Path(__file__)), workdir=workdir / "nspawn",
