@@ -140,23 +140,38 @@ def check(forked: object) -> int:
 
 def make_main(pid: int, name: str) -> None:
     """Step 3: PID, a process of the spare's unit, into this unit's cgroup,
-    then this unit's main process."""
-    unit = units.engine(name)
+    then this unit's main process; one bus connection for it all."""
+    import asyncio
+
     if not systemd_cgroup(pid).endswith(f"/{units.spare(name)}"):
         raise Refused(f"process {pid} is not in {units.spare(name)} ({systemd_cgroup(pid) or 'no cgroup'})")
-    attach_to_unit(unit, pid)
-    if systemd_cgroup(pid) != systemd_cgroup("self"):
-        raise Refused(f"systemd did not move process {pid} into {unit} ({systemd_cgroup(pid) or 'no cgroup'})")
-    systemd.notify(f"MAINPID={pid}")
-    systemd.barrier()
-    # The barrier says systemd read MAINPID=, not that it took it (a refusal
-    # is a debug line of its own): ask. Refused, this process is the main one
-    # again (it says so too) before it starts on its own.
-    main = unit_main_pid(unit)
-    if main != pid:
-        systemd.notify(f"MAINPID={os.getpid()}")
+    asyncio.run(asyncio.wait_for(_make_main(pid, units.engine(name)), HANDSHAKE_WAIT))
+
+
+async def _make_main(pid: int, unit: str) -> None:
+    from dbus_fast import BusType
+    from dbus_fast.aio import MessageBus
+
+    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+    try:
+        await systemd1_call(bus, "org.freedesktop.systemd1.Manager", "AttachProcessesToUnit", "ssau",
+                            [unit, "", [pid]], f"systemd did not move process {pid} into {unit}")
+        if systemd_cgroup(pid) != systemd_cgroup("self"):
+            raise Refused(f"systemd did not move process {pid} into {unit} ({systemd_cgroup(pid) or 'no cgroup'})")
+        systemd.notify(f"MAINPID={pid}")
         systemd.barrier()
-        raise Refused(f"systemd did not take process {pid} as {unit}'s main process (MainPID {main})")
+        # The barrier says systemd read MAINPID=, not that it took it (a
+        # refusal is a debug line of its own): ask. Refused, this process is
+        # the main one again (it says so too) before it starts on its own.
+        [path] = await systemd1_call(bus, "org.freedesktop.systemd1.Manager", "GetUnit", "s", [unit], f"no unit {unit}")
+        [main] = await systemd1_call(bus, "org.freedesktop.DBus.Properties", "Get", "ss",
+                                     ["org.freedesktop.systemd1.Service", "MainPID"], f"no MainPID of {unit}", path)
+        if main.value != pid:
+            systemd.notify(f"MAINPID={os.getpid()}")
+            systemd.barrier()
+            raise Refused(f"systemd did not take process {pid} as {unit}'s main process (MainPID {main.value})")
+    finally:
+        bus.disconnect()
 
 
 def systemd_cgroup(pid: int | str) -> str:
@@ -171,38 +186,16 @@ def systemd_cgroup(pid: int | str) -> str:
     return ""
 
 
-def attach_to_unit(unit: str, pid: int) -> None:
-    systemd1_call("org.freedesktop.systemd1.Manager", "AttachProcessesToUnit", "ssau", [unit, "", [pid]],
-                  f"systemd did not move process {pid} into {unit}")
+async def systemd1_call(bus, interface: str, member: str, signature: str, body: list, failed: str,
+                        path: str = "/org/freedesktop/systemd1") -> list:
+    """One call to systemd's bus API on BUS; its reply's body, or Refused naming FAILED."""
+    from dbus_fast import Message, MessageType
 
-
-def unit_main_pid(unit: str) -> int:
-    [path] = systemd1_call("org.freedesktop.systemd1.Manager", "GetUnit", "s", [unit], f"no unit {unit}")
-    [value] = systemd1_call("org.freedesktop.DBus.Properties", "Get", "ss",
-                            ["org.freedesktop.systemd1.Service", "MainPID"], f"no MainPID of {unit}", path)
-    return int(value.value)
-
-
-def systemd1_call(interface: str, member: str, signature: str, body: list, failed: str,
-                  path: str = "/org/freedesktop/systemd1") -> list:
-    """One call to systemd's bus API; its reply's body, or Refused naming FAILED."""
-    import asyncio
-
-    from dbus_fast import BusType, Message, MessageType
-    from dbus_fast.aio import MessageBus
-
-    async def call() -> list:
-        bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
-        try:
-            reply = await bus.call(Message(destination="org.freedesktop.systemd1", path=path, interface=interface,
-                                           member=member, signature=signature, body=body))
-        finally:
-            bus.disconnect()
-        if reply.message_type == MessageType.ERROR:
-            raise Refused(f"{failed}: {reply.error_name}: {reply.body[0] if reply.body else ''}")
-        return reply.body
-
-    return asyncio.run(asyncio.wait_for(call(), HANDSHAKE_WAIT))
+    reply = await bus.call(Message(destination="org.freedesktop.systemd1", path=path, interface=interface,
+                                   member=member, signature=signature, body=body))
+    if reply.message_type == MessageType.ERROR:
+        raise Refused(f"{failed}: {reply.error_name}: {reply.body[0] if reply.body else ''}")
+    return reply.body
 
 
 def process_uid(pid: int) -> int:
