@@ -139,7 +139,9 @@ class GatewayConfig(_Strict):
              "A request is admitted only once its body has arrived.", gt=0, le=3600),
     ] = 30.0
     max_body_bytes: Annotated[
-        int, _doc("Largest request body accepted; larger ones get 413.", ge=1024, le=1 << 34)
+        int, _doc("Largest request body accepted; larger ones get 413. The builtin engine reports its own "
+                  "cap (what a request that fits in its max_model_len can take to write, from its tokenizer's "
+                  "longest token) on /health; the gateway takes the smaller.", ge=1024, le=1 << 34)
     ] = 32 << 20
     body_bytes_in_flight: Annotated[
         int,

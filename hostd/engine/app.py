@@ -61,7 +61,6 @@ from hostd.engine.openai_api import (
 from hostd.engine.prepare import Preparer
 from hostd.engine.standby_kv import StandbyKV, join_and_drop
 
-CLIENT_MAX_SIZE = 64 * 1024 * 1024  # request bodies: long contexts need more than aiohttp's 1 MiB
 STATUS_CLIENT_CLOSED = "499"  # requests_total status for a client that left before the end (nginx's code)
 
 _log = logging.getLogger("hostd.engine")
@@ -173,7 +172,8 @@ class Engine:
         status = "shutting_down" if self.draining else "ok"
         health = EngineHealth(
             status=status, model=self.served_name, pid=os.getpid(), max_num_seqs=self.limits.max_num_seqs,
-            max_model_len=self.limits.max_model_len, batching=self.limits.batching, running=running,
+            max_model_len=self.limits.max_model_len, max_body_bytes=self.prepare.max_body_bytes,
+            batching=self.limits.batching, running=running,
             waiting=waiting, running_max=s.running_max, tokens_per_s=round(s.tokens_per_second(), 2),
         )
         try:
@@ -291,7 +291,7 @@ async def _read_and_tokenize(request: web.Request, kind: type) -> tuple[Engine, 
     """The request's body and its prompt as token ids: the cheap checks on the
     loop first, then tokenizing (and a chat's template) on a preparation lane."""
     engine = request.app[ENGINE]
-    body = await read_request(request, kind, engine.log)
+    body = await read_request(request, kind, engine.prepare.max_body_bytes, engine.log)
     engine.prepare.check_model(body.model)
     engine.prepare.check_stop(body.stop)
     if kind is ChatRequest:
@@ -489,7 +489,9 @@ def build_app(
     if limits.batching == "continuous" and limits.kv_cache_bytes_idle is not None:
         engine.standby_kv = StandbyKV(engine, functools.partial(make_runner, model, tokenizer, limits),
                                       full_bytes=full_kv_bytes(model, limits), log=log)
-    app = web.Application(middlewares=[_admission, _errors], client_max_size=CLIENT_MAX_SIZE)
+    # Bodies: at most what a request of this model can take (prepare.max_body_bytes;
+    # aiohttp refuses a body longer than client_max_size while reading it).
+    app = web.Application(middlewares=[_admission, _errors], client_max_size=engine.prepare.max_body_bytes)
     app[ENGINE] = engine
     app.router.add_post(COMPLETIONS, _completions)
     app.router.add_post(CHAT_COMPLETIONS, _chat_completions)

@@ -46,6 +46,7 @@ class EngineHealth(msgspec.Struct, kw_only=True):
     memory: Union[dict[str, int], UnsetType] = UNSET  # hostd/memory.py snapshot(): the CPU overlap preflight
     bridge: Union[str, UnsetType] = UNSET  # upstream: what the next slot's bridge runs with ("" otherwise)
     kv_cache_bytes: Union[int, None, UnsetType] = UNSET  # the KV cache it holds: a second engine's need
+    max_body_bytes: Union[int, UnsetType] = UNSET  # the largest request body it reads: the gateway's cap follows
 
     # --- the builtin engine's own facts (engine/app.py, engine/main.py)
     model: Union[str, UnsetType] = UNSET  # its served name

@@ -236,10 +236,25 @@ def decode_request(body: bytes, kind: type) -> Any:
     return request
 
 
-async def read_request(request: web.Request, kind: type, log=None) -> Any:
-    """The request's body as KIND; a refusal is one line in LOG (the journal)."""
+def body_too_large(size: int | str, limit: int) -> OpenAIError:
+    return OpenAIError(
+        413, f"the request body is {size} bytes; this engine takes at most {limit} (what a request that fits "
+        "in its max_model_len can take to write): shorten the prompt or messages",
+        code="body_too_large", headers={"Connection": "close"})
+
+
+async def read_request(request: web.Request, kind: type, limit: int, log=None) -> Any:
+    """The request's body as KIND, refused by its length when over LIMIT
+    bytes (413, unread); a refusal is one line in LOG (the journal)."""
     try:
-        return decode_request(await request.read(), kind)
+        length = request.content_length
+        if length is not None and length > limit:
+            raise body_too_large(length, limit)
+        try:
+            body = await request.read()  # the application's client_max_size is LIMIT: a chunked body stops there
+        except web.HTTPRequestEntityTooLarge:
+            raise body_too_large(f"more than {limit}", limit) from None
+        return decode_request(body, kind)
     except OpenAIError as error:
         if log is not None:
             log.info("%s: refused a request body: %.300s", request.path, error.message)

@@ -42,6 +42,20 @@ from hostd.engine.openai_api import (
 # max_model_len times the longest token, seconds of work) cannot stall them.
 SHORT_PREPARE_CHARS = 8192
 
+# The largest request body this engine reads (issue 52): what a request that
+# can fit in max_model_len takes to write. Every character the checks below
+# count (at most max_prompt_chars) is at most 12 bytes of JSON (one beyond
+# U+FFFF, escaped as a surrogate pair: \ud83d\ude00); each token's worth of
+# structure around it (a message object, a content part, a token id with its
+# comma, indentation) at most BODY_BYTES_PER_TOKEN; the other fields
+# (sampling, stop strings, the model's name) at most BODY_FIELDS_BYTES. A
+# body over that holds more than the model can take, and is refused by its
+# length before it is read. Without a vocabulary to measure: BODY_CEILING.
+JSON_BYTES_PER_CHAR = 12
+BODY_BYTES_PER_TOKEN = 128
+BODY_FIELDS_BYTES = 1 << 20
+BODY_CEILING = 64 << 20
+
 
 def longest_token_chars(tokenizer) -> int | None:
     """The most characters one token of TOKENIZER stands for: the longest
@@ -54,6 +68,14 @@ def longest_token_chars(tokenizer) -> int | None:
         return None
     return max((len(token) for token in vocab), default=None) or None
 
+
+def max_body_bytes(max_prompt_chars: int | None, max_model_len: int) -> int:
+    """The largest body a request that fits in MAX_MODEL_LEN tokens takes to
+    write (the comment above BODY_CEILING); BODY_CEILING at most."""
+    if max_prompt_chars is None:
+        return BODY_CEILING
+    need = max_prompt_chars * JSON_BYTES_PER_CHAR + max_model_len * BODY_BYTES_PER_TOKEN + BODY_FIELDS_BYTES
+    return min(need, BODY_CEILING)
 
 
 class _PrepareLane:
@@ -79,7 +101,7 @@ class Preparer:
         self._long_lane = _PrepareLane(tokenizer, "hostd-prepare-long")
         self.longest_token = longest_token_chars(tokenizer)
         self.max_prompt_chars = None if self.longest_token is None else max_model_len * self.longest_token
-
+        self.max_body_bytes = max_body_bytes(self.max_prompt_chars, max_model_len)
 
     async def prepared(self, chars: int, prepare: Callable[..., list[int]], *args) -> list[int]:
         """PREPARE(tokenizer, *ARGS) on the lane for a text of CHARS characters, with that lane's tokenizer."""

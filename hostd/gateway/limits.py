@@ -450,6 +450,30 @@ class Body:
         self.data = bytearray()
 
 
+class EngineBodyCaps:
+    """The largest body the gateway reads for each engine slot: the
+    configured gateway.max_body_bytes, or the engine's own smaller cap (the
+    builtin engine's max_body_bytes on /health: what a request of its model
+    can take to write), since a larger body could only be refused there,
+    after the gateway had taken all of it. An engine that did not answer, or
+    sent none, leaves the configured one."""
+
+    def __init__(self, configured: int) -> None:
+        self.configured = configured
+        self.engines: dict[str, int] = {}
+
+    def heard(self, slot: str, health) -> None:
+        """SLOT's engine answered /health with HEALTH (an EngineHealth), or not (None)."""
+        cap = getattr(health, "max_body_bytes", None)
+        if isinstance(cap, int) and cap > 0:
+            self.engines[slot] = cap
+        else:
+            self.engines.pop(slot, None)
+
+    def of(self, slot: str) -> int:
+        return min(self.configured, self.engines.get(slot, self.configured))
+
+
 async def read_body(request: web.Request, budget: BodyBudget, max_bytes: int, timeout: float,
                     connections: Optional[Connections] = None) -> Body:
     """REQUEST's whole body within TIMEOUT, holding budget (its client's

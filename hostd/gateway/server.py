@@ -20,7 +20,9 @@ metrics.py.
   `Authorization: Bearer KEY` (401 otherwise); the key stops here. Root
   replaces the keys through the control socket (`systemctl reload`: keys.py).
 - A request's body is read first, within gateway.body_timeout (408) and the
-  size, in-flight and per-client byte caps (413, 503), never inflated (a
+  size (gateway.max_body_bytes, or the serving engine's smaller
+  max_body_bytes from its /health), in-flight and per-client byte caps
+  (413, 503), never inflated (a
   Content-Encoding is 415); only then is it admitted. Admitted
   only while the engine serves; otherwise 503 with Retry-After and an
   OpenAI-format error (or, with `gateway.admission: queue`, a wait of up to
@@ -150,6 +152,7 @@ class Gateway:
         g = cfg.gateway
         # One client may always send one body of the largest size.
         self.budget = limits.BodyBudget(g.body_bytes_in_flight, max(g.body_bytes_per_client, g.max_body_bytes))
+        self.body_caps = limits.EngineBodyCaps(g.max_body_bytes)  # and each engine's own, from its /health
         self.connections: Optional[limits.Connections] = None
         self.metrics = gateway_metrics(self)
         self._last_status = ""
@@ -243,15 +246,8 @@ class Gateway:
     async def engine_health(self) -> Optional[EngineHealth]:
         """The serving engine's /health (its engine_config, weights and
         upstream_version: hostd_limit, hostd_weights_retained and
-        hostd_build_info), decoded under engine/health.py's cap; None when it
-        does not answer with one."""
-        try:
-            async with self.sessions[self.slots.current].get(
-                    "http://engine/health", timeout=aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT)) as r:
-                body = await r.content.read(engine_health.MAX_BYTES + 1)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return None
-        return engine_health.parse(body)
+        hostd_build_info); None when it does not answer with one."""
+        return (await read_health(self.sessions[self.slots.current], ENGINE_METRICS_TIMEOUT))[1]
 
     async def engine_metrics(self) -> str:
         """The engine's own families (backend.metrics_prefixes), '' when it does not answer."""
@@ -288,7 +284,8 @@ class Gateway:
             response.force_close()  # the body is not read
             return response
         try:
-            body = await limits.read_body(request, self.budget, g.max_body_bytes, g.body_timeout, self.connections)
+            body = await limits.read_body(request, self.budget, self.body_caps.of(self.slots.current), g.body_timeout,
+                                          self.connections)
         except limits.BodyRefused as exc:
             response = self.refuse(exc.status, "invalid_request_error", exc.code, str(exc),
                                    {"Retry-After": "1"} if exc.status == 503 else None)
@@ -400,12 +397,12 @@ class Gateway:
     # ------------------------------------------------------------ monitor
 
     async def engine_ok(self, slot: Optional[str] = None) -> bool:
-        session = self.sessions[slot or self.slots.current]
-        try:
-            async with session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+        """Does SLOT's engine (the current one's by default) answer /health
+        with 200? Its answer's max_body_bytes becomes that slot's body cap."""
+        slot = slot or self.slots.current
+        ok, health = await read_health(self.sessions[slot], 5)
+        self.body_caps.heard(slot, health if ok else None)
+        return ok
 
     async def monitor(self) -> None:
         while True:
@@ -427,6 +424,16 @@ class Gateway:
         if text != self._last_status:
             self._last_status = text
             systemd.status(text)
+
+
+async def read_health(session: aiohttp.ClientSession, timeout: float) -> tuple[bool, Optional[EngineHealth]]:
+    """An engine's GET /health through SESSION: whether it answered 200, and
+    its answer decoded under engine/health.py's cap (None: no answer, or not one)."""
+    try:
+        async with session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status == 200, engine_health.parse(await r.content.read(engine_health.MAX_BYTES + 1))
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False, None
 
 
 def listener_from_config(listen: str) -> socket.socket:

@@ -299,7 +299,11 @@ def test_prompt_and_max_tokens_beyond_max_model_len_is_context_length_exceeded(e
 
 def test_work_is_bounded_before_it_is_done_prompts_too_long_to_fit_and_stop_strings(engine: Engine):
     client = engine.openai()
-    huge = "hello " * 800_000  # 4.8 MB: no tokenization of it fits in 256 tokens
+    with engine.http() as http:
+        cap = http.get("/health").json()["max_body_bytes"]
+    # Half the engine's body cap (a refusal by size is the next test's), and
+    # many times what any tokenization of 256 tokens can hold.
+    huge = "hello " * (cap // 12)
     with pytest.raises(openai.BadRequestError) as prompt:
         client.completions.create(model=MODEL, prompt=huge, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as chat:
@@ -410,7 +414,7 @@ def test_hostile_bodies_are_refused_while_decoding_naming_the_field_and_echoing_
     one are refused with 400 (the refused field by name, its type and size,
     never its value: a 32 MiB logit_bias came back whole); a body nested too
     deeply is a 400 and one journal line, not a 500 and a traceback."""
-    lists = b"[" + b"[]," * 1_000_000 + b"[]]"
+    lists = b"[" + b"[]," * 200_000 + b"[]]"  # 600 KB: under this model's body cap (the next test's)
     chat = b'{"model": "%s", "max_tokens": 2, ' % MODEL.encode()
     bodies = {
         "messages": chat + b'"messages": ' + lists + b"}",
@@ -432,6 +436,37 @@ def test_hostile_bodies_are_refused_while_decoding_naming_the_field_and_echoing_
     assert answers["deep"].status_code == 400 and "nested too deeply" in answers["deep"].json()["error"]["message"]
     log = engine.log()
     assert "refused a request body: the request body is nested too deeply" in log and "Traceback" not in log
+
+
+def test_a_body_larger_than_a_request_of_this_model_can_take_is_refused_by_its_length_unread(engine: Engine,
+                                                                                            tokenizer):
+    """Issue 52: the engine's body cap follows from the model. The longest
+    prompt its character bound lets through (max_model_len times the longest
+    token), every character written as an escaped surrogate pair (12 bytes),
+    fits under it, and is answered for what it is (too many tokens); a body one
+    byte over it is 413 by its Content-Length, and a chunked one over it 413
+    too, both naming the cap."""
+    with engine.http() as http:
+        cap = http.get("/health").json()["max_body_bytes"]
+        longest = max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
+        prompt = "\U0001F600" * (256 * longest)
+        widest = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()  # ensure_ascii
+        assert len(widest) >= 12 * 256 * longest and len(widest) <= cap < 32 << 20
+        fits = http.post("/v1/completions", content=widest, headers={"Content-Type": "application/json"})
+        padded = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % MODEL.encode()
+        over = padded + b" " * (cap + 1 - len(padded))
+        too_large = http.post("/v1/completions", content=over, headers={"Content-Type": "application/json"})
+        chunked = http.post("/v1/completions", content=iter([over[:cap // 2], over[cap // 2:]]),
+                            headers={"Content-Type": "application/json"})
+        after = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+
+    assert fits.status_code == 400 and fits.json()["error"]["code"] == "context_length_exceeded", fits.text[:300]
+    for refused, size in ((too_large, str(cap + 1)), (chunked, f"more than {cap}")):
+        assert refused.status_code == 413, refused.text[:300]
+        error = refused.json()["error"]
+        assert error["code"] == "body_too_large" and f"is {size} bytes; this engine takes at most {cap}" in error["message"]
+    assert after.status_code == 200, after.text
+    assert "refused a request body: the request body is" in engine.log()
 
 
 def test_models_health_and_a_private_socket(engine: Engine):

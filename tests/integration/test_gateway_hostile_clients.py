@@ -290,26 +290,43 @@ def test_a_huge_role_or_a_million_empty_messages_are_refused_unread_and_another_
     # Through the gateway to the builtin engine, no key. A 30 MiB role used to
     # reach the template uncounted (minutes of one preparation thread, everyone
     # waiting behind it), and 1M messages {"role": "u"} counted as no content.
+    # Issue 52: both are larger than any request this model can take, so the
+    # gateway refuses them by their length, with the engine's own cap (its
+    # /health's max_body_bytes), before a byte of them is read; under that cap
+    # the engine's decoding still caps a role and the count of messages.
     port = free_port()
     tree = ModelTree(tmp_path)
     tree.write_config(tiny_checkpoint, fixed={"listen": f"127.0.0.1:{port}"}, max_num_seqs=2)
     try:
         tree.start_serving(port)
         url = tree.base_url + "/v1/chat/completions"
+        cap = tree.health()["max_body_bytes"]
         role = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u" * (30 * MiB)}]})
         many = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u"}] * 1_000_000})
+        long_role = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u" * (cap // 2)}]})
+        some = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "u"}] * 2049})
+        answers = {}
         with httpx.Client(timeout=120) as attacker:
-            huge_role = attacker.post(url, content=role, headers={"Content-Type": "application/json"})
-            many_messages = attacker.post(url, content=many, headers={"Content-Type": "application/json"})
+            for name, body in (("role", role), ("many", many), ("long_role", long_role), ("some", some)):
+                answers[name] = attacker.post(url, content=body, headers={"Content-Type": "application/json"})
         with client(LEGIT) as http:
             small = http.post(url, json={"model": "tiny", "max_tokens": 2,
                                          "messages": [{"role": "user", "content": "hi"}]})
 
-        assert huge_role.status_code == 400, huge_role.text[:300]
-        assert huge_role.json()["error"]["param"] == "messages"
-        assert "messages[0].role" in huge_role.json()["error"]["message"]
-        assert many_messages.status_code == 400, many_messages.text[:300]
-        assert "length <= 2048" in many_messages.json()["error"]["message"]
+        assert cap < 30 * MiB  # and the gateway's own max_body_bytes is the default 32 MiB
+        for name in ("role", "many"):
+            refused = answers[name]
+            assert refused.status_code == 413, refused.text[:300]
+            assert refused.json()["error"]["code"] == "body_too_large"
+            assert f"at most {cap} are accepted" in refused.json()["error"]["message"]
+        engine_log = next(d for d in tree.daemons if d.proc.args[3] == "engine").log()
+        refusals = [line for line in engine_log.splitlines() if "refused a request body" in line]
+        assert len(refusals) == 2, refusals  # long_role's and some's: the engine never saw the two larger ones
+        assert answers["long_role"].status_code == 400, answers["long_role"].text[:300]
+        assert answers["long_role"].json()["error"]["param"] == "messages"
+        assert "messages[0].role" in answers["long_role"].json()["error"]["message"]
+        assert answers["some"].status_code == 400, answers["some"].text[:300]
+        assert "length <= 2048" in answers["some"].json()["error"]["message"]
         assert small.status_code == 200, small.text
         assert tree.control("status")["state"] == "serving"
     finally:
