@@ -12,13 +12,18 @@ descriptor (no stat-then-open race with a rename), a regular file of at
 most MAX_BYTES, and read at most that. A final symlink is followed:
 Hugging Face's cache lays a checkpoint out as symlinks into its blobs, and
 whatever the link names must pass the same checks; the content is parsed,
-never echoed.
+never echoed. Within shared_reads (one reload: its check of `model=`, the
+backends' refusals, the budget, the strategy's steps) a checkpoint's
+config.json is read once, and every later use gets that read.
 
 Trusts nothing of the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import json
 from pathlib import Path
 
@@ -52,9 +57,39 @@ def read_text(checkpoint) -> str:
         raise ConfigFileError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+_shared: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hostd_config_json_reads", default=None)
+
+
+@contextlib.contextmanager
+def shared_reads(reads: dict):
+    """Within: read() of a checkpoint whose config.json READS holds gives
+    that first read (a copy), or raises its first error, and a new one is
+    kept there; tasks and threads started within inherit it (contextvars)."""
+    token = _shared.set(reads)
+    try:
+        yield
+    finally:
+        _shared.reset(token)
+
+
 def read(checkpoint) -> dict:
     """CHECKPOINT/config.json as a JSON object; ConfigFileError naming the
-    file otherwise."""
+    file otherwise. Read once within shared_reads."""
+    reads = _shared.get()
+    if reads is None:
+        return _read(checkpoint)
+    key = str(path_of(checkpoint))
+    if key not in reads:
+        try:
+            reads[key] = _read(checkpoint)
+        except ConfigFileError as exc:
+            reads[key] = exc
+    if isinstance(reads[key], ConfigFileError):
+        raise ConfigFileError(str(reads[key]))
+    return copy.deepcopy(reads[key])
+
+
+def _read(checkpoint) -> dict:
     path = path_of(checkpoint)
     try:
         config = json.loads(read_text(checkpoint))

@@ -52,6 +52,7 @@ import msgspec
 
 from hostd import backends, units
 from hostd import config as hostd_config
+from hostd.checkpoints import config_file
 from hostd.config import schema
 from hostd.config.atomic import write_atomic
 from hostd.engine.health import EngineHealth
@@ -124,6 +125,7 @@ class Reload:
         self.rebuilt: Optional[EngineHealth] = None  # the main engine's /health as its rebuild in place answered
         self.strategy_reason = ""
         self.change = Change()  # the limits, or a checkpoint swap (change.py): validate's answer
+        self.config_reads: dict = {}  # each checkpoint's config.json, read once (checkpoints/config_file.py)
 
     # ------------------------------------------------------------ stages
 
@@ -273,16 +275,18 @@ class Reload:
 
     async def check(self) -> None:
         """Validate and preflight: raises errors.Refused, having touched nothing."""
-        await self.validate()
-        if self.unchanged:
-            return
-        if not self.dry_run:  # a dry run's Operation is nobody's: no stage to show
-            self.op.enter(Stage.PREFLIGHT)
-        await self.preflight()
+        with config_file.shared_reads(self.config_reads):
+            await self.validate()
+            if self.unchanged:
+                return
+            if not self.dry_run:  # a dry run's Operation is nobody's: no stage to show
+                self.op.enter(Stage.PREFLIGHT)
+            await self.preflight()
 
     async def run(self) -> None:
         try:
-            await self._apply()
+            with config_file.shared_reads(self.config_reads):
+                await self._apply()
         except Exception as exc:  # a bug or an unexpected error: never leave it running
             log.exception("reload %d of %s: unexpected error", self.op.id, self.op.model)
             if self.op.state == State.RUNNING:

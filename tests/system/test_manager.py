@@ -301,6 +301,43 @@ def test_a_reload_the_engine_cannot_start_with_rolls_back(served):
     wait_for(lambda: status_code(host) == 200, timeout=60, what="serving")
 
 
+FORGE = """
+pid=$(pgrep -n -f '[h]ostd[.]hostctl reload tiny max_model_len') || exit 3  # [h]: not this script's own shell
+name=$(busctl list --no-legend --unique | awk -v p="$pid" '$2 == p {print $1; exit}')
+[ -n "$name" ] || exit 4
+as_nobody="setpriv --reuid=65534 --regid=65534 --clear-groups"
+$as_nobody busctl emit --destination="$name" /org/hostd1 org.hostd1.Manager OperationFinished uoss "$1" "$2" tiny done
+$as_nobody busctl emit --destination="$name" "$2" org.freedesktop.DBus.Properties PropertiesChanged \
+    'sa{sv}as' org.hostd1.Operation 2 State s done Stage s done 0
+"""
+
+
+def test_a_forged_end_from_another_user_does_not_end_hostctl_reload(served_restart):
+    """Issue 52, S2 (acceptance 3), on the system bus with hostd's policy: while
+    `hostctl reload` waits for a reload that will roll back, uid 65534 sends
+    it `OperationFinished ... done` and the operation's `PropertiesChanged
+    State=done`, addressed to its unique name (the bus delivers such a
+    signal whatever the match rules say). hostctl still reports the rollback
+    and exits 1: it follows only the owner of org.hostd1."""
+    host = served_restart
+    rows = json.loads(busctl(host, "--json=short", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager",
+                             "ListOperations").stdout)["data"][0]
+    op_id = max((row[0] for row in rows), default=0) + 1
+    path = f"/org/hostd1/operation/{op_id}"
+    forged = 0
+    with ThreadPoolExecutor(1) as pool:
+        reload = pool.submit(hostctl, host, "reload", "tiny", "max_model_len=99999")
+        while not reload.done():
+            sent = host.run(["sh", "-c", FORGE, "forge", str(op_id), path], check=False)
+            assert sent.returncode in (0, 3, 4), sent.stderr  # 3, 4: hostctl not started or not on the bus yet
+            forged += sent.returncode == 0
+        result = reload.result()
+    assert forged >= 1, "no forged signal was sent while hostctl waited"
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert last_operation(host) == path and op_property(host, path, "State") == "rolled-back"
+    wait_for(lambda: status_code(host) == 200, timeout=60, what="old config serving")
+
+
 @pytest.mark.parametrize(
     "patch_args, error",
     [
@@ -375,6 +412,73 @@ def test_second_reload_is_busy_and_non_admin_is_denied(served):
     listed = host.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                        "busctl", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "ListModels"])
     assert '"tiny"' in listed.stdout
+
+
+HOSTILE = "/srv/hostile"  # a checkpoint directory any user could have made
+
+
+def test_a_checkpoint_config_json_that_is_a_fifo_a_sparse_file_or_renamed_mid_read_never_holds_the_manager(
+        served_restart):
+    """Issue 52, S1 (acceptance 2), on the real manager: a drop-in names a
+    checkpoint whose config.json is a FIFO with no writer, then a sparse
+    400 MiB file, then a FIFO and a regular file renamed over each other while
+    the checks run. `hostctl reload --check` as nobody (the review's door)
+    and CheckReload of a swap as root are answered, each naming config.json;
+    `hostctl list` answers between them; the manager keeps its PID, was
+    not restarted and stays under its MemoryMax=. The seconds are printed,
+    not asserted (they are the benchmark's business)."""
+    host = served_restart
+    pid = main_pid(host, "hostd.service")
+    host.sh(f"rm -rf {HOSTILE} && cp -r /var/lib/hostd/checkpoints/tiny {HOSTILE} && rm {HOSTILE}/config.json"
+            f" && mkfifo {HOSTILE}/config.json && chmod -R a+rX {HOSTILE}")
+    host.write_file(f"{DROPINS}/50-hostile.yaml", f"model: {HOSTILE}\n")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    swap_check = ["busctl", "--timeout=60", "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager",
+                  "CheckReload", "sa{sv}", "tiny", "1", "model", "s", HOSTILE]
+    timings = {}
+
+    def answered(name: str, args: list[str]) -> str:
+        started = time.monotonic()
+        result = host.run(args, check=False, timeout=60)  # a manager held by the file would time this out
+        timings[name] = round(time.monotonic() - started, 2)
+        assert "Timeout" not in result.stderr and "timed out" not in result.stderr, result.stderr
+        return result.stdout + result.stderr
+
+    def listed() -> None:
+        assert '"tiny"' in answered(f"list {len(timings)}", ["busctl", "--timeout=60", "call", "org.hostd1",
+                                                              "/org/hostd1", "org.hostd1.Manager", "ListModels"])
+
+    try:
+        fifo = answered("fifo: hostctl reload --check as nobody",
+                        nobody + [host.python, "-m", "hostd.hostctl", "reload", "tiny", "max_num_seqs=3", "--check"])
+        assert "config.json" in fifo, fifo
+        assert "config.json" in answered("fifo: CheckReload model= as root", swap_check)
+        listed()
+
+        host.sh(f"rm {HOSTILE}/config.json && truncate -s 400M {HOSTILE}/config.json")
+        answered("sparse: hostctl reload --check as nobody",  # refused or not, answered
+                 nobody + [host.python, "-m", "hostd.hostctl", "reload", "tiny", "max_num_seqs=3", "--check"])
+        sparse = answered("sparse: CheckReload model= as root", swap_check)
+        assert "config.json" in sparse and "larger than" in sparse, sparse
+        listed()
+
+        # A FIFO and a regular file renamed over config.json, over and over, while 20 checks run.
+        host.run(["sh", "-c", f"cd {HOSTILE} && (while :; do mkfifo f.tmp; mv f.tmp config.json; "
+                              "echo {} > r.tmp; mv r.tmp config.json; done) >/dev/null 2>&1 & echo $! > /run/racer"])
+        for i in range(20):
+            answered(f"racing {i}", swap_check)
+        listed()
+    finally:
+        host.sh("kill $(cat /run/racer) 2>/dev/null; rm -f /run/racer", check=False)
+        host.run(["rm", "-f", f"{DROPINS}/50-hostile.yaml"])
+        host.run(["rm", "-rf", HOSTILE])
+    print("seconds per call:", json.dumps(timings))
+    shown = host.systemctl("show", "-p", "MainPID", "-p", "NRestarts", "-p", "MemoryCurrent", "-p", "MemoryMax",
+                           "hostd.service").stdout
+    facts = dict(line.split("=", 1) for line in shown.split())
+    assert int(facts["MainPID"]) == pid and facts["NRestarts"] == "0", facts
+    assert int(facts["MemoryCurrent"]) < int(facts["MemoryMax"]), facts
+    assert model_state(host) == "serving"
 
 
 def test_manager_killed_mid_reload_ends_consistent_and_serving(served):

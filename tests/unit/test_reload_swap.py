@@ -147,6 +147,29 @@ def test_a_swap_on_the_fakes_loads_next_switches_restarts_the_pair_on_it_and_ret
     assert old != new
 
 
+def test_a_swap_reads_each_checkpoints_config_json_once_from_its_check_to_its_end(tmp_path, monkeypatch):
+    """Issue 52, S1: the check of `model=` and every later use (the backend's
+    refusals, the budget, the strategy's steps) share one read of the new
+    checkpoint's config.json, so a file changed or renamed in between cannot
+    make the check and the swap see two different checkpoints."""
+    import asyncio
+
+    from hostd.checkpoints import config_file
+    from hostd.manager import reload as R
+
+    world, new, old = swap_world(tmp_path)
+    reads: list[str] = []
+    real = config_file._read
+    monkeypatch.setattr(config_file, "_read", lambda checkpoint: (reads.append(str(checkpoint)), real(checkpoint))[1])
+    op = asyncio.run(world.reload({"model": new}))
+    assert op.state == R.State.DONE, op.error
+    assert reads.count(new) == 1, reads
+    reads.clear()
+    asyncio.run(R.check_only(world.model(), {"model": old}))
+    assert reads.count(old) <= 1, reads
+    assert config_file._shared.get() is None  # nothing outlives the reload
+
+
 def test_a_main_pair_that_serves_another_checkpoint_than_the_new_ones_digest_rolls_back(tmp_path):
     """Swap.verify_main: the main engine must serve the weights of the
     content digest the new checkpoint's daemon reported; a main daemon that
