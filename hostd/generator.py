@@ -155,8 +155,12 @@ def unit_value(value: str) -> str:
 
 
 def credential_lines(cfg) -> list[str]:
-    """The gateway's API keys file, passed as the credential api-keys (hostd/gateway/keys.py)."""
-    return [f"LoadCredential=api-keys:{unit_value(cfg.gateway.api_keys)}"] if cfg.gateway.api_keys else []
+    """The gateway's keys files (the API keys, the metrics token), each passed
+    as its credential (hostd/gateway/keys.py: api-keys, metrics-token)."""
+    from hostd.gateway import keys  # no aiohttp there: the generator runs at boot
+
+    return [f"LoadCredential={of.credential}:{unit_value(of.configured(cfg.gateway))}"
+            for of in keys.KEYS_FILES if of.configured(cfg.gateway)]
 
 
 def metrics_listen_lines(cfg) -> list[str]:

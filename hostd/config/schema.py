@@ -168,18 +168,34 @@ class GatewayConfig(_Strict):
         _doc(
             "A second address on which the gateway serves only GET /metrics (the public /metrics' content), "
             "with no API key: '127.0.0.1:PORT', '[::1]:PORT' or an absolute Unix socket path (whose directory "
-            "must exist, writable by the model's user). Only loopback: it has no key check. Bound by the "
+            "must exist, writable by the model's user); with metrics_token set, any IP address of the host "
+            "('0.0.0.0:PORT', '[::]:PORT', '10.0.0.5:PORT'), for a fleet's central Prometheus. Bound by the "
             "gateway itself at its start; unset: none (the public /metrics, behind the keys, stays)."
+        ),
+    ] = None
+    metrics_token: Annotated[
+        Optional[str],
+        _doc(
+            "Absolute path of a file of bearer tokens (one per line, '#' comments) that every request to "
+            "metrics_listen must present as 'Authorization: Bearer TOKEN' (401 otherwise): what Prometheus's "
+            "`authorization: credentials_file` sends. It lets metrics_listen bind a non-loopback address. "
+            "The unit receives the file as the systemd credential metrics-token (LoadCredential=); "
+            "`systemctl reload model@NAME` gives a running gateway the file's new tokens."
         ),
     ] = None
 
     def __post_init__(self) -> None:
-        if self.api_keys is not None and not self.api_keys.startswith("/"):
-            raise ValueError(f"api_keys: {self.api_keys!r} is not an absolute path to a keys file")
-        # Both reach a unit file (LoadCredential=, ReadWritePaths=).
+        for key, value in (("api_keys", self.api_keys), ("metrics_token", self.metrics_token)):
+            if value is not None and not value.startswith("/"):
+                raise ValueError(f"{key}: {value!r} is not an absolute path to a keys file")
+        if self.metrics_token is not None and self.metrics_listen is None:
+            raise ValueError("metrics_token: guards metrics_listen, which is not set; set both or neither")
+        # All three reach a unit file (LoadCredential=, ReadWritePaths=).
         refuse_control_characters([(key, value) for key, value in (
-            ("api_keys", self.api_keys), ("metrics_listen", self.metrics_listen)) if value])
-        problem = metrics_listen_problem(self.metrics_listen) if self.metrics_listen is not None else None
+            ("api_keys", self.api_keys), ("metrics_token", self.metrics_token),
+            ("metrics_listen", self.metrics_listen)) if value])
+        problem = (metrics_listen_problem(self.metrics_listen, token=self.metrics_token is not None)
+                   if self.metrics_listen is not None else None)
         if problem:
             raise ValueError(f"metrics_listen: {problem}")
 

@@ -12,6 +12,7 @@ value whole (it may be a secret).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Optional
 
@@ -90,19 +91,36 @@ def listen_address_problem(listen: str) -> Optional[str]:
 LOOPBACK_HOSTS = ("127.0.0.1", "[::1]")
 
 
-def metrics_listen_problem(listen: str) -> Optional[str]:
+def metrics_listen_problem(listen: str, token: bool = False) -> Optional[str]:
     """Why LISTEN cannot be gateway.metrics_listen (a Unix socket path or a
-    loopback HOST:PORT), or None."""
+    loopback HOST:PORT; with a TOKEN file, HOST may be any IP address of the
+    host, 0.0.0.0 and [::] included), or None."""
     if listen.startswith("/"):
         if any(c.isspace() or c in "\"'\\" for c in listen):
             # The generator names its directory in ReadWritePaths=, a list split at spaces.
             return f"{listen!r}: a Unix socket path here may hold no space, quote or backslash"
         return listen_address_problem(listen)
     host, _, port = listen.rpartition(":")
-    choices = " or ".join(f"'{h}:PORT'" for h in LOOPBACK_HOSTS) + " or an absolute Unix socket path"
-    if host not in LOOPBACK_HOSTS:
-        return (f"{listen!r} is not a loopback address: the metrics listener has no API key check, so it "
-                f"listens only on {choices}; let a remote Prometheus scrape the public /metrics with a key")
+    if token:
+        choices = "'ADDRESS:PORT' (an IPv4 address, or an IPv6 one in brackets) or an absolute Unix socket path"
+        if not _ip_literal(host):
+            return f"{listen!r}: the host must be an IP address (a name resolves as /etc/hosts says); use {choices}"
+    else:
+        choices = " or ".join(f"'{h}:PORT'" for h in LOOPBACK_HOSTS) + " or an absolute Unix socket path"
+        if host not in LOOPBACK_HOSTS:
+            return (f"{listen!r} is not a loopback address: without gateway.metrics_token the metrics listener "
+                    f"checks no key, so it listens only on {choices}; set metrics_token (a file of bearer "
+                    "tokens, as Prometheus's authorization: credentials_file sends them) to bind another address")
     if listen_address_problem(listen):
         return f"{listen!r} has no port from 1 to 65535; use {choices}"
     return None
+
+
+def _ip_literal(host: str) -> bool:
+    """Is HOST an IPv4 address, or an IPv6 one in brackets?"""
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        address = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return False
+    return bracketed == (address.version == 6)

@@ -84,21 +84,28 @@ class Controller:
 
     def replace_keys(self, request: control.Keys) -> control.KeysReplaced:
         """Check the next requests against REQUEST's keys (root sent them:
-        control.py); admitted ones are not touched. Keys on or off, or
-        another file, change the unit (LoadCredential=): a restart."""
+        control.py) where its source is the keys file the gateway started
+        with: gateway.api_keys for the public port, gateway.metrics_token for
+        the metrics listener; admitted ones are not touched. Keys on or off,
+        or another file, change the unit (LoadCredential=): a restart."""
         gateway = self.gateway
-        configured = gateway.cfg.gateway.api_keys
         restart = f"systemctl restart model@{gateway.name}"
-        if gateway.api_keys is None or configured is None:
-            raise control.ControlError(f"this gateway was started without gateway.api_keys; keys on take `{restart}`")
-        if request.source != configured:
-            raise control.ControlError(f"this gateway was started with the keys file {configured}, not "
-                                       f"{request.source}; another keys file takes `{restart}`")
-        before = len(gateway.api_keys)
-        gateway.api_keys = keys.encoded(request.keys)
-        log.info("API keys replaced from %s: %d key(s), %d before; admitted requests run on", configured,
-                 len(gateway.api_keys), before)
-        return control.KeysReplaced(keys=len(gateway.api_keys))
+        attribute = {keys.API_KEYS: "api_keys", keys.METRICS_TOKEN: "metrics_token"}  # the Gateway's, for each file
+        replaced = [of for of in keys.KEYS_FILES if getattr(gateway, attribute[of]) is not None
+                    and of.configured(gateway.cfg.gateway) == request.source]
+        if not replaced:
+            started = [f"{of.configured(gateway.cfg.gateway)} (gateway.{of.key})" for of in keys.KEYS_FILES
+                       if getattr(gateway, attribute[of]) is not None]
+            raise control.ControlError(
+                f"this gateway was started with the keys files {', '.join(started)}, not {request.source}; "
+                f"another keys file, or keys on, take `{restart}`" if started else
+                f"this gateway was started without gateway.api_keys or gateway.metrics_token; keys on take `{restart}`")
+        for of in replaced:
+            before = len(getattr(gateway, attribute[of]))
+            setattr(gateway, attribute[of], keys.encoded(request.keys))
+            log.info("%s replaced from %s (gateway.%s): %d key(s), %d before; admitted requests run on", of.what,
+                     request.source, of.key, len(request.keys), before)
+        return control.KeysReplaced(keys=len(request.keys))
 
     async def switch(self, slot: str) -> control.GatewayStatus:
         """New requests go to SLOT's engine from now on (slots.py)."""

@@ -40,28 +40,47 @@ import argparse
 import hmac
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-CREDENTIAL = "api-keys"
 MAX_KEYS_BYTES = 24 << 10  # a keys file's size cap (~480 keys of 51 characters): one control request
 # (control.MAX_LINE, 64 KiB) carries its keys however short they are
+
+
+@dataclass(frozen=True)
+class KeysFile:
+    """A file of bearer tokens the gateway checks: its key in the model's
+    YAML (gateway.KEY) and the systemd credential that brings it to the unit."""
+
+    key: str
+    credential: str
+    what: str  # in the journal
+
+    def configured(self, gateway_config) -> Optional[str]:
+        return getattr(gateway_config, self.key)
+
+
+API_KEYS = KeysFile("api_keys", "api-keys", "API keys")  # the public port's
+METRICS_TOKEN = KeysFile("metrics_token", "metrics-token", "metrics tokens")  # gateway.metrics_listen's (metrics_listener.py)
+KEYS_FILES = (API_KEYS, METRICS_TOKEN)
+CREDENTIAL = API_KEYS.credential
 
 
 class KeysError(Exception):
     """The configured keys cannot be loaded; the message names the file."""
 
 
-def keys_path(configured: str) -> Path:
+def keys_path(configured: str, of: KeysFile = API_KEYS) -> Path:
     """Where this process reads the keys: systemd's credential when passed,
     else the configured file."""
     directory = os.environ.get("CREDENTIALS_DIRECTORY")
-    if directory and (Path(directory) / CREDENTIAL).exists():
-        return Path(directory) / CREDENTIAL
+    if directory and (Path(directory) / of.credential).exists():
+        return Path(directory) / of.credential
     return Path(configured)
 
 
-def read(path: Path) -> list[str]:
+def read(path: Path, of: KeysFile = API_KEYS) -> list[str]:
     """The keys in the keys file PATH, one per line ('#' comments and blank
     lines skipped); KeysError naming PATH when it cannot be read as a regular
     UTF-8 file of at most MAX_KEYS_BYTES or holds no key. Opened as the
@@ -72,17 +91,17 @@ def read(path: Path) -> list[str]:
     try:
         data = read_regular_file(path, str(path))
         if len(data) > MAX_KEYS_BYTES:
-            raise KeysError(f"gateway.api_keys: the keys file {path} is larger than {MAX_KEYS_BYTES} bytes")
+            raise KeysError(f"gateway.{of.key}: the keys file {path} is larger than {MAX_KEYS_BYTES} bytes")
         text = data.decode("utf-8")
     except OSError as exc:
-        raise KeysError(f"gateway.api_keys: cannot read the keys file {path}: {exc.strerror or exc}") from None
+        raise KeysError(f"gateway.{of.key}: cannot read the keys file {path}: {exc.strerror or exc}") from None
     except ConfigError as exc:
-        raise KeysError(f"gateway.api_keys: cannot use the keys file {path}: {exc.problems[0].message}") from None
+        raise KeysError(f"gateway.{of.key}: cannot use the keys file {path}: {exc.problems[0].message}") from None
     except UnicodeDecodeError:
-        raise KeysError(f"gateway.api_keys: the keys file {path} is not UTF-8 text") from None
+        raise KeysError(f"gateway.{of.key}: the keys file {path} is not UTF-8 text") from None
     keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not keys:
-        raise KeysError(f"gateway.api_keys: {path} holds no key (one key per line)")
+        raise KeysError(f"gateway.{of.key}: {path} holds no key (one key per line)")
     return keys
 
 
@@ -91,12 +110,12 @@ def encoded(keys: list[str]) -> list[bytes]:
     return [key.encode() for key in keys]
 
 
-def load(configured: Optional[str]) -> Optional[list[bytes]]:
+def load(configured: Optional[str], of: KeysFile = API_KEYS) -> Optional[list[bytes]]:
     """The keys (None when the model has no keys configured); KeysError when
     they are configured but cannot be used."""
     if not configured:
         return None
-    keys = encoded(read(keys_path(configured)))
+    keys = encoded(read(keys_path(configured, of), of))
     not_inspectable()
     return keys
 
@@ -133,10 +152,11 @@ def authorized(keys: list[bytes], header: Optional[str]) -> bool:
 
 
 def push(name: str, root: Optional[Path] = None) -> str:
-    """Hand model NAME's running gateway the keys now in the keys file its
-    config on disk names (as root: the keys file is root's and the verb is
-    too); what was done, as one line. KeysError when the file cannot be used
-    or the gateway refuses; the gateway then keeps its keys."""
+    """Hand model NAME's running gateway the keys now in each keys file its
+    config on disk names (gateway.api_keys, gateway.metrics_token; as root:
+    the files are root's and the verb is too); what was done, one line each.
+    KeysError when a file cannot be used or the gateway refuses; the gateway
+    then keeps that file's keys."""
     from hostd import config, paths
     from hostd.gateway import control
 
@@ -144,16 +164,18 @@ def push(name: str, root: Optional[Path] = None) -> str:
         cfg = config.load_model(name, config.config_root(root)).config
     except config.ConfigError as exc:
         raise KeysError(f"cannot find model {name}'s keys file: its config does not load: {exc}") from None
-    configured = cfg.gateway.api_keys
-    if not configured:
-        return f"model {name} has no gateway.api_keys: no keys to replace"
-    fresh = read(Path(configured))
-    socket_path = paths.control_socket(name)
-    try:
-        answer = control.call(socket_path, control.Keys(source=configured, keys=fresh))
-    except control.ControlError as exc:
-        raise KeysError(f"the gateway of model {name} kept its keys: {exc}") from None
-    return f"model {name}: the gateway serves with {answer.keys} key(s) from {configured}"
+    done = []
+    for of in KEYS_FILES:
+        configured = of.configured(cfg.gateway)
+        if not configured:
+            continue
+        fresh = read(Path(configured), of)
+        try:
+            answer = control.call(paths.control_socket(name), control.Keys(source=configured, keys=fresh))
+        except control.ControlError as exc:
+            raise KeysError(f"the gateway of model {name} kept its gateway.{of.key} keys: {exc}") from None
+        done.append(f"model {name}: the gateway serves with {answer.keys} key(s) from {configured}")
+    return "\n".join(done) or f"model {name} has no gateway.api_keys or gateway.metrics_token: no keys to replace"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

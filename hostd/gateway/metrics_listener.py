@@ -1,15 +1,20 @@
-"""The gateway's metrics listener (gateway.metrics_listen): GET /metrics with no key.
+"""The gateway's metrics listener (gateway.metrics_listen): GET /metrics, with no API key.
 
 One job: serve the public /metrics' content (Gateway.prometheus) on a second
 address so that Prometheus needs no client key; nothing else is served there
 (404 for every other path, 405 for another method on /metrics), so the key
 check of the public socket is not needed here and nothing can be proxied.
 
-Trusts: whoever can reach the address, and for that the config allows only
-loopback TCP or a Unix socket path (config/values.py, metrics_listen_problem):
-local users may read the metrics, as they may with `hostctl status`. Its
-connections are capped (MAX_CONNECTIONS) and timed as the public ones are, so
-a local user who opens many holds only this listener, never the public one.
+Trusts: whoever can reach the address when no token is set, and for that the
+config allows only loopback TCP or a Unix socket path (config/values.py,
+metrics_listen_problem): local users may read the metrics, as they may with
+`hostctl status`. With gateway.metrics_token (a fleet's central Prometheus,
+`authorization: credentials_file`) the address may be any of the host's, and
+every request must present one of that file's tokens as a bearer token (401
+otherwise, before its path is looked at), compared as the API keys are
+(keys.authorized). Its connections are capped (MAX_CONNECTIONS) and timed as
+the public ones are, so a client that opens many holds only this listener,
+never the public one.
 
 The gateway binds it itself at start (bind()), not systemd: model@NAME.socket
 would start the whole model on a scrape, and its addresses cannot change while
@@ -21,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
 
 from hostd import logs
-from hostd.gateway import limits
+from hostd.gateway import keys, limits
 
 MAX_CONNECTIONS = 16  # Prometheus holds one; a few more for people with curl
 
@@ -49,9 +54,10 @@ class MetricsListener:
     """The running listener: start() once, close() at the gateway's stop."""
 
     def __init__(self, model: str, prometheus: Callable[[], Awaitable[web.StreamResponse]],
-                 gateway_limits, log) -> None:
+                 token: Callable[[], Optional[list[bytes]]], gateway_limits, log) -> None:
         self.model = model
         self.prometheus = prometheus
+        self.token = token  # the gateway's metrics tokens now (a reload replaces them); None: no check
         self.limits = gateway_limits
         self.log = log
         self.runner: web.AppRunner | None = None
@@ -61,6 +67,12 @@ class MetricsListener:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.connections.started(request.transport)
         try:
+            token = self.token()
+            if token is not None and not keys.authorized(token, request.headers.get("Authorization")):
+                return web.json_response(limits.error_body(
+                    f"the metrics listener of model {self.model} needs a token (gateway.metrics_token): "
+                    "send 'Authorization: Bearer TOKEN'", "invalid_request_error", "invalid_api_key"),
+                    status=401, headers={"WWW-Authenticate": 'Bearer realm="hostd-metrics"'})
             if request.path != "/metrics":
                 return web.json_response(limits.error_body(
                     f"the metrics listener of model {self.model} serves only GET /metrics",
@@ -91,7 +103,8 @@ class MetricsListener:
             idle_timeout=g.idle_timeout, write_timeout=g.write_timeout, refusal=refusal)
         listener.setblocking(False)
         self.server = await asyncio.get_running_loop().create_server(self.connections, sock=listener)
-        self.log.info("metrics listener on %s (GET /metrics, no key)", listener.getsockname())
+        self.log.info("metrics listener on %s (GET /metrics, %s)", listener.getsockname(),
+                      "no key" if self.token() is None else "bearer token of gateway.metrics_token")
 
     async def close(self) -> None:
         if self.server is not None:

@@ -14,8 +14,9 @@ metrics.py.
   forwarded as normalized. Anything else is 404 (405 for a known path with
   another method) in OpenAI's error shape; the engine's internal endpoints
   are unreachable under any spelling.
-- gateway.metrics_listen: a second, loopback-only address serving GET
-  /metrics alone, with no key (metrics_listener.py).
+- gateway.metrics_listen: a second address serving GET /metrics alone
+  (metrics_listener.py): loopback with no key, or any address of the host
+  with gateway.metrics_token's bearer token.
 - With gateway.api_keys set, every request but GET /health needs
   `Authorization: Bearer KEY` (401 otherwise); the key stops here. Root
   replaces the keys through the control socket (`systemctl reload`: keys.py).
@@ -132,7 +133,7 @@ async def once_more_if_closed(send: Callable[[], Awaitable[web.StreamResponse]],
 
 class Gateway:
     def __init__(self, name: str, cfg, engine_sockets: dict[str, Path], control_socket: Path,
-                 api_keys: Optional[list[bytes]] = None):
+                 api_keys: Optional[list[bytes]] = None, metrics_token: Optional[list[bytes]] = None):
         self.name = name
         self.cfg = cfg
         self.limits = cfg.gateway
@@ -147,6 +148,7 @@ class Gateway:
         self.routes = routes.Table(self.backend.public_routes)
         self.token_routes = frozenset(self.backend.token_routes)
         self.api_keys = api_keys
+        self.metrics_token = metrics_token  # what a scrape of gateway.metrics_listen presents (metrics_listener.py)
         self.drop_headers = dropped_headers(api_keys)
         self.admission = Admission(cfg.gateway.admission, cfg.gateway.queue_timeout, cfg.gateway.queue_max)
         g = cfg.gateway
@@ -477,8 +479,8 @@ async def serve(gateway: Gateway, listener: socket.socket, stop_timeout: float,
     public = await asyncio.get_running_loop().create_server(gateway.connections, sock=listener, backlog=1024)
     ctl_listener = sockets.bind_private(gateway.control_socket)
     ctl = await control.serve(ctl_listener, gateway.controller)
-    scrape = metrics_listener.MetricsListener(gateway.name, gateway.prometheus, g, log)
-    if metrics is not None:  # gateway.metrics_listen: GET /metrics with no key
+    scrape = metrics_listener.MetricsListener(gateway.name, gateway.prometheus, lambda: gateway.metrics_token, g, log)
+    if metrics is not None:  # gateway.metrics_listen: GET /metrics, with gateway.metrics_token's bearer token if set
         await scrape.start(metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -511,6 +513,7 @@ def run(args: argparse.Namespace) -> int:
     logs.apply_level(hostd_config.load_daemon(root).log_level)  # hostd.yaml once more, at start only
     try:
         api_keys = keys.load(cfg.gateway.api_keys)
+        metrics_token = keys.load(cfg.gateway.metrics_token, keys.METRICS_TOKEN)
     except keys.KeysError as exc:
         log.error("%s; refusing to serve model %s without its keys", exc, args.name)
         systemd.status(f"failed: {exc}")
@@ -528,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s; refusing to serve model %s", exc, args.name)
         systemd.status(f"failed: {exc}")
         return 1
-    gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys)
+    gateway = Gateway(args.name, cfg, engine_sockets, control_socket, api_keys, metrics_token)
     # Leave a margin inside the unit's stop timeout for the process to exit.
     stop_timeout = max(1.0, cfg.timeouts.stop - 10.0)
     asyncio.run(serve(gateway, listener, stop_timeout, metrics))

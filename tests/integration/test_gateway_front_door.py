@@ -520,6 +520,78 @@ def test_the_metrics_listener_serves_metrics_without_a_key_and_nothing_else(tmp_
     assert not metrics_socket.exists()
 
 
+PROMETHEUS_CONFIG = """
+global: {{scrape_interval: 1s, scrape_timeout: 1s}}
+scrape_configs:
+  - job_name: with-token
+    authorization: {{credentials_file: {token}}}
+    static_configs: [{{targets: ["{target}"]}}]
+  - job_name: without
+    static_configs: [{{targets: ["{target}"]}}]
+"""
+
+
+def test_a_host_bound_metrics_listener_answers_only_the_token_and_a_real_prometheus_scrapes_it(tmp_path: Path):
+    """Issue 55, item 5 (acceptance 4): with gateway.metrics_token the listener
+    binds every address of the host (0.0.0.0), and Debian's Prometheus scrapes
+    it with `authorization: credentials_file`: that job is up and reads the
+    model's series, the same target without the token is down on a 401. A
+    wrong token, none, or the public API key are 401 before any path is
+    looked at; `systemctl reload`'s push (hostd.gateway.keys) replaces the
+    token in the running gateway."""
+    metrics_port, prometheus_port = free_port(), free_port()
+    token = tmp_path / "metrics.token"
+    token.write_text("# the fleet's scrape token\ntok-first\n")
+    with front_door(tmp_path, keys="sk-first\n", metrics_listen=f"0.0.0.0:{metrics_port}",
+                    metrics_token=str(token)) as door:
+        scrape = f"http://127.0.0.1:{metrics_port}"
+        for headers in ({}, {"Authorization": "Bearer tok-wrong"}, {"Authorization": "Bearer sk-first"}):
+            for path in ("/metrics", "/v1/models"):
+                refused = httpx.get(scrape + path, headers=headers, timeout=10)
+                assert refused.status_code == 401, (headers, path, refused.text)
+                assert refused.headers["WWW-Authenticate"].startswith("Bearer")
+        good = httpx.get(scrape + "/metrics", headers={"Authorization": "Bearer tok-first"}, timeout=10)
+        assert good.status_code == 200 and 'hostd_gateway_in_flight{model="tiny"}' in good.text
+
+        credentials = tmp_path / "prometheus.token"  # Prometheus's credentials_file: the token alone
+        credentials.write_text("tok-first\n")
+        (tmp_path / "prometheus.yml").write_text(PROMETHEUS_CONFIG.format(token=credentials,
+                                                                         target=f"127.0.0.1:{metrics_port}"))
+        prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"), stdin=subprocess.DEVNULL)
+        try:
+            def targets() -> dict:
+                try:
+                    answer = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/targets", timeout=5).json()
+                except httpx.HTTPError:
+                    return {}
+                return {t["labels"]["job"]: t for t in answer["data"]["activeTargets"] if t["health"] != "unknown"}
+
+            scraped = wait_for(lambda: len(t := targets()) == 2 and t, 60, "two scrapes by prometheus", prometheus)
+            assert scraped["with-token"]["health"] == "up", scraped["with-token"]["lastError"]
+            assert scraped["without"]["health"] == "down", scraped["without"]
+            assert "401" in scraped["without"]["lastError"], scraped["without"]["lastError"]
+            query = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/query", timeout=5,
+                              params={"query": 'hostd_build_info{job="with-token"}'}).json()
+            assert [r["metric"]["model"] for r in query["data"]["result"]] == ["tiny"]
+        finally:
+            prometheus.terminate()
+            prometheus.wait(30)
+
+        # A new token, as `systemctl reload model@tiny` hands it over (ExecReload= runs this push as root).
+        token.write_text("tok-second\n")
+        pushed = push_keys(door.tree)
+        assert pushed.returncode == 0 and f"1 key(s) from {token}" in pushed.stdout, pushed.stderr
+        assert "1 key(s) from " + str(tmp_path / "api.keys") in pushed.stdout
+        assert httpx.get(scrape + "/metrics", headers={"Authorization": "Bearer tok-first"}, timeout=10).status_code == 401
+        assert httpx.get(scrape + "/metrics", headers={"Authorization": "Bearer tok-second"}, timeout=10).status_code == 200
+        assert httpx.get(door.base_url + "/metrics", headers={"Authorization": "Bearer sk-first"},
+                         timeout=10).status_code == 200  # the API keys are the API keys still
+        assert "metrics tokens replaced from" in door.gateway.log() and "tok-second" not in door.gateway.log()
+
+
 def test_a_metrics_listener_that_cannot_listen_stops_the_gateway_naming_the_key(tmp_path: Path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

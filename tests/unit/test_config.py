@@ -171,7 +171,7 @@ def test_the_metrics_listener_takes_a_loopback_address_or_a_unix_socket(root: Pa
 @pytest.mark.parametrize(
     "address, expected",
     [
-        ("0.0.0.0:9101", "is not a loopback address: the metrics listener has no API key check"),
+        ("0.0.0.0:9101", "is not a loopback address: without gateway.metrics_token the metrics listener checks no key"),
         ("[::]:9101", "is not a loopback address"),
         ("192.168.1.5:9101", "is not a loopback address"),
         ("localhost:9101", "is not a loopback address"),
@@ -184,6 +184,34 @@ def test_a_metrics_listener_anyone_could_reach_is_refused_naming_the_key(root: P
     bad = write(root, "models/tiny.d/10.yaml", f"gateway: {{metrics_listen: '{address}'}}\n")
     [problem] = problems_of(root)
     assert (problem.file, problem.key) == (str(bad), "gateway.metrics_listen")
+    assert expected in problem.message
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:9101", "[::]:9101", "10.0.0.5:9101", "[fd00::5]:9101", "127.0.0.1:9101"])
+def test_with_a_metrics_token_the_listener_takes_any_ip_address_of_the_host(root: Path, address):
+    write(root, "models/tiny.d/10.yaml",
+          f"gateway: {{metrics_listen: '{address}', metrics_token: /etc/hostd/keys/tiny-metrics}}\n")
+    gateway = config.load_model("tiny", root).config.gateway
+    assert (gateway.metrics_listen, gateway.metrics_token) == (address, "/etc/hostd/keys/tiny-metrics")
+
+
+@pytest.mark.parametrize(
+    "gateway, key, expected",
+    [
+        ("{metrics_listen: 'metrics.example:9101', metrics_token: /k}", "gateway.metrics_listen",
+         "the host must be an IP address"),
+        ("{metrics_listen: '9101', metrics_token: /k}", "gateway.metrics_listen", "the host must be an IP address"),
+        ("{metrics_listen: '::1:9101', metrics_token: /k}", "gateway.metrics_listen", "the host must be an IP address"),
+        ("{metrics_listen: '0.0.0.0:0', metrics_token: /k}", "gateway.metrics_listen", "has no port from 1 to 65535"),
+        ("{metrics_listen: '0.0.0.0:9101', metrics_token: k}", "gateway.metrics_token", "is not an absolute path"),
+        ("{metrics_token: /k}", "gateway.metrics_token", "guards metrics_listen, which is not set"),
+    ],
+)
+def test_a_metrics_token_needs_a_listener_an_absolute_path_and_an_ip_address(root: Path, gateway, key, expected):
+    bad = write(root, "models/tiny.d/10.yaml", f"gateway: {gateway}\n")
+    # The loader goes on without the refused key: the other one then says what it lacks too.
+    problem = problems_of(root)[0]
+    assert (problem.file, problem.key) == (str(bad), key)
     assert expected in problem.message
 
 

@@ -447,6 +447,18 @@ def test_a_unix_metrics_listener_gets_its_directory_writable_in_the_gateways_san
                    for p in out.rglob("*.socket.d/*.conf"))  # systemd does not listen there
 
 
+def test_a_metrics_token_reaches_the_gateway_as_its_own_credential(tmp_path: Path):
+    """gateway.metrics_token (issue 55, item 5) is a credential beside the API
+    keys, so the model's user reads it without access to root's file."""
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "fleet", "backend: builtin\nmodel: /m\ngateway: {api_keys: /etc/hostd/keys/fleet, "
+                        "metrics_listen: '0.0.0.0:9101', metrics_token: /etc/hostd/keys/fleet-metrics}\n")
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["fleet"]
+    gateway = (out / "model@fleet.service.d/50-hostd.conf").read_text()
+    assert "LoadCredential=api-keys:/etc/hostd/keys/fleet\n" in gateway
+    assert "LoadCredential=metrics-token:/etc/hostd/keys/fleet-metrics\n" in gateway
+
+
 def test_models_pinned_to_different_gpus_each_allow_only_their_own_gpus_minor(tmp_path: Path, monkeypatch):
     """Two models on one host, `gpus: [0]` and `gpus: [1]`: every unit of one
     (weights, engine, next, standby) may open its own GPU's /dev node and

@@ -17,10 +17,10 @@ import yaml
 from tests.promql_names import DASHBOARD, MONITORING, RULES, dashboard_exprs, equality_matchers, names_in, rule_exprs
 
 
-def promtool(*args: str) -> subprocess.CompletedProcess:
+def promtool(*args: str, cwd=MONITORING) -> subprocess.CompletedProcess:
     tool = shutil.which("promtool")
     assert tool, "promtool is missing: packaging/setup.sh installs it with Debian's prometheus package"
-    return subprocess.run([tool, *args], cwd=MONITORING, capture_output=True, text=True, timeout=120)
+    return subprocess.run([tool, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def test_promtool_checks_the_alert_rules():
@@ -37,6 +37,23 @@ def test_promtool_unit_tests_of_the_rules_pass_on_recorded_series():
 
 def test_the_sample_scrape_config_is_valid_and_loads_the_rules():
     result = promtool("check", "config", "prometheus.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout
+
+
+def test_the_fleet_scrape_config_is_valid_with_its_token_and_keeps_the_job_the_alerts_name(tmp_path):
+    """Issue 55, item 5: a central Prometheus scrapes each host's metrics
+    listener with the token file (promtool checks that the file exists: a
+    copy names one in TMP_PATH)."""
+    fleet = yaml.safe_load((MONITORING / "prometheus-fleet.yml").read_text())
+    [job] = fleet["scrape_configs"]
+    assert job["job_name"] == "hostd" and set(job["authorization"]) == {"credentials_file"}
+    assert all(not t.startswith(("127.", "[::1]")) for t in job["static_configs"][0]["targets"])
+    (tmp_path / "token").write_text("a-token\n")
+    job["authorization"]["credentials_file"] = str(tmp_path / "token")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(fleet))
+    shutil.copy(RULES, tmp_path / RULES.name)
+    result = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 1 rule files found" in result.stdout
 
@@ -73,10 +90,16 @@ def test_the_dashboard_is_one_grafana_document_with_unique_panel_ids():
         assert names_in(expr), f"{where}: {expr!r} names no metric"
         assert 'job="' not in expr, f"{where} names a scrape job: use $job"
         if where.startswith("panel"):
-            assert 'job=~"$job"' in expr and 'model=~"$model"' in expr, f"{where} is not per model"
+            assert 'job=~"$job", instance=~"$instance", model=~"$model"' in expr, f"{where} is not per host and model"
+    # Issue 55, item 5: a fleet's Prometheus scrapes many hosts; instance is the host.
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert variables["model"]["definition"] == 'label_values(hostd_build_info{job=~"$job"}, model)'
+    assert list(variables) == ["datasource", "job", "instance", "model"]
     assert variables["job"]["definition"] == "label_values(hostd_build_info, job)"
+    assert variables["instance"]["definition"] == 'label_values(hostd_build_info{job=~"$job"}, instance)'
+    assert variables["instance"]["multi"] and variables["instance"]["includeAll"]
+    assert variables["model"]["definition"] == 'label_values(hostd_build_info{job=~"$job", instance=~"$instance"}, model)'
+    for name in ("instance", "model"):
+        assert variables[name]["query"]["query"] == variables[name]["definition"]
 
 
 def test_every_dashboard_panel_uses_the_data_source_variable_and_names_its_models():
