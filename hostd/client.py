@@ -126,6 +126,11 @@ class AsyncClient:
         [rows] = await self._call("ListModels")
         return [{"name": n, "state": s, "path": p} for n, s, p in rows]
 
+    async def model_properties(self, name: str) -> dict[str, Any]:
+        """Model NAME's org.hostd1.Model properties as the bus gives them (Config: a JSON string)."""
+        [path] = await self._call("GetModel", "s", [name])
+        return await self._properties(path, api.MODEL)
+
     async def model(self, name: str) -> dict[str, Any]:
         [path] = await self._call("GetModel", "s", [name])
         props = await self._properties(path, api.MODEL)
@@ -196,18 +201,22 @@ class AsyncClient:
         [answer] = await self._call("CheckReloadJSON", "ss", [name, json.dumps(patch or {})])
         return json.loads(answer)
 
-    async def _verb(self, verb: str, name: str, wait: bool) -> dict[str, Any]:
+    async def _verb(self, verb: str, name: str, wait: bool, on_change=None) -> dict[str, Any]:
         [path] = await self._call(verb, "s", [name])
-        return {"path": path, **(await self.wait(path) if wait else {})}
+        return {"path": path, **(await self.wait(path, on_change) if wait else {})}
 
-    async def start(self, name: str, wait: bool = True) -> dict[str, Any]:
-        return await self._verb("Start", name, wait)
+    async def start(self, name: str, wait: bool = True, on_change=None) -> dict[str, Any]:
+        return await self._verb("Start", name, wait, on_change)
 
-    async def stop(self, name: str, wait: bool = True) -> dict[str, Any]:
-        return await self._verb("Stop", name, wait)
+    async def stop(self, name: str, wait: bool = True, on_change=None) -> dict[str, Any]:
+        return await self._verb("Stop", name, wait, on_change)
 
-    async def restart(self, name: str, wait: bool = True) -> dict[str, Any]:
-        return await self._verb("Restart", name, wait)
+    async def restart(self, name: str, wait: bool = True, on_change=None) -> dict[str, Any]:
+        return await self._verb("Restart", name, wait, on_change)
+
+    async def revert(self, name: str, wait: bool = True, on_change=None) -> dict[str, Any]:
+        """The manager's drop-ins of model NAME removed, then a reload (Manager.Revert)."""
+        return await self._verb("Revert", name, wait, on_change)
 
     async def set_log_level(self, name: str, role: str, level: str) -> list[dict]:
         """LEVEL in model NAME's running processes of ROLE ("": all of the

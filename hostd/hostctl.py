@@ -12,7 +12,8 @@ and its exit codes:
     1  the operation failed, was rolled back or refused; any other error
     2  usage
     3  the model does not serve (status NAME, is-active): engine down,
-       degraded, paused, starting, stopping or stopped
+       degraded, paused, starting, stopping, stopped or failed
+       (is-failed: 0 only when failed, 1 otherwise)
     4  no such model
 
 Errors are one line on stderr (no bus, no manager, a refusal, a closed pipe,
@@ -40,8 +41,8 @@ from dbus_fast.errors import DBusError
 import hostd
 from hostd import backends, config, host_check, units
 from hostd.config import schema, show
-from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_list, cmd_log_level, cmd_operations,
-                               cmd_reload, cmd_status, cmd_unit_verb)
+from hostd.hostctl_bus import (dbus_error, cmd_cancel, cmd_is_active, cmd_is_failed, cmd_list, cmd_log_level,
+                               cmd_operations, cmd_reload, cmd_show, cmd_status, cmd_unit_verb)
 from hostd.hostctl_output import EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_USAGE, PrintableOnly, emit_json
 from hostd.manager import api
 
@@ -61,9 +62,9 @@ def cmd_config_check(args: argparse.Namespace, root: Path) -> int:
         problems = host_check.check(root, [args.name] if args.name else None, backends.for_config)
         warnings = host_check.exposure_warnings(root, [args.name] if args.name else None)
     if args.json:
-        emit_json(args, {"ok": not problems, "root": str(root), "models": names, "warnings": warnings,
+        emit_json(args, {"root": str(root), "models": names, "warnings": warnings,
                          "problems": [{"file": p.file, "line": p.line, "key": p.key, "message": p.message}
-                                      for p in problems]})
+                                      for p in problems]}, ok=not problems)
         return 1 if problems else 0
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -239,14 +240,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing, exit code only")
     p.set_defaults(func=cmd_is_active)
+    p = command("is-failed", help="print the model's state; exit 0 only when it failed")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing, exit code only")
+    p.set_defaults(func=cmd_is_failed)
+    p = command("show", help="the model's D-Bus properties as NAME=VALUE lines (systemctl show)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--property", "-p", action="append", default=[], metavar="PROP",
+                   help="only PROP (repeat, or PROP1,PROP2); a property the model lacks prints nothing")
+    p.add_argument("--value", action="store_true", help="print the values only")
+    p.set_defaults(func=cmd_show)
     p = command("operations", help="operations since the manager started")
     p.set_defaults(func=cmd_operations)
     p = command("cancel", help="cancel a reload (while its Cancellable property is true)")
     p.add_argument("id", type=int, metavar="ID")
     p.set_defaults(func=cmd_cancel)
-    for verb in ("start", "stop", "restart"):
-        p = command(verb, help=f"{verb} a model (all its units) and wait")
+    for verb, what in (("start", "start a model (all its units)"), ("stop", "stop a model (all its units)"),
+                       ("restart", "restart a model (all its units)"),
+                       ("revert", "remove the manager's drop-ins (90-reload.yaml, a rollback pin 99-rollback.yaml) "
+                                  "and reload the administrator's own files")):
+        p = command(verb, help=f"{what}, and wait")
         p.add_argument("name", metavar="NAME")
+        p.add_argument("--no-block", action="store_true", help="ask for it and return at once (systemctl's)")
         p.set_defaults(func=cmd_unit_verb)
     p = command("log-level", help="change the log level of a model's running processes (no restart)",
                 description="Set LEVEL in model NAME's running processes of ROLE (without ROLE: its gateway, "

@@ -22,7 +22,8 @@ import yaml
 from dbus_fast.errors import DBusError
 
 from hostd import units
-from hostd.hostctl_output import EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_NOT_RUNNING, EXIT_USAGE, emit_json, table
+from hostd.hostctl_output import (EXIT_FAILED, EXIT_NO_SUCH_MODEL, EXIT_NOT_RUNNING, EXIT_USAGE, emit_json,
+                                  snake_keys, table)
 from hostd.manager import api
 
 # D-Bus error name -> exit code (systemctl's: 4 "no such unit", 3 "not active").
@@ -31,12 +32,15 @@ EXIT_CODES = {
     "org.hostd1.Error.NotRunning": EXIT_NOT_RUNNING,
 }
 # Model states drawn as not running (the hollow dot of `hostctl status NAME`).
-NOT_RUNNING = ("stopped", "unknown")
+NOT_RUNNING = ("stopped", "failed", "unknown")
 # The states in which a model answers requests: `status NAME` and `is-active`
 # exit 0 in these, 3 (systemctl: "not active") in every other. A reload
 # serves throughout (overlap) or answers 503 with Retry-After (restart): it
 # is active, as systemctl calls a unit that reloads.
 SERVING = ("serving", "reloading")
+# The stages that wait on an engine's (or the swap's weight daemon's) start: the
+# progress line shows its STATUS= (Operation.EngineStatus: upstream's phases too).
+ENGINE_STAGES = ("restart", "start-next", "load-next", "rebuild")
 
 
 def _client():
@@ -84,8 +88,9 @@ def stage_facts(op: dict) -> list[str]:
 
 class Progress:
     """A reload's stages as they happen. On a terminal: one line redrawn four
-    times a second with the stage's elapsed time and the engine's STATUS=;
-    otherwise a plain line per change."""
+    times a second with the stage's elapsed time and, in a stage that waits on
+    an engine (ENGINE_STAGES), that engine's STATUS=; otherwise a plain line
+    per change."""
 
     def __init__(self, name: str, stream=sys.stderr):
         import threading
@@ -117,7 +122,7 @@ class Progress:
         strategy = f" (strategy {props['Strategy']})" if props.get("Strategy") else ""
         facts = ", ".join([f"{stage_s:.1f} s", *stage_facts(props)])
         text = f"reload {props.get('Id', '?')} of {self.name}{strategy}: {props.get('Stage', '...')} ({facts})"
-        if props.get("Stage") == "restart" and props.get("EngineStatus"):
+        if props.get("Stage") in ENGINE_STAGES and props.get("EngineStatus"):
             text += f", engine: {props['EngineStatus']}"
         return text + f"  [{time.monotonic() - self.started:.1f} s]"
 
@@ -127,7 +132,7 @@ class Progress:
             if self.tty:
                 self._draw()
                 return
-            key = (props.get("Stage"), props.get("EngineStatus") if props.get("Stage") == "restart" else "")
+            key = (props.get("Stage"), props.get("EngineStatus") if props.get("Stage") in ENGINE_STAGES else "")
             if key != self._last_line:
                 self._last_line = key
                 self.stream.write(self.line() + "\n")
@@ -158,11 +163,11 @@ def cmd_reload_check(args: argparse.Namespace, patch: dict) -> int:
             verdict = hostd.check_reload(args.name, patch)
     except DBusError as exc:
         if args.json:
-            emit_json(args, {"model": args.name, "ok": False, "outcome": "refused", "patch": patch,
-                             "error": exc.type, "message": exc.text})
+            emit_json(args, {"model": args.name, "outcome": "refused", "patch": patch,
+                             "error": exc.type, "message": exc.text}, ok=False)
         return dbus_error(exc)
     if args.json:
-        emit_json(args, {"ok": True, **verdict})
+        emit_json(args, verdict)
         return 0
     changes = verdict["changes"]
     if verdict["outcome"] == "unchanged":
@@ -215,7 +220,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
         return 130
     state = result["State"]
     if args.json:
-        emit_json(args, result)
+        emit_json(args, snake_keys(result), ok=state in api.SUCCESS_STATES)
         return 0 if state in api.SUCCESS_STATES else 1
     took = (result.get("FinishedUSec", 0) - result.get("CreatedUSec", 0)) / 1e6
     line = f"reload of {args.name}: {state}"
@@ -293,9 +298,9 @@ def model_summary(hostd, name: str) -> dict:
         # disk at the model's last start), else the one the config names.
         "checkpoint": (props.get("RunningConfig") or {}).get("fixed", {}).get("model")
         or props["Config"].get("model", ""),
-        "last_operation": op and {k: op.get(k) for k in ("Id", "Kind", "State", "Stage", "Strategy", "Error",
-                                                          "WeightsReused", "CreatedUSec", "FinishedUSec",
-                                                          "Stages", "Cancellable")},
+        "last_operation": op and snake_keys({k: op.get(k) for k in (
+            "Id", "Kind", "State", "Stage", "Strategy", "Error", "WeightsReused", "CreatedUSec", "FinishedUSec",
+            "Stages", "Cancellable")}),
         "_last_operation_text": describe_operation(op),
     }
 
@@ -310,7 +315,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         models = [model_summary(hostd, name) for name in names]
     if args.json:
         data = [{k: v for k, v in m.items() if not k.startswith("_")} for m in models]
-        emit_json(args, data[0] if args.name else data)
+        emit_json(args, data[0] if args.name else data,
+                  ok=not args.name or models[0]["state"] in SERVING)
     elif args.name:
         print_detail(models[0])
     else:
@@ -364,7 +370,7 @@ def cmd_operations(args: argparse.Namespace) -> int:
     with _client() as hostd:
         ops = hostd.operations()
     if args.json:
-        emit_json(args, [{k: v for k, v in op.items()} for op in ops])
+        emit_json(args, ops)
         return 0
     cells = [[op["id"], op["model"], op["kind"], op["state"], op["stage"]] for op in ops]
     table(args, ["ID", "MODEL", "KIND", "STATE", "STAGE"], cells)
@@ -378,13 +384,71 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_unit_verb(args: argparse.Namespace) -> int:
+    """start, stop, restart and revert: an Operation of the manager, waited
+    for; with --no-block (systemctl's) only asked for: nothing is printed
+    (--json: its path) and the exit code says only that it was accepted."""
+    shown = [""]
+
+    def engine_status(props: dict) -> None:
+        """The engine's STATUS= lines while it starts (upstream's phases too), as systemctl shows none."""
+        status = props.get("EngineStatus")
+        if status and status != shown[0] and not args.json:
+            shown[0] = status
+            print(f"{args.command} {args.name}: engine: {status}", file=sys.stderr, flush=True)
     with _client() as hostd:
-        result = getattr(hostd, args.command)(args.name)
+        result = getattr(hostd, args.command)(args.name, wait=not args.no_block, on_change=engine_status)
+    if args.no_block:
+        if args.json:
+            emit_json(args, snake_keys(result))
+        return 0
+    ok = result["State"] in api.SUCCESS_STATES
     if args.json:
-        emit_json(args, result)
-        return 0 if result["State"] == "done" else 1
-    print(f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}")
-    return 0 if result["State"] == "done" else 1
+        emit_json(args, snake_keys(result), ok=ok)
+        return 0 if ok else 1
+    line = f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}"
+    for note in result.get("Notes", []) if args.command == "revert" else []:
+        line += f"; {note}"
+    print(line, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_is_failed(args: argparse.Namespace) -> int:
+    """systemctl is-failed's contract: the state on stdout, exit 0 only when
+    the model failed (its umbrella unit, or its engine past its restarts)."""
+    with _client() as hostd:
+        state = hostd.model(args.name)["State"]
+    if not args.quiet:
+        print(state)
+    return 0 if state == "failed" else 1
+
+
+def show_value(value) -> str:
+    """One property's value as systemctl show prints it: booleans yes/no,
+    lists of words space-separated, anything deeper as compact JSON."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return " ".join(str(v) for v in value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """systemctl show's contract over the model's D-Bus properties
+    (org.hostd1.Model): NAME=VALUE lines, sorted by name; -p PROP (repeated or
+    comma-separated) only those, a name the model lacks printing nothing
+    (as systemctl); --value the values alone."""
+    with _client() as hostd:
+        props = hostd.model_properties(args.name)
+    wanted = [p for arg in args.property for p in arg.split(",") if p]
+    names = sorted(props) if not wanted else [p for p in wanted if p in props]
+    if args.json:
+        emit_json(args, snake_keys({name: props[name] for name in names}))
+        return 0
+    for name in names:
+        print(show_value(props[name]) if args.value else f"{name}={show_value(props[name])}")
+    return 0
 
 
 def cmd_log_level(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """hostctl's output conventions, shared by every command: systemctl's exit
-codes, `--json=short|pretty`, and its tables (`--no-legend`).
+codes, `--json=short|pretty` (one versioned document shape), and its
+tables (`--no-legend`).
 
 One job: how hostctl prints. Trusts nothing it prints to be short or safe
 beyond what the caller hands it (the manager's words, the config's values):
@@ -12,6 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Any
+
+import msgspec
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_NO_SUCH_MODEL = 1, 2, 3, 4
 
@@ -34,12 +38,44 @@ class PrintableOnly:
         return getattr(self._stream, name)
 
 
-def emit_json(args: argparse.Namespace, data) -> None:
-    """--json=short: one line; --json=pretty: indented (systemd's two modes)."""
+# The one shape of every --json output (but `logs --json`, which is
+# journalctl's own): {"version", "command", "ok", "data"}, snake_case keys
+# throughout. VERSION rises when a key changes meaning or goes.
+JSON_VERSION = 1
+
+
+class JsonDocument(msgspec.Struct, forbid_unknown_fields=True):
+    """What every `hostctl ... --json` prints (but `logs`): a reader decodes
+    this and checks VERSION before it reads DATA."""
+
+    version: int
+    command: str  # the hostctl command: status, reload, config, ...
+    ok: bool  # the command's exit status is 0
+    data: Any  # the command's answer: an object or a list, snake_case keys
+
+
+def emit_json(args: argparse.Namespace, data, ok: bool = True) -> None:
+    """DATA as hostctl's JSON document for this command (JSON_VERSION):
+    --json=short one line, --json=pretty indented (systemd's two modes). OK:
+    the command's exit status is 0."""
+    document = {"version": JSON_VERSION, "command": args.command, "ok": ok, "data": data}
     if getattr(args, "json", None) == "short":
-        print(json.dumps(data, sort_keys=True, separators=(",", ":")))
+        print(json.dumps(document, sort_keys=True, separators=(",", ":")))
     else:
-        print(json.dumps(data, indent=2, sort_keys=True))
+        print(json.dumps(document, indent=2, sort_keys=True))
+
+
+def snake_case(name: str) -> str:
+    """A D-Bus property's name as a key of hostctl's JSON: CreatedUSec ->
+    created_usec, EnginePID -> engine_pid, WeightsReused -> weights_reused."""
+    name = re.sub(r"USec$", "Usec", name)
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def snake_keys(properties: dict) -> dict:
+    """PROPERTIES (a D-Bus object's, as hostd.client reads them) with
+    snake_case names; the values as they are."""
+    return {snake_case(name): value for name, value in properties.items()}
 
 
 def table(args: argparse.Namespace, header: list[str], rows: list[list]) -> None:

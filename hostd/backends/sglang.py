@@ -136,6 +136,11 @@ class SglangBackend(upstream.UpstreamBackend):
         ("GET", "/get_model_info"),
     )
     metrics_prefixes = ("sglang:",)
+    # SGLang 0.5.23's words as it starts (site-packages/sglang/srt/...):
+    # model_executor/model_runner.py:1274 and :1373, mem_cache/kv_cache_configurator.py:499,
+    # model_executor/model_runner_components/cuda_graph_setup.py:685 and :759.
+    phase_lines = tuple(re.compile(p) for p in (
+        r"Load weight begin", r"Load weight end", r"Memory pool end", r"Capture \S.* begin\."))
     upstream_package = "sglang"
 
     def python(self, cfg) -> str:

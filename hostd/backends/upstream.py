@@ -408,6 +408,10 @@ class UpstreamBackend(Backend):
     health_path: ClassVar[str] = "/health"
     health_timeout: ClassVar[float] = 10.0
 
+    # Upstream's log lines that say where its start is (loading, compiling, the KV
+    # cache, graph capture): the engine supervisor relays them to STATUS=.
+    phase_lines: ClassVar[tuple[re.Pattern, ...]] = ()
+
     @abc.abstractmethod
     def version_argv(self, cfg) -> list[str]:
         """What prints the version of the upstream installation CFG runs."""

@@ -206,6 +206,16 @@ class VllmBackend(upstream.UpstreamBackend):
         ("GET", "/version"),
     )
     metrics_prefixes = ("vllm:",)
+    # vLLM 0.32's words as it starts (site-packages/vllm/...): v1/worker/cpu_model_runner.py:68
+    # and :87, model_executor/model_loader/weight_utils.py:1094 (a progress bar),
+    # model_executor/model_loader/weight_cache/ipc_loader.py:284, v1/worker/gpu_model_runner.py:5150,
+    # :6582 and :6657 (a progress bar), v1/worker/gpu_worker.py:760, v1/worker/cpu_worker.py:250,
+    # v1/core/kv_cache_utils.py:2328, compilation/monitor.py:20, v1/engine/core.py:386-403.
+    phase_lines = tuple(re.compile(p) for p in (
+        r"Starting to load model", r"Loading safetensors checkpoint shards", r"Mapped \d+ tensors from the weight cache",
+        r"Model loading took", r"torch\.compile took", r"Available KV cache memory", r"Auto set .* for KV cache",
+        r"KV cache size: ", r"Warming up model", r"Capturing CUDA graphs", r"Graph capturing finished",
+        r"init engine \(profile, create kv cache, warmup model\) took"))
     upstream_package = "vllm"
 
     def executable(self, cfg) -> str:

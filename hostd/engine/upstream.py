@@ -20,7 +20,8 @@ Unix socket (docs/sglang.md).
 
 Lifecycle: reads the weight daemon's identity (PID, socket inode) from
 weights.sock first; starts the child; sends EXTEND_TIMEOUT_USEC until
-upstream's /health answers 200, then binds engine.sock and sends READY=1. On
+upstream's /health answers 200 (meanwhile STATUS= follows upstream's start
+phases: UpstreamStderr), then binds engine.sock and sends READY=1. On
 SIGTERM it sends STOPPING=1 and SIGTERM to the child, keeps proxying while
 upstream drains (vLLM: --shutdown-timeout; SGLang drains without limit, so
 hostd kills it after the backend's drain_seconds), then SIGKILLs what is left.
@@ -52,6 +53,9 @@ from hostd.weights import protocol
 
 log = logging.getLogger("hostd.engine")
 
+STDERR_CHUNK = 1 << 16  # upstream's stderr read as it comes (copy_stderr)
+PHASE_STATUS_S = 0.5  # at most one STATUS= a phase's progress redraws per this many seconds
+
 CLIENT_MAX_SIZE = 64 * 1024 * 1024
 
 # Seconds between looks at whether the upstream server exited (child_exit).
@@ -70,6 +74,71 @@ def free_loopback_port() -> int:
 
 
 
+class UpstreamStderr:
+    """Upstream's stderr, as the engine supervisor hears it: passed through to
+    ours (the journal) unchanged; its last lines kept, so that when upstream
+    exits before it serves its own error is logged at error priority (and so
+    reaches a reload's Error); and, while it starts (STARTING, until READY=1),
+    its phase lines (the backend's phase_lines: loading shards, the KV cache,
+    graph capture) relayed to STATUS= from the phase's words on, so that
+    `hostctl status`, a reload's and a start's progress show where the start
+    is. Read as it comes, not by lines: a progress bar redraws one line with
+    carriage returns, and each redraw is a line here; a new phase goes to
+    STATUS= at once, a redraw of the same one at most every PHASE_STATUS_S."""
+
+    def __init__(self, backend: str, phase_lines: tuple[re.Pattern, ...]) -> None:
+        self.backend, self.phase_lines = backend, phase_lines
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.starting = True
+        self._phase_sent: tuple[float, Optional[re.Pattern]] = (0.0, None)  # when STATUS= got a phase, and which
+
+    async def copy(self, stream: asyncio.StreamReader) -> None:
+        out = sys.stderr.buffer
+        pending = b""
+        while chunk := await stream.read(STDERR_CHUNK):
+            out.write(chunk)
+            out.flush()
+            *lines, pending = re.split(rb"[\r\n]", pending + chunk)
+            pending = pending[-STDERR_CHUNK:]  # a line longer than this is kept by its end
+            self.heard(lines)
+        self.heard([pending])  # the last line, when upstream wrote no newline after it
+
+    def heard(self, lines: list[bytes]) -> None:
+        for raw in lines:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                self.tail.append(line)
+                if self.starting:
+                    self.phase(line)
+
+    def phase(self, line: str) -> None:
+        for pattern in self.phase_lines:
+            found = pattern.search(line)
+            if found:
+                break
+        else:
+            return
+        phase, now = line[found.start():].strip()[:160], asyncio.get_running_loop().time()
+        when, last = self._phase_sent
+        if last is not pattern or now - when >= PHASE_STATUS_S:
+            self._phase_sent = (now, pattern)
+            systemd.status(f"{self.backend} starting: {phase}")
+
+    def error(self) -> str:
+        """Upstream's own error: the last of its stderr lines that names an
+        error or exception with the indented detail lines under it (as
+        pydantic's "1 validation error for ModelConfig" has), else its last line."""
+        lines = [l for l in self.tail if l.strip()]
+        found = [i for i, l in enumerate(lines) if re.search(r"Error\b|Exception\b|error:", l)]
+        if not found:
+            return lines[-1].strip() if lines else ""
+        start = found[-1]
+        end = start + 1
+        while end < len(lines) and end - start <= 3 and lines[end][:1].isspace():
+            end += 1
+        return " ".join(l.strip() for l in lines[start:end])
+
+
 class EngineSupervisor:
     """BACKEND: the model's UpstreamBackend (hostd/backends/upstream.py), which
     says what to run and how to tell that it serves."""
@@ -84,7 +153,7 @@ class EngineSupervisor:
         self.fingerprint = fingerprint
         self.not_retained = self.backend.weights_not_retained(cfg)
         self.proc: Optional[asyncio.subprocess.Process] = None
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.stderr = UpstreamStderr(cfg.backend, backend.phase_lines)
         self.stderr_copier: Optional[asyncio.Future] = None
         self.stopping = asyncio.Event()
         self.session: Optional[aiohttp.ClientSession] = None
@@ -135,33 +204,8 @@ class EngineSupervisor:
             *self.command.argv, env=systemd.child_env(self.command.env, self.command.unset), stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        self.stderr_copier = asyncio.ensure_future(self.copy_stderr())
+        self.stderr_copier = asyncio.ensure_future(self.stderr.copy(self.proc.stderr))
         self.session = self._session()
-
-    async def copy_stderr(self) -> None:
-        """Pass upstream's stderr through to ours (the journal) unchanged, and
-        keep its last lines: when upstream exits before it serves, its own
-        error is logged at error priority (and so reaches a reload's Error)."""
-        assert self.proc and self.proc.stderr
-        out = sys.stderr.buffer
-        while line := await self.proc.stderr.readline():
-            out.write(line)
-            out.flush()
-            self.stderr_tail.append(line.decode(errors="replace").rstrip())
-
-    def upstream_error(self) -> str:
-        """Upstream's own error: the last of its stderr lines that names an
-        error or exception with the indented detail lines under it (as
-        pydantic's "1 validation error for ModelConfig" has), else its last line."""
-        lines = [l for l in self.stderr_tail if l.strip()]
-        found = [i for i, l in enumerate(lines) if re.search(r"Error\b|Exception\b|error:", l)]
-        if not found:
-            return lines[-1].strip() if lines else ""
-        start = found[-1]
-        end = start + 1
-        while end < len(lines) and end - start <= 3 and lines[end][:1].isspace():
-            end += 1
-        return " ".join(l.strip() for l in lines[start:end])
 
     async def upstream_health(self) -> Optional[int]:
         """Upstream's health status code (the backend's health_path), None when
@@ -312,7 +356,7 @@ class EngineSupervisor:
                 if self.stderr_copier is not None:
                     await asyncio.wait({self.stderr_copier}, timeout=5)
                 log.error("upstream engine exited with %s before it served: %s", self.proc.returncode,
-                          self.upstream_error())
+                          self.stderr.error())
                 systemd.status(f"failed: upstream exited with {self.proc.returncode}")
                 return 1
             listener = sockets.acquire(self.socket_path)
@@ -322,6 +366,7 @@ class EngineSupervisor:
             await runner.setup()
             await web.SockSite(runner, listener).start()
             log.info("serving %s through %s engine pid %d", self.name, self.cfg.backend, self.proc.pid)
+            self.stderr.starting = False
             systemd.notify("READY=1", f"STATUS=serving {self.name} ({self.cfg.backend})")
             await self.child_exit()  # the server exits, or we are asked to stop
             if not self.stopping.is_set():

@@ -34,6 +34,7 @@ RELOAD_ACTION, MANAGE_ACTION, LOG_LEVEL_ACTION = ACTIONS
 # wrong answer for the others.
 VERB_ACTIONS = {
     "reload": RELOAD_ACTION,  # Reload, ReloadJSON, Model.Reload
+    "revert": RELOAD_ACTION,  # Revert: the manager's drop-ins removed, then a reload
     "start": MANAGE_ACTION,
     "stop": MANAGE_ACTION,
     "restart": MANAGE_ACTION,

@@ -118,6 +118,27 @@ def _model_of(interface, args: tuple) -> str:
     return args[0] if args and isinstance(args[0], str) else ""
 
 
+async def access(authority: "Authority", name: str) -> dict[str, str]:
+    """Each verb of api.VERB_ACTIONS -> "" when the caller of the method
+    being handled may do it on model NAME, else the refusal the mutating
+    method would give it (polkit asked as that method asks it: its action,
+    the model and the verb, without interaction; nothing else is done).
+    Each action of api.ACTIONS -> its first verb's refusal, or "" when every
+    verb of it is allowed (Manager.Access)."""
+    answer = {}
+    for verb, action in api.VERB_ACTIONS.items():
+        try:
+            await authority.require(action, {"model": name, "verb": verb})
+        except AccessDenied as exc:
+            answer[verb] = str(exc)
+        else:
+            answer[verb] = ""
+    for action in api.ACTIONS:
+        answer[action] = next((answer[verb] for verb, of in api.VERB_ACTIONS.items()
+                               if of == action and answer[verb]), "")
+    return answer
+
+
 def admin(action):
     """A mutating method that needs polkit ACTION (api.ACTIONS): the
     interface's `authority` is asked first; whatever is raised reaches the

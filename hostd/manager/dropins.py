@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Optional
 
@@ -125,3 +126,26 @@ def previous_engine(backend: str, committed: Optional[Committed], health: Option
         except (msgspec.ValidationError, TypeError):
             log.warning("previous engine values refused: not a valid %s engine section", backend)
     return None
+
+
+async def revert(directory: Path, reload: Callable[[], Awaitable[str]], forget: Callable[[], None]) -> tuple[str, str]:
+    """`hostctl revert` (Manager.Revert): the model back to its
+    administrator's own files. The manager's RELOAD_DROPIN and a rollback pin
+    (ROLLBACK_DROPIN) in DIRECTORY are removed, then RELOAD() (a reload of the
+    config on disk) starts; its Operation's path, and a note naming what was
+    removed. A reload refused at its check puts both files back as they were:
+    nothing changed. FORGET: the model's cached config is stale."""
+    kept = {path: read_text(path) for path in (directory / RELOAD_DROPIN, directory / ROLLBACK_DROPIN)}
+    removed = [path for path, text in kept.items() if text is not None]
+    for path in removed:
+        remove_durably(path)
+    forget()
+    try:
+        path = await reload()
+    except BaseException:
+        for path in removed:
+            restore_file(path, kept[path])
+        forget()
+        raise
+    return path, (f"revert removed {', '.join(map(str, removed))}" if removed else
+                  "revert: no drop-in of the manager's to remove")

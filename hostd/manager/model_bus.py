@@ -134,9 +134,9 @@ class ModelInterface(ServiceInterface):
             serving = "paused" if self.gateway in ("draining", "paused") else "serving"  # e.g. a resume that failed
             if engine.get("ActiveState") != "active" and self.standby_state() == "active":
                 return serving  # the gateway serves from the warm standby meanwhile (a failover)
-            return {"active": serving, "activating": "starting"}.get(engine.get("ActiveState"), "engine-down")
+            return {"active": serving, "activating": "starting", "failed": "failed"}.get(engine.get("ActiveState"), "engine-down")
         return {"activating": "starting", "deactivating": "stopping", "reloading": "reloading",
-                "unknown": "unknown"}.get(state, "stopped")
+                "failed": "failed", "unknown": "unknown"}.get(state, "stopped")
 
     def refresh(self, in_flight: Optional[int] = None, gateway: Optional[str] = None) -> None:
         if gateway is not None:

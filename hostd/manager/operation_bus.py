@@ -13,7 +13,7 @@ from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property, m
 from hostd import units
 from hostd.manager import api, errors
 from hostd.manager.authority import admin
-from hostd.manager.operation import Operation, State
+from hostd.manager.operation import Operation, Stage, State
 
 RUNNING = State.RUNNING
 
@@ -108,12 +108,27 @@ class OperationInterface(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def EngineStatus(self) -> "s":
-        """The engine unit's STATUS= line ("attaching weights", "warming up", ...)."""
+        """The STATUS= line of the unit the current stage waits on (waited_unit):
+        "attaching weights", "vllm starting: Loading safetensors checkpoint shards: 4/9", ..."""
         return self.engine_status()
 
     def engine_status(self) -> str:
-        props = self.systemd.cached(units.engine(self.op.model)) or {}
+        props = self.systemd.cached(self.waited_unit()) or {}
         return str(props.get("StatusText", ""))
+
+    def waited_unit(self) -> str:
+        """The unit whose start the current stage waits on: the swap's weight
+        daemon while it loads, the second engine while an overlap or a swap
+        starts it, the standby while it rebuilds; else the main engine (a
+        restart's, a start's, an in-place rebuild's)."""
+        name, stage, strategy = self.op.model, self.op.stage, self.op.strategy_name
+        if stage == Stage.LOAD_NEXT:
+            return units.weights(name, "next")
+        if stage == Stage.START_NEXT:
+            return units.swap_engine(name) if strategy == "swap" else units.engine(name, "next")
+        if stage == Stage.REBUILD and strategy == "standby":
+            return units.engine(name, "standby")
+        return units.engine(name)
 
     @method()
     @admin(api.MANAGE_ACTION)

@@ -33,10 +33,10 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, method, signal
 
 from hostd import config as hostd_config
-from hostd import logs
+from hostd import logs, units
 from hostd import systemd as unit_notify
 from hostd.config import schema
-from hostd.manager import api, errors, recovery, tasks
+from hostd.manager import api, dropins, errors, recovery, tasks
 from hostd.manager import reload as reload_mod
 from hostd.manager import authority
 from hostd.manager.authority import Authority, CallerAwareBus, admin
@@ -53,6 +53,14 @@ IN_FLIGHT_INTERVAL = 2.0
 
 
 # ---------------------------------------------------------------- manager
+
+
+def watched_units(model: ModelInterface) -> tuple[str, ...]:
+    """The units whose changes concern MODEL: its own, and those an operation
+    of it waits on (OperationInterface.waited_unit)."""
+    name = model.model_name
+    return (*model.units, model.standby_unit, units.engine(name, "next"), units.swap_engine(name),
+            units.weights(name, "next"))
 
 
 class Manager(ServiceInterface):
@@ -93,14 +101,14 @@ class Manager(ServiceInterface):
         names = {n for n in hostd_config.list_models(self.root) if schema.model_name_problem(n) is None}
         for name in names - set(self.models):
             iface = self.models[name] = ModelInterface(self, name)
-            self._by_unit.update(dict.fromkeys((*iface.units, iface.standby_unit), iface))
+            self._by_unit.update(dict.fromkeys(watched_units(iface), iface))
             self.bus.export(iface.path, iface)
             self.keep(asyncio.create_task(self.track(iface)))
         for name in set(self.models) - names:
             iface = self.models[name]
             if iface.busy() is None:
                 del self.models[name]
-                for unit in (*iface.units, iface.standby_unit):
+                for unit in watched_units(iface):
                     self._by_unit.pop(unit, None)
                 self.bus.unexport(iface.path, iface)
                 log.info("model %s removed: its YAML is gone", name, extra={"hostd_model": name})
@@ -122,7 +130,7 @@ class Manager(ServiceInterface):
         if model is not None:
             model.refresh()
             running = model.busy()
-            if running is not None and unit == model.units[1]:  # the engine's STATUS= for the operation
+            if running is not None and unit == running.waited_unit():  # its STATUS= for the operation
                 running.emit_properties_changed({"EngineStatus": running.engine_status()})
 
     def new_operation(self, model: ModelInterface, kind: str, patch: dict) -> OperationInterface:
@@ -204,27 +212,6 @@ class Manager(ServiceInterface):
         log.debug("reload check of %s: %s", name, verdict["outcome"], extra={"hostd_model": name})
         return json.dumps(verdict)
 
-    async def access(self, name: str) -> dict[str, str]:
-        """Each verb of api.VERB_ACTIONS -> "" when the caller of the method
-        being handled may do it on model NAME, else the refusal the mutating
-        method would give it (polkit asked as that method asks it: its
-        action, the model and the verb, without interaction; nothing else is
-        done). Each action of api.ACTIONS -> its first verb's refusal, or ""
-        when every verb of it is allowed."""
-        self.model(name)
-        answer = {}
-        for verb, action in api.VERB_ACTIONS.items():
-            try:
-                await self.authority.require(action, {"model": name, "verb": verb})
-            except errors.AccessDenied as exc:
-                answer[verb] = str(exc)
-            else:
-                answer[verb] = ""
-        for action in api.ACTIONS:
-            answer[action] = next((answer[verb] for verb, of in api.VERB_ACTIONS.items()
-                                   if of == action and answer[verb]), "")
-        return answer
-
     async def unit_verb(self, name: str, kind: str) -> str:
         model = self.model(name)
         running = model.busy()
@@ -285,7 +272,21 @@ class Manager(ServiceInterface):
     @method()
     @replies
     async def Access(self, name: "s") -> "a{ss}":
-        return await self.access(name)
+        self.model(name)
+        return await authority.access(self.authority, name)
+
+    @method()
+    @admin(api.RELOAD_ACTION)
+    async def Revert(self, name: "s") -> "o":
+        """The manager's drop-ins removed, then a reload (dropins.revert)."""
+        model = self.model(name)
+        self.refuse_if_busy(model)
+        path, note = await dropins.revert(hostd_config.dropin_dir(name, self.root), lambda: self.reload(name, {}),
+                                          model.forget)
+        log.info("model %s: %s", name, note, extra={"hostd_model": name})
+        model.active.op.notes.insert(0, note)
+        self._changed(model.active)
+        return path
 
     @method()
     @admin(api.MANAGE_ACTION)

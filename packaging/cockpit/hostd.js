@@ -226,7 +226,7 @@ function renderModel() {
     $("m-state").replaceChildren(stateBadge(p.State));
     $("m-problem").hidden = !p.ConfigProblem;
     $("m-problem").textContent = p.ConfigProblem || "";
-    const running = !["stopped", "unknown"].includes(p.State);
+    const running = !["stopped", "failed", "unknown"].includes(p.State);
     const busy = p.ActiveOperation && p.ActiveOperation !== "/";
     for (const [id, enabled, why] of [
         ["btn-start", !running && !busy, may.start],
@@ -317,7 +317,10 @@ function showConfig(name) {
     // The name comes from the URL: after "--", never an option of hostctl's.
     cockpit.spawn(["hostctl", "config", "--json=short", "--", name], { err: "message" })
         .then(out => {
-            const rows = Object.entries(json(out, {})).map(([key, { value, origin }]) =>
+            // hostctl's --json document, version 1 (hostd/hostctl_output.py): the config is its data.
+            const doc = json(out, {});
+            if (doc.version !== 1) throw new Error(`hostctl config --json: expected version 1, got ${doc.version}`);
+            const rows = Object.entries(doc.data || {}).map(([key, { value, origin }]) =>
                 el("tr", {}, el("td", { text: key }), el("td", { text: JSON.stringify(value) }),
                    el("td", { class: "muted", text: origin })));
             body.replaceChildren(...rows);

@@ -94,7 +94,7 @@ class Fleet:
         return proc
 
     def status(self, name: str) -> dict:
-        return json.loads(self.hosts[name].run(["hostctl", "status", "tiny", "--json=short"], check=False).stdout)
+        return json.loads(self.hosts[name].run(["hostctl", "status", "tiny", "--json=short"], check=False).stdout)["data"]
 
     def http_status(self, name: str) -> int:
         return httpx.get(f"http://127.0.0.1:{self.ports[name]}/v1/models", timeout=30).status_code
@@ -259,7 +259,7 @@ def test_rolling_restart_swaps_the_checkpoint_host_by_host_and_stops_at_the_host
     # model (its gateway) never restarted.
     status = fleet.status("host-a")
     assert status["checkpoint"] == CHECKPOINT_V2, status
-    op = json.loads(fleet.hosts["host-a"].run(["hostctl", "operations", "--json"]).stdout)[-1]
+    op = json.loads(fleet.hosts["host-a"].run(["hostctl", "operations", "--json"]).stdout)["data"][-1]
     assert (op["kind"], op["state"]) == ("reload", "done"), op
     assert fleet.is_active("host-a") == 0 and fleet.http_status("host-a") == 200
     assert {name: fleet.gateway_pid(name) for name in gateways} == gateways

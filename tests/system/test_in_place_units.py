@@ -106,7 +106,7 @@ def test_manager_killed_during_an_in_place_reload_leaves_one_engine_on_one_confi
     assert active(host, MAIN) == "active" and active(host, NEXT) == "inactive"
     assert pids(host)[0] == before[0] and pids(host)[2] == before[2]  # recovered in place: no engine start
     running = running_limits(host)
-    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
+    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["data"]
     assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
     wait_for(lambda: (standby_health(host) or {}).get("engine_config") == running, timeout=120,
              what="the standby on the serving config")

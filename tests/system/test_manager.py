@@ -496,7 +496,7 @@ def test_manager_killed_mid_reload_ends_consistent_and_serving(served):
     wait_for(lambda: status_code(host) == 200, timeout=120, what="serving")
     running = json.loads(host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock",
                                    "http://engine/health"]).stdout)["engine_config"]
-    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
+    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["data"]
     assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # consistent either way
     assert "recovery:" in host.run(["journalctl", "-u", "hostd.service", "-o", "cat", "--no-pager"]).stdout
 

@@ -159,7 +159,7 @@ def test_manager_killed_during_the_overlap_ends_with_exactly_one_engine(host):
     wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=120, what="the second engine stopped")
     assert active(host, MAIN) == "active"
     running = running_limits(host)
-    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
+    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["data"]
     assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
 
 

@@ -488,6 +488,11 @@ def test_a_checkpoint_swap_under_three_streams_answers_no_503_and_loses_no_reque
                                                         check=False, timeout=1800), clients=3, model=NAME)
     print(f"checkpoint swap of real vLLM under load took {time.monotonic() - started:.0f} s: {counts}")
     assert result.returncode == 0, result.stdout + result.stderr
+    # Issue 55, item 4: while the swap's vLLM (the bridge) starts, hostctl's
+    # progress shows its start phases, relayed from vLLM's own log lines.
+    phases = [line for line in result.stderr.splitlines() if ": start-next (" in line and "engine: vllm starting: " in line]
+    assert phases, result.stderr
+    print("the bridge's start as hostctl showed it:\n" + "\n".join(phases))
     op = last_operation(host)
     assert (op["State"], op["Strategy"], op["WeightsReused"]) == ("done", "swap", False), op
     assert counts["refused"] == 0 and counts["lost"] == 0 and counts["completed"] > 0, counts

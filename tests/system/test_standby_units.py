@@ -206,7 +206,7 @@ def test_manager_killed_during_a_standby_reload_leaves_main_serving_one_config_a
     kill_manager_and_await_recovery(host)
     assert active(host, MAIN) == "active" and active(host, STANDBY) == "active"
     running = running_limits(host)
-    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)
+    on_disk = json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["data"]
     assert running["max_num_seqs"] == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
     wait_for(lambda: (standby_health(host) or {}).get("engine_config") == running, timeout=120,
              what="the standby on the serving config")

@@ -55,7 +55,7 @@ def models(host: SystemdContainer) -> dict:
 
 
 def on_disk(host: SystemdContainer) -> str:
-    return json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["model"]["value"]
+    return json.loads(hostctl(host, "config", "tiny", "--json", check=True).stdout)["data"]["model"]["value"]
 
 
 def serving_checkpoint(host: SystemdContainer) -> str:

@@ -169,13 +169,16 @@ def test_hostctl_status_overview_detail_json_and_exit_codes(host):
     weights_pid = host.systemctl("show", "-p", "MainPID", "--value", "model-weights@tiny.service").stdout.strip()
     assert f"Weights: retained by PID {weights_pid}" in detail.stdout
 
-    data = json.loads(hostctl(host, "status", "tiny", "--json=pretty").stdout)
+    document = json.loads(hostctl(host, "status", "tiny", "--json=pretty").stdout)
+    assert (document["version"], document["command"], document["ok"]) == (1, "status", True)
+    data = document["data"]
     assert data["weights_pid"] == int(weights_pid) and data["weights_retained"] is True
-    assert data["engine"]["max_num_seqs"] == 3 and data["last_operation"]["State"] == "done"
+    assert data["engine"]["max_num_seqs"] == 3 and data["last_operation"]["state"] == "done"
     assert set(data["units"]) >= {"model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service"}
     short = hostctl(host, "--json=short", "list").stdout
     assert short.count("\n") == 1
-    assert json.loads(short) == [{"name": "tiny", "state": "serving", "config_problem": ""}]
+    assert json.loads(short) == {"version": 1, "command": "list", "ok": True,
+                                  "data": [{"name": "tiny", "state": "serving", "config_problem": ""}]}
 
     # The model's D-Bus object tells a script the same without hostctl.
     props = host.busctl_json("get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model",
@@ -230,7 +233,7 @@ def test_hostctl_reload_check_says_what_would_change_and_changes_nothing(host):
     serving(host)
     host.write_file("/etc/hostd/models/tiny.d/40-strategy.yaml", "reload:\n  strategy: restart\n")
     host.systemctl("reload", "model@tiny.service", timeout=300)  # the engine runs the disk's config
-    running = json.loads(hostctl(host, "status", "tiny", "--json").stdout)["engine"]["max_num_seqs"]
+    running = json.loads(hostctl(host, "status", "tiny", "--json").stdout)["data"]["engine"]["max_num_seqs"]
     files = model_files(host)
     engine_pid = host.systemctl("show", "-p", "MainPID", "--value", "model-engine@tiny.service").stdout
     operations = json.loads(hostctl(host, "operations", "--json").stdout)
@@ -246,11 +249,13 @@ def test_hostctl_reload_check_says_what_would_change_and_changes_nothing(host):
     ], nobody.stdout
     checked = json.loads(hostctl(host, "reload", "--check", "tiny", f"max_num_seqs={running + 1}",
                                  "--json=short").stdout)
-    assert checked["ok"] is True and checked["outcome"] == "reload" and checked["strategy"] == "restart"
+    assert checked["ok"] is True
+    checked = checked["data"]
+    assert checked["outcome"] == "reload" and checked["strategy"] == "restart"
     assert checked["changes"] == {"max_num_seqs": {"old": running, "new": running + 1}}
     [answer] = host.busctl_json("call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "CheckReload",
                                 "sa{sv}", "tiny", "1", "max_num_seqs", "u", str(running + 1))["data"]
-    assert json.loads(answer) == {k: v for k, v in checked.items() if k != "ok"}
+    assert json.loads(answer) == checked
 
     refused = hostctl(host, "reload", "--check", "tiny", "max_num_seqs=0")
     assert refused.returncode == 1 and refused.stdout == ""
@@ -290,8 +295,8 @@ def test_hostctl_log_level_changes_a_running_engines_level_seen_in_the_journal_a
 
     changed = hostctl(host, "log-level", "tiny", "engine", "debug", "--json=short")
     assert changed.returncode == 0, changed.stderr
-    assert json.loads(changed.stdout) == [{"role": "engine", "unit": "model-engine@tiny.service",
-                                           "pid": engine_pid, "level": "debug"}]
+    assert json.loads(changed.stdout)["data"] == [{"role": "engine", "unit": "model-engine@tiny.service",
+                                                   "pid": engine_pid, "level": "debug"}]
     wait_for(lambda: "log level debug (was info), set by a signal (hostctl log-level)" in engine_lines("6"),
              timeout=30, what="the engine saying it logs at debug")
     greedy(host)
@@ -309,3 +314,62 @@ def test_hostctl_log_level_changes_a_running_engines_level_seen_in_the_journal_a
              timeout=30, what="the engine back at info")
     assert {unit: main_pid(host, unit) for unit in units} == before
     assert hostctl(host, "log-level", "tiny", "loud").returncode == 2
+
+
+def engine_runs(host: SystemdContainer) -> int:
+    health = host.run(["curl", "-s", "--unix-socket", "/run/hostd/tiny/engine.sock", "http://engine/health"]).stdout
+    return json.loads(health)["engine_config"]["max_num_seqs"]
+
+
+def test_hostctl_show_revert_no_block_and_is_failed_as_their_systemctl_namesakes(host):
+    """Issue 55, item 2 (acceptance 1): `show -p State --value` prints what
+    busctl reads; `revert` removes the manager's 90-reload.yaml and a rollback
+    pin and reloads the administrator's files, saying what it removed;
+    `restart --no-block` returns at once, printing nothing, while the restart
+    runs; `is-failed` exits 0 only while the model failed (its gateway
+    killed: model@tiny.service failed until the socket starts it again)."""
+    serving(host)
+    shown = hostctl(host, "show", "tiny", "-p", "State", "--value")
+    assert (shown.returncode, shown.stdout) == (0, "serving\n"), shown.stderr
+    state = host.run(["busctl", "get-property", "org.hostd1", "/org/hostd1/model/tiny", "org.hostd1.Model",
+                      "State"]).stdout
+    assert state.strip() == 's "serving"'
+    everything = hostctl(host, "show", "tiny").stdout.splitlines()
+    assert "Name=tiny" in everything and "Backend=builtin" in everything and everything == sorted(everything)
+
+    # revert: a reload's value and a pin, then the administrator's own max_num_seqs (4) again.
+    dropins = "/etc/hostd/models/tiny.d"
+    host.run(["hostctl", "reload", "tiny", "max_num_seqs=3"], timeout=300)
+    host.write_file(f"{dropins}/99-rollback.yaml", "# pinned by hand for this test\nengine:\n  max_num_seqs: 3\n")
+    assert engine_runs(host) == 3
+    reverted = hostctl(host, "revert", "tiny")
+    assert reverted.returncode == 0, reverted.stderr
+    assert reverted.stdout.startswith("revert tiny: done")
+    assert f"revert removed {dropins}/90-reload.yaml, {dropins}/99-rollback.yaml" in reverted.stdout
+    listing = host.run(["ls", dropins]).stdout.split()
+    assert "90-reload.yaml" not in listing and "99-rollback.yaml" not in listing, listing
+    assert engine_runs(host) == 4
+
+    # --no-block: asked for and returned; the operation runs on.
+    engine = main_pid(host, "model-engine@tiny.service")
+    started = time.monotonic()
+    quick = hostctl(host, "restart", "--no-block", "tiny")
+    returned = time.monotonic() - started
+    assert (quick.returncode, quick.stdout) == (0, ""), quick.stderr
+    last = json.loads(hostctl(host, "operations", "--json").stdout)["data"][-1]
+    assert last["kind"] == "restart" and last["model"] == "tiny"
+    wait_for(lambda: json.loads(hostctl(host, "operations", "--json").stdout)["data"][-1]["state"] == "done",
+             timeout=300, what="the restart done")
+    wait_for(lambda: status_code(host) == 200, timeout=120, what="serving after the restart")
+    assert main_pid(host, "model-engine@tiny.service") != engine
+    print(f"restart --no-block returned after {returned:.2f} s")
+
+    # is-failed
+    alive = hostctl(host, "is-failed", "tiny")
+    assert (alive.returncode, alive.stdout) == (1, "serving\n")
+    host.run(["kill", "-9", str(main_pid(host, "model@tiny.service"))])
+    wait_for(lambda: hostctl(host, "is-failed", "-q", "tiny").returncode == 0, timeout=60, what="is-failed")
+    assert hostctl(host, "is-failed", "tiny").stdout == "failed\n"
+    assert hostctl(host, "is-active", "tiny").returncode == 3
+    assert httpx.get(host.base_url + "/v1/models", timeout=120).status_code in (200, 503)  # the socket starts it
+    wait_for(lambda: hostctl(host, "is-failed", "-q", "tiny").returncode == 1, timeout=60, what="not failed")

@@ -85,6 +85,12 @@ class FakeBus:
         for handler in list(self.handlers):
             handler(msg)
 
+    def set_status(self, name: str, text: str) -> None:
+        """NAME's STATUS= (sd_notify) changed, as systemd says it: StatusText."""
+        self.unit(name)["StatusText"] = text
+        self.emit(unit_path(name), PROPERTIES, "PropertiesChanged", "sa{sv}as",
+                  ["org.freedesktop.systemd1.Unit", {"StatusText": Variant("s", text)}, []])
+
     def set_state(self, name: str, state: str) -> None:
         self.unit(name)["ActiveState"] = state
         self.emit(unit_path(name), PROPERTIES, "PropertiesChanged", "sa{sv}as",

@@ -29,6 +29,11 @@ exit 2
 """
 
 
+def document(command: str, ok: bool, data: dict) -> str:
+    """hostctl's --json document (hostd/hostctl_output.py, JSON_VERSION 1)."""
+    return json.dumps({"version": 1, "command": command, "ok": ok, "data": data})
+
+
 @pytest.fixture
 def hostctl(tmp_path: Path):
     """A stand-in hostctl; .answer(...) sets what status and reload print."""
@@ -44,11 +49,12 @@ def hostctl(tmp_path: Path):
 
         def answer(self, *, state="serving", status_rc=0, reload=None, reload_rc=0, reload_err="",
                    verdict=None, verdict_rc=0):
-            files["status"].write_text(json.dumps({"state": state, "engine": {"max_model_len": None}}))
-            files["verdict"].write_text(json.dumps(verdict) if verdict is not None else "")
+            files["status"].write_text(document("status", status_rc == 0,
+                                                {"state": state, "engine": {"max_model_len": None}}))
+            files["verdict"].write_text(document("reload", verdict_rc == 0, verdict) if verdict is not None else "")
             files["verdict_rc"].write_text(str(verdict_rc))
             files["status_rc"].write_text(str(status_rc))
-            files["reload"].write_text(json.dumps(reload) if reload is not None else "")
+            files["reload"].write_text(document("reload", reload_rc == 0, reload) if reload is not None else "")
             files["reload_rc"].write_text(str(reload_rc))
             files["reload_err"].write_text(reload_err)
 
@@ -69,7 +75,7 @@ def run_module(tmp_path: Path, hostctl, *, check: bool = False, **args) -> dict:
 
 
 def test_a_reload_that_ends_done_is_changed_and_passes_typed_values(tmp_path, hostctl):
-    hostctl.answer(reload={"State": "done", "Strategy": "overlap", "Error": "", "Notes": []})
+    hostctl.answer(reload={"state": "done", "strategy": "overlap", "error": "", "notes": []})
     result = run_module(tmp_path, hostctl)
     assert result["changed"] is True and not result.get("failed"), result
     assert result["msg"] == "tiny: reload done (strategy overlap)"
@@ -77,7 +83,7 @@ def test_a_reload_that_ends_done_is_changed_and_passes_typed_values(tmp_path, ho
 
 
 def test_a_reload_the_manager_finds_unchanged_is_ok_not_changed(tmp_path, hostctl):
-    hostctl.answer(reload={"State": "unchanged", "Strategy": "", "Error": "", "Notes": []})
+    hostctl.answer(reload={"state": "unchanged", "strategy": "", "error": "", "notes": []})
     result = run_module(tmp_path, hostctl)
     assert result["changed"] is False and not result.get("failed"), result
     assert result["msg"] == "tiny: reload unchanged"
@@ -85,7 +91,7 @@ def test_a_reload_the_manager_finds_unchanged_is_ok_not_changed(tmp_path, hostct
 
 @pytest.mark.parametrize("state", ["rolled-back", "failed", "cancelled"])
 def test_a_reload_that_does_not_end_done_or_unchanged_fails_the_task_with_its_error(tmp_path, hostctl, state):
-    hostctl.answer(reload={"State": state, "Strategy": "overlap", "Error": "engine refused"}, reload_rc=1)
+    hostctl.answer(reload={"state": state, "strategy": "overlap", "error": "engine refused"}, reload_rc=1)
     result = run_module(tmp_path, hostctl)
     assert result["failed"] is True and result["state"] == state, result
     assert result["msg"] == f"tiny: reload {state} (strategy overlap): engine refused"
@@ -107,7 +113,7 @@ def test_a_model_that_does_not_serve_is_not_reloaded(tmp_path, hostctl):
 
 
 def test_check_mode_reports_the_managers_verdict_and_calls_no_reload(tmp_path, hostctl):
-    hostctl.answer(verdict={"ok": True, "outcome": "reload", "strategy": "overlap", "reason": "a second engine fits",
+    hostctl.answer(verdict={"outcome": "reload", "strategy": "overlap", "reason": "a second engine fits",
                             "changes": {"max_model_len": {"old": None, "new": 384}}, "notes": []})
     result = run_module(tmp_path, hostctl, check=True)
     assert result["changed"] is True and result["state"] == "would-reload", result
@@ -117,14 +123,14 @@ def test_check_mode_reports_the_managers_verdict_and_calls_no_reload(tmp_path, h
 
 
 def test_check_mode_of_limits_the_engine_runs_already_is_ok(tmp_path, hostctl):
-    hostctl.answer(verdict={"ok": True, "outcome": "unchanged", "reason": "the engine runs these limits already",
+    hostctl.answer(verdict={"outcome": "unchanged", "reason": "the engine runs these limits already",
                             "changes": {}})
     result = run_module(tmp_path, hostctl, check=True)
     assert result["changed"] is False and not result.get("failed"), result
 
 
 def test_check_mode_fails_on_a_reload_the_manager_would_refuse(tmp_path, hostctl):
-    hostctl.answer(verdict={"ok": False, "outcome": "refused", "message": "engine.max_num_seqs: expected `int` >= 1"},
+    hostctl.answer(verdict={"outcome": "refused", "message": "engine.max_num_seqs: expected `int` >= 1"},
                    verdict_rc=1)
     result = run_module(tmp_path, hostctl, check=True)
     assert result["failed"] is True and "would be refused" in result["msg"], result
@@ -151,3 +157,13 @@ def test_ansible_doc_reads_the_modules_documentation_examples_and_return(tmp_pat
     assert doc["doc"]["options"]["set"]["type"] == "dict" and doc["doc"]["options"]["name"]["required"] is True
     assert "hostd_reload:" in doc["examples"]
     assert {"msg", "state", "strategy", "error", "changes"} <= set(doc["return"]), doc["return"]
+
+
+def test_a_hostctl_of_another_json_version_is_not_read(tmp_path, hostctl):
+    """The module reads hostctl's JSON version 1 only: another version's
+    document fails the task rather than being misread."""
+    hostctl.answer()
+    (Path(hostctl.path).parent / "status").write_text(json.dumps({"version": 2, "command": "status", "ok": True,
+                                                                   "data": {"state": "serving"}}))
+    result = run_module(tmp_path, hostctl)
+    assert result["failed"] is True and "hostctl status tiny failed" in result["msg"], result

@@ -248,3 +248,54 @@ def test_an_upstream_engine_refuses_a_weight_daemon_of_another_checkpoint(tmp_pa
     problem = checkpoint_problem(cfg, held("/srv/ckpt/old"), Path("/run/hostd/m/weights.sock"))
     assert problem.startswith(f"the weight daemon at /run/hostd/m/weights.sock holds /srv/ckpt/old, but model: "
                               f"names {Path(cfg.model).resolve()}")
+
+
+VLLM_START = (  # vLLM 0.32's stderr as it starts, a progress bar redrawn with carriage returns
+    b"INFO 12-04 22:00:00 [cpu_model_runner.py:68] Starting to load model /m...\n"
+    b"Loading safetensors checkpoint shards:   0% Completed | 0/2 [00:00<?, ?it/s]\r"
+    b"Loading safetensors checkpoint shards:  50% Completed | 1/2 [00:01<00:01, 1.0it/s]\r"
+    b"Loading safetensors checkpoint shards: 100% Completed | 2/2 [00:02<00:00, 1.0it/s]\n"
+    b"INFO 12-04 22:00:03 [api_server.py:1] a line that names no phase\n"
+    b"INFO 12-04 22:00:04 [core.py:386] init engine (profile, create kv cache, warmup model) took 4.20 s"
+)
+
+
+def test_the_upstream_supervisor_relays_its_start_phases_to_status_and_its_stderr_unchanged(tmp_path, monkeypatch,
+                                                                                          capfd):
+    """Issue 55, item 4: while upstream starts, each phase line (the backend's
+    phase_lines) becomes the supervisor's STATUS=, from the phase's words on;
+    a progress bar's redraws (carriage returns) are lines too, a new phase
+    goes at once and a redraw of the same one at most every PHASE_STATUS_S;
+    other lines are not relayed, the stderr passes through byte for byte,
+    and once the server serves nothing is relayed any more."""
+    import sys
+
+    from hostd import systemd
+    from hostd.engine import upstream as supervisor
+
+    sent: list[str] = []
+    monkeypatch.setattr(systemd, "status", sent.append)
+    cfg = make(tmp_path, "vllm", device="cpu")
+    engine = supervisor.EngineSupervisor("m", cfg, backends.for_config(cfg), tmp_path / "engine.sock", (1, 2))
+
+    async def run(data: bytes) -> None:
+        engine.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; sys.stderr.buffer.write(sys.stdin.buffer.read())",
+            stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        engine.proc.stdin.write(data)
+        engine.proc.stdin.close()
+        await engine.stderr.copy(engine.proc.stderr)
+        await engine.proc.wait()
+
+    asyncio.run(run(VLLM_START))
+    assert sent[0] == "vllm starting: Starting to load model /m..."
+    assert sent[1] == "vllm starting: Loading safetensors checkpoint shards:   0% Completed | 0/2 [00:00<?, ?it/s]"
+    assert sent[-1] == "vllm starting: init engine (profile, create kv cache, warmup model) took 4.20 s"
+    assert len(sent) <= 5 and not any("names no phase" in s for s in sent), sent  # redraws within 0.5 s: one
+    assert capfd.readouterr().err.encode() == VLLM_START
+    assert engine.stderr.tail[-1].endswith("took 4.20 s") and len(engine.stderr.tail) == 6
+
+    sent.clear()
+    engine.stderr.starting = False  # READY=1 sent: STATUS= is the supervisor's own from here on
+    asyncio.run(run(VLLM_START))
+    assert sent == []

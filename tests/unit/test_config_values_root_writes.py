@@ -428,7 +428,7 @@ def test_the_policy_ships_the_actions_the_manager_asks_for_and_no_other():
     assert set(re.findall(r'<action id="([^"]+)">', policy)) == set(api.ACTIONS) == {
         "org.hostd1.reload", "org.hostd1.manage", "org.hostd1.log-level"}
     asked = "".join(p.read_text() for p in (root / "hostd/manager").glob("*.py"))
-    assert asked.count("@admin(api.RELOAD_ACTION)") == 3 and "@admin(api.MANAGE_ACTION)" in asked
+    assert asked.count("@admin(api.RELOAD_ACTION)") == 4 and "@admin(api.MANAGE_ACTION)" in asked  # Revert too
     assert asked.count("@admin(api.LOG_LEVEL_ACTION)") == 1
 
 

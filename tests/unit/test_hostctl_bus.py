@@ -5,8 +5,11 @@ while waiting for a reload says the reload goes on and how to cancel it."""
 from __future__ import annotations
 
 import io
+import json
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hostd import hostctl, hostctl_bus
@@ -155,7 +158,7 @@ class StateClient(FakeClient):
 
 @pytest.mark.parametrize("state, code", [
     ("serving", 0), ("reloading", 0),
-    ("engine-down", 3), ("degraded", 3), ("paused", 3), ("starting", 3), ("stopping", 3), ("stopped", 3),
+    ("engine-down", 3), ("degraded", 3), ("paused", 3), ("starting", 3), ("stopping", 3), ("stopped", 3), ("failed", 3),
     ("unknown", 3),
 ])
 def test_is_active_and_status_exit_3_unless_the_model_serves(state, code, monkeypatch, capsys):
@@ -207,8 +210,8 @@ def test_log_level_with_a_role_goes_to_it_alone_and_prints_json(monkeypatch, cap
     client = FakeClient()
     monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
     assert hostctl.main(["log-level", "tiny", "engine", "warning", "--json=short"]) == 0
-    assert capsys.readouterr().out == ('[{"level":"warning","pid":102,"role":"engine",'
-                                       '"unit":"model-engine@tiny.service"}]\n')
+    assert capsys.readouterr().out == ('{"command":"log-level","data":[{"level":"warning","pid":102,"role":"engine",'
+                                       '"unit":"model-engine@tiny.service"}],"ok":true,"version":1}\n')
     assert client.calls == ["set_log_level tiny 'engine' warning"]
 
 
@@ -236,3 +239,155 @@ def test_the_man_page_documents_log_level_and_that_a_restart_reads_hostd_yaml_ag
     assert "COMMAND 'hostctl log-level'" in page.replace("\\fI\\,", "").replace("\\/\\fR", "")
     assert "NAME [ROLE] LEVEL" in page and "gateway, engine (every engine slot), weights or manager" in page
     assert "hostd.yaml's log_level" in page.replace("\n", " ")
+
+
+# ---------------------------------------------------------------- systemctl's verbs (issue 55, item 2)
+
+
+@pytest.mark.parametrize("state, code", [("failed", 0), ("serving", 1), ("engine-down", 1), ("stopped", 1)])
+def test_is_failed_prints_the_state_and_exits_0_only_when_the_model_failed(state, code, monkeypatch, capsys):
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: StateClient(state))
+    assert hostctl.main(["is-failed", "m"]) == code
+    assert capsys.readouterr().out == f"{state}\n"
+    assert hostctl.main(["is-failed", "-q", "m"]) == code
+    assert capsys.readouterr().out == ""
+
+
+class PropertiesClient(StateClient):
+    def model_properties(self, name: str) -> dict:
+        return {"Name": name, "State": "serving", "InFlight": 3, "WeightsRetained": True, "Standby": False,
+                "Units": ["model@m.service", "model-engine@m.service"], "Config": '{"engine": {"max_num_seqs": 4}}',
+                "GpuMemory": [[0, 100, 200]], "EngineStatus": "serving: 0 running"}
+
+
+def test_show_prints_the_models_properties_as_systemctl_show_does(monkeypatch, capsys):
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: PropertiesClient("serving"))
+    assert hostctl.main(["show", "m"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        'Config={"engine": {"max_num_seqs": 4}}', "EngineStatus=serving: 0 running", "GpuMemory=[[0,100,200]]",
+        "InFlight=3", "Name=m", "Standby=no", "State=serving", "Units=model@m.service model-engine@m.service",
+        "WeightsRetained=yes"]
+    assert hostctl.main(["show", "m", "-p", "State", "--value"]) == 0
+    assert capsys.readouterr().out == "serving\n"
+    # Repeated or comma-separated; a property the model lacks prints nothing (systemctl's way).
+    assert hostctl.main(["show", "m", "-p", "InFlight,Bogus", "-p", "Standby"]) == 0
+    assert capsys.readouterr().out == "InFlight=3\nStandby=no\n"
+    assert hostctl.main(["show", "m", "-p", "Units", "--json=short"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"version": 1, "command": "show", "ok": True,
+                                                   "data": {"units": ["model@m.service", "model-engine@m.service"]}}
+
+
+class VerbClient(StateClient):
+    def __init__(self, state: str, ends: str = "done"):
+        super().__init__(state)
+        self.ends, self.calls, self.statuses = ends, [], []
+
+    def _verb(self, verb: str, name: str, wait: bool, on_change=None) -> dict:
+        self.calls.append(f"{verb} {name} wait={wait}")
+        for status in (self.statuses if wait else ()):
+            on_change({"EngineStatus": status})
+        path = {"path": "/org/hostd1/operation/9"}
+        return path if not wait else {**path, "State": self.ends, "Error": "" if self.ends == "done" else "it broke",
+                                      "Notes": ["revert removed /etc/hostd/models/m.d/99-rollback.yaml"]}
+
+    def start(self, name: str, wait: bool = True, on_change=None) -> dict:
+        return self._verb("start", name, wait, on_change)
+
+    def revert(self, name: str, wait: bool = True, on_change=None) -> dict:
+        return self._verb("revert", name, wait, on_change)
+
+
+def test_no_block_asks_and_returns_and_revert_says_what_it_removed(monkeypatch, capsys):
+    client = VerbClient("stopped")
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
+    assert hostctl.main(["start", "--no-block", "m"]) == 0
+    assert capsys.readouterr().out == ""  # as systemctl --no-block: nothing to say
+    assert hostctl.main(["revert", "m"]) == 0
+    assert capsys.readouterr().out == "revert m: done; revert removed /etc/hostd/models/m.d/99-rollback.yaml\n"
+    assert client.calls == ["start m wait=False", "revert m wait=True"]
+    client.ends = "rolled-back"
+    assert hostctl.main(["revert", "m"]) == 1
+    assert capsys.readouterr().err.startswith("revert m: rolled-back: it broke")
+
+
+# ---------------------------------------------------------------- one JSON shape (issue 55, item 2)
+
+
+class EveryVerbClient(VerbClient):
+    """Answers every call a --json command makes."""
+
+    def operations(self) -> list[dict]:
+        return [{"id": 9, "model": "m", "kind": "reload", "state": "done", "stage": "finished",
+                 "path": "/org/hostd1/operation/9"}]
+
+    def check_reload(self, name: str, patch: dict) -> dict:
+        return {"model": name, "outcome": "reload", "strategy": "restart", "reason": "reload.strategy is restart",
+                "changes": {"max_num_seqs": {"old": 4, "new": 5}}, "notes": []}
+
+    def reload(self, name: str, patch: dict, wait: bool = True, on_change=None) -> dict:
+        return {"path": "/org/hostd1/operation/9"}
+
+    def wait(self, path: str, on_change=None) -> dict:
+        return {"State": "done", "Id": 9, "Strategy": "restart", "WeightsReused": True, "CreatedUSec": 1,
+                "FinishedUSec": 2, "Error": "", "Notes": []}
+
+    def stop(self, name: str, wait: bool = True, on_change=None) -> dict:
+        return self._verb("stop", name, wait, on_change)
+
+    def restart(self, name: str, wait: bool = True, on_change=None) -> dict:
+        return self._verb("restart", name, wait, on_change)
+
+    def operation(self, path: str) -> dict:
+        return {"Id": 9, "Kind": "reload", "State": "done", "Stage": "finished", "Strategy": "restart",
+                "Error": "", "WeightsReused": True, "CreatedUSec": 1, "FinishedUSec": 2, "Stages": [],
+                "Cancellable": False}
+
+    def model(self, name: str) -> dict:
+        return {**super().model(name), "LastOperation": "/org/hostd1/operation/9", "EnginePID": 102}
+
+
+SNAKE = re.compile(r"[a-z][a-z0-9_.]*")  # config's keys are dotted YAML paths
+
+
+@pytest.mark.parametrize("argv", [
+    ["list"], ["status"], ["status", "m"], ["operations"], ["reload", "m", "max_num_seqs=5"],
+    ["reload", "--check", "m", "max_num_seqs=5"], ["start", "m"], ["stop", "--no-block", "m"], ["restart", "m"],
+    ["revert", "m"], ["log-level", "m", "debug"], ["show", "m"], ["show", "m", "-p", "State"],
+    ["config", "tiny"], ["config", "--check"],
+])
+@pytest.mark.parametrize("mode", ["short", "pretty"])
+def test_every_json_output_is_one_versioned_document_with_snake_case_keys(argv, mode, tmp_path, monkeypatch, capsys):
+    """Every `--json` command prints hostctl_output.JsonDocument (version 1:
+    version, command, ok, data), and the keys of its data (and of each item
+    of a list) are snake_case; `logs --json` is journalctl's own and not here."""
+    from hostd.hostctl_output import JSON_VERSION, JsonDocument
+
+    (tmp_path / "models/tiny.d").mkdir(parents=True)
+    (tmp_path / "models/tiny.yaml").write_text("backend: builtin\nmodel: /srv/tiny\nengine: {max_num_seqs: 3}\n")
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: PropertiesClient("serving") if argv[0] == "show"
+                        else EveryVerbClient("serving"))
+    code = hostctl.main([f"--json={mode}", "--config-dir", str(tmp_path), *argv])
+    out = capsys.readouterr().out
+    document = msgspec.json.decode(out.encode(), type=JsonDocument)
+    assert (document.version, document.command, document.ok) == (JSON_VERSION, argv[0], code == 0), out
+    rows = document.data if isinstance(document.data, list) else [document.data]
+    for row in rows:
+        assert isinstance(row, dict) and all(SNAKE.fullmatch(key) for key in row), (argv, row)
+    if argv == ["status", "m"]:
+        assert all(SNAKE.fullmatch(key) for key in document.data["last_operation"]), document.data
+
+
+def test_start_shows_the_engines_status_lines_while_it_waits(monkeypatch, capsys):
+    """Issue 55, item 4: `hostctl start` prints each new STATUS= of the engine
+    it waits on (upstream's start phases, relayed by the supervisor), once."""
+    client = VerbClient("stopped")
+    client.statuses = ["vllm engine starting on weights pid 7", "vllm starting: Loading safetensors checkpoint shards: 1/2",
+                       "vllm starting: Loading safetensors checkpoint shards: 1/2", "serving tiny (vllm)"]
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: client)
+    assert hostctl.main(["start", "m"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["start m: engine: vllm engine starting on weights pid 7",
+                   "start m: engine: vllm starting: Loading safetensors checkpoint shards: 1/2",
+                   "start m: engine: serving tiny (vllm)"]
+    assert hostctl.main(["start", "m", "--json=short"]) == 0
+    assert capsys.readouterr().err == ""

@@ -47,8 +47,9 @@ def test_a_bad_candidate_is_refused_naming_the_candidate_its_line_and_key(tmp_pa
     candidate.write_text("engine:\n  max_num_seqs: lots\n")
     dropin = hostctl("--config-dir", str(root), "config", "--check", "--json=short",
                      "--file", str(candidate), "--as", "tiny.d/70-x.yaml")
-    data = json.loads(dropin.stdout)
-    assert dropin.returncode == 1 and data["ok"] is False and data["models"] == ["tiny"]
+    document = json.loads(dropin.stdout)
+    data = document["data"]
+    assert dropin.returncode == 1 and document["ok"] is False and data["models"] == ["tiny"]
     assert [(p["file"], p["line"], p["key"]) for p in data["problems"]] == [
         (str(candidate), 2, "engine.max_num_seqs")]
 
@@ -76,8 +77,8 @@ def test_check_json_on_a_good_tree(tmp_path: Path):
     make_tree(tmp_path)
     result = hostctl("config", "--check", "--json=short", "--config-dir", str(tmp_path))
     assert result.returncode == 0
-    assert json.loads(result.stdout) == {"ok": True, "root": str(tmp_path), "models": ["tiny"], "warnings": [],
-                                         "problems": []}
+    assert json.loads(result.stdout) == {"version": 1, "command": "config", "ok": True, "data": {
+        "root": str(tmp_path), "models": ["tiny"], "warnings": [], "problems": []}}
 
 
 def test_two_models_on_one_listen_address_are_refused_naming_both(tmp_path: Path):
@@ -97,7 +98,7 @@ def test_a_gpu_promised_more_than_it_holds_is_refused(tmp_path: Path):
             f"backend: vllm\nmodel: /srv/{name}\nlisten: 127.0.0.1:{port}\ngpus: [0]\n"
             f"engine:\n  gpu_memory_utilization: {fraction}\n")
     result = hostctl("--config-dir", str(tmp_path), "config", "--check", "--json")
-    problems = json.loads(result.stdout)["problems"]
+    problems = json.loads(result.stdout)["data"]["problems"]
     assert result.returncode == 1
     assert [p["key"] for p in problems] == ["gpus"], problems
     assert "GPU 0 is promised 1.10 of its memory (a gpu_memory_utilization=0.6, b gpu_memory_utilization=0.5)" \

@@ -38,7 +38,7 @@ def test_config_json_and_environment_override(tmp_path: Path, monkeypatch):
     make_tree(tmp_path)
     monkeypatch.setenv("HOSTD_CONFIG_DIR", str(tmp_path))
     result = hostctl("config", "tiny", "--json")
-    data = json.loads(result.stdout)
+    data = json.loads(result.stdout)["data"]
     assert data["engine.max_num_seqs"] == {
         "value": 3, "origin": str(tmp_path / "models/tiny.d/50-limits.yaml")}
 

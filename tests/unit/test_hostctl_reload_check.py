@@ -84,11 +84,11 @@ def test_an_unchanged_check_says_unchanged_and_exits_0(client, capsys):
 
 
 @pytest.mark.parametrize("mode", ["short", "pretty"])
-def test_json_is_the_managers_answer_with_ok(client, capsys, mode):
+def test_json_is_the_managers_answer_in_hostctls_document(client, capsys, mode):
     client(answer=WOULD)
     assert hostctl.main([f"--json={mode}", "reload", "--check", "tiny", "max_num_seqs=8"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out) == {"ok": True, **WOULD}
+    assert json.loads(out) == {"version": 1, "command": "reload", "ok": True, "data": WOULD}
     assert (out.count("\n") == 1) == (mode == "short")
 
 
@@ -106,8 +106,8 @@ def test_a_refusal_exits_as_the_reload_would_with_its_message(client, capsys, er
     assert out.err == f"hostctl: {error.rsplit('.', 1)[1]}: {message}\n"
     assert hostctl.main(["reload", "--check", "tiny", "max_num_seqs=0", "--json=short"]) == code
     out = capsys.readouterr()
-    assert json.loads(out.out) == {"model": "tiny", "ok": False, "outcome": "refused", "patch": {"max_num_seqs": 0},
-                                   "error": error, "message": message}
+    assert json.loads(out.out) == {"version": 1, "command": "reload", "ok": False, "data": {
+        "model": "tiny", "outcome": "refused", "patch": {"max_num_seqs": 0}, "error": error, "message": message}}
     assert out.err == f"hostctl: {error.rsplit('.', 1)[1]}: {message}\n"  # the one line as well
 
 

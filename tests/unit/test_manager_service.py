@@ -67,10 +67,16 @@ def test_state_follows_unit_signals_and_is_right_as_a_reload_ends(world, monkeyp
         assert model.state == "paused"
         model.refresh(0, "serving")
         assert model.state == "serving"
-        world.bus.set_state(units.engine("tiny"), "failed")
+        world.bus.set_state(units.engine("tiny"), "inactive")
         assert model.state == "engine-down"
+        world.bus.set_state(units.engine("tiny"), "failed")  # past its restarts (hostctl is-failed)
+        assert model.state == "failed"
         world.bus.set_state(units.umbrella("tiny"), "deactivating")
         assert model.state == "stopping"
+        world.bus.set_state(units.umbrella("tiny"), "failed")
+        assert model.state == "failed"
+        world.bus.set_state(units.umbrella("tiny"), "inactive")
+        assert model.state == "stopped"
 
     asyncio.run(go())
 
@@ -228,6 +234,12 @@ def test_mutating_methods_check_the_caller(world):
             await call(manager.models["tiny"].SetLogLevel, "", "debug")
         assert denied.value.type == api.ACCESS_DENIED
         assert world.bus.kills == []
+        pin = world.dropin.with_name("99-rollback.yaml")
+        pin.parent.mkdir(exist_ok=True)
+        pin.write_text("engine: {max_num_seqs: 2}\n")
+        with pytest.raises(DBusError) as denied:
+            await call(manager.Revert, "tiny")
+        assert denied.value.type == api.ACCESS_DENIED and pin.exists()
 
     asyncio.run(go())
 
@@ -248,10 +260,11 @@ def test_access_says_what_the_caller_may_do_as_the_mutating_methods_would_decide
         assert set(answer) == {*api.ACTIONS, *api.VERB_ACTIONS} and all(answer.values()), answer
         manager.authority.require = require
         assert await call(manager.Access, "tiny") == {
-            "reload": "", "start": refused, "stop": "", "restart": refused, "cancel": refused, "log-level": "",
-            api.RELOAD_ACTION: "", api.MANAGE_ACTION: refused, api.LOG_LEVEL_ACTION: ""}
+            "reload": "", "revert": "", "start": refused, "stop": "", "restart": refused, "cancel": refused,
+            "log-level": "", api.RELOAD_ACTION: "", api.MANAGE_ACTION: refused, api.LOG_LEVEL_ACTION: ""}
         # polkit asked as each method asks it: its action and its verb
         assert asked == [(api.RELOAD_ACTION, {"model": "tiny", "verb": "reload"}),
+                         (api.RELOAD_ACTION, {"model": "tiny", "verb": "revert"}),
                          (api.MANAGE_ACTION, {"model": "tiny", "verb": "start"}),
                          (api.MANAGE_ACTION, {"model": "tiny", "verb": "stop"}),
                          (api.MANAGE_ACTION, {"model": "tiny", "verb": "restart"}),
@@ -481,3 +494,71 @@ def test_a_deeply_nested_json_patch_is_invalid_value_with_no_traceback_in_the_jo
         asyncio.run(go())
     assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_revert_removes_the_managers_dropins_then_reloads_and_a_refused_one_puts_them_back(world, monkeypatch):
+    """Issue 55, item 2 (hostctl revert): 90-reload.yaml and the rollback pin
+    go, a reload of the administrator's files runs and its first note names
+    them; refused at its check (the administrator's own drop-in does not
+    load here), both files are back byte for byte and the model is not busy."""
+    monkeypatch.setattr(model_bus, "Probe", lambda name: world.probe)
+
+    async def go():
+        manager = await manager_of(world)
+        pin = world.dropin.with_name("99-rollback.yaml")
+        pin.parent.mkdir(exist_ok=True)
+        world.dropin.write_text("engine: {max_num_seqs: 3}\n")
+        pin.write_text("# pinned\nengine: {max_num_seqs: 2}\n")
+        model = manager.models["tiny"]
+        broken = world.dropin.with_name("50-admin.yaml")
+        broken.write_text("engine: {max_num_seqs: lots}\n")  # the administrator's own file, not loadable
+        async def allowed(action, details):  # polkit says yes
+            pass
+
+        manager.authority.require = allowed
+        with pytest.raises(DBusError) as refused:
+            await call(manager.Revert, "tiny")
+        assert refused.value.type == api.error_name("InvalidValue") and "max_num_seqs" in refused.value.text
+        assert world.dropin.read_text() == "engine: {max_num_seqs: 3}\n" and pin.read_text() == "# pinned\nengine: {max_num_seqs: 2}\n"
+        assert model.busy() is None
+        broken.unlink()
+
+        path = await call(manager.Revert, "tiny")
+        op = model.active.op
+        assert not world.dropin.exists() and not pin.exists()
+        assert op.notes[0] == f"revert removed {world.dropin}, {pin}"
+        await asyncio.gather(*kept_tasks())
+        assert path == api.operation_path(op.id) and op.state.value in ("done", "unchanged"), (op.state, op.error)
+        assert not world.dropin.exists() and not pin.exists()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("strategy, stage, unit", [
+    ("overlap", "start-next", "model-engine-next@tiny.service"),
+    ("swap", "load-next", "model-weights-next@tiny.service"),
+    ("swap", "start-next", "model-engine-swap@tiny.service"),
+    ("standby", "rebuild", "model-engine-standby@tiny.service"),
+    ("in-place", "rebuild", "model-engine@tiny.service"),
+    ("restart", "restart", "model-engine@tiny.service"),
+])
+def test_an_operations_engine_status_is_the_status_of_the_unit_its_stage_waits_on(world, strategy, stage, unit):
+    """Issue 55, item 4: Operation.EngineStatus follows the engine the current
+    stage waits on (the bridge, the swap's daemon and engine, the standby),
+    not the main engine alone; each of those units' STATUS= changes reach
+    the operation's watchers as PropertiesChanged."""
+    from hostd.manager.operation import Stage
+    from hostd.manager.operation_bus import OperationInterface
+
+    async def go():
+        manager = await manager_of(world)
+        assert unit in service.watched_units(manager.models["tiny"])
+        op = R.Operation(id=5, model="tiny", patch={})
+        op.strategy, op.stage = type("Chosen", (), {"name": strategy})(), Stage(stage)
+        iface = OperationInterface(op, "reload", world.systemd, manager.authority)
+        assert iface.waited_unit() == unit
+        await world.systemd.properties(unit)  # tracked, as a strategy's start of it tracks it
+        world.bus.set_status(unit, "vllm starting: Capturing CUDA graphs")  # the unit's STATUS=, by signal
+        assert iface.engine_status() == "vllm starting: Capturing CUDA graphs"
+
+    asyncio.run(go())

@@ -7,8 +7,9 @@ nothing else: `hostctl status NAME --json=short` (does the model serve),
 manager's validation and preflight, nothing changed) and `hostctl reload NAME
 KEY=VALUE... --json=short` for the reload (the manager decides `unchanged`
 when the engine runs these limits already). It trusts
-hostctl's JSON and exit codes (docs/operations.md) and refuses a host whose
-model does not serve: reloading it would prove nothing about the fleet.
+hostctl's JSON (its documents of version 1: another version fails the task,
+docs/dbus-api.md) and exit codes, and refuses a host whose model does not
+serve: reloading it would prove nothing about the fleet.
 """
 
 from __future__ import annotations
@@ -109,20 +110,27 @@ from ansible.module_utils.basic import AnsibleModule
 SUCCESS_STATES = ("done", "unchanged")  # hostd/manager/api.py
 
 
+HOSTCTL_JSON = 1  # the version of hostctl's --json documents this module reads
+
+
 def run_json(module, argv):
+    """hostctl's --json document's ok and data (hostd/hostctl_output.py), None
+    for data when there is none or it is another version's."""
     rc, out, err = module.run_command(argv)
     try:
-        data = json.loads(out) if out.strip() else None
+        document = json.loads(out) if out.strip() else None
     except ValueError:
-        data = None
-    return rc, data, err.strip()
+        document = None
+    if not isinstance(document, dict) or document.get("version") != HOSTCTL_JSON:
+        return rc, False, None, err.strip()
+    return rc, document.get("ok") is True, document.get("data"), err.strip()
 
 
 def check_mode(module, name, hostctl, assignments):
     """--check: the manager's verdict (hostctl reload --check: validation and
     preflight, nothing changed), as Ansible's changed and diff."""
-    rc, verdict, err = run_json(module, [hostctl, "reload", "--check", name, *assignments, "--json=short"])
-    if verdict is None or rc != 0 or not verdict.get("ok"):
+    rc, ok, verdict, err = run_json(module, [hostctl, "reload", "--check", name, *assignments, "--json=short"])
+    if verdict is None or rc != 0 or not ok:
         words = (verdict or {}).get("message") or err
         module.fail_json(msg=f"{name}: the reload would be refused (hostctl reload --check, exit {rc}): {words}",
                          rc=rc, state="refused")
@@ -147,7 +155,7 @@ def main():
     name, wanted, hostctl = module.params["name"], module.params["set"], module.params["hostctl"]
     if not wanted:
         module.fail_json(msg="hostd_reload: set: give at least one engine key and its value")
-    rc, status, err = run_json(module, [hostctl, "status", name, "--json=short"])
+    rc, _, status, err = run_json(module, [hostctl, "status", name, "--json=short"])
     if status is None:
         module.fail_json(msg=f"hostctl status {name} failed (exit {rc}): {err}", rc=rc)
     if rc != 0:
@@ -157,12 +165,12 @@ def main():
     assignments = [f"{key}={json.dumps(value)}" for key, value in wanted.items()]
     if module.check_mode:
         check_mode(module, name, hostctl, assignments)
-    rc, result, err = run_json(module, [hostctl, "reload", name, *assignments, "--json=short"])
+    rc, _, result, err = run_json(module, [hostctl, "reload", name, *assignments, "--json=short"])
     if result is None:  # refused before it began: the manager's one line on stderr
         module.fail_json(msg=f"hostctl reload {name} refused (exit {rc}): {err}", rc=rc, state="refused")
-    state = result.get("State")
-    report = dict(state=state, strategy=result.get("Strategy", ""), error=result.get("Error", ""),
-                  notes=result.get("Notes", []), operation=result.get("path", ""))
+    state = result.get("state")
+    report = dict(state=state, strategy=result.get("strategy", ""), error=result.get("error", ""),
+                  notes=result.get("notes", []), operation=result.get("path", ""))
     words = f"{name}: reload {state}" + (f" (strategy {report['strategy']})" if report["strategy"] else "")
     if report["error"]:
         words += f": {report['error']}"
