@@ -103,8 +103,8 @@ class Controller:
         for of in replaced:
             before = len(getattr(gateway, attribute[of]))
             setattr(gateway, attribute[of], keys.encoded(request.keys))
-            log.info("%s replaced from %s (gateway.%s): %d key(s), %d before; admitted requests run on", of.what,
-                     request.source, of.key, len(request.keys), before)
+            log.info("%s replaced from %s: %d key(s), %d before; admitted requests run on", of.what,
+                     request.source, len(request.keys), before)
         return control.KeysReplaced(keys=len(request.keys))
 
     async def switch(self, slot: str) -> control.GatewayStatus:

@@ -208,9 +208,9 @@ def test_rolling_reload_stops_at_the_host_that_rolls_back_and_every_host_keeps_s
     assert "tiny: reload done" in roll.stdout and "tiny: reload rolled-back" in roll.stdout
 
     a, b, c = (fleet.status(name) for name in HOSTS)
-    assert a["engine"]["max_model_len"] == 384 and a["last_operation"]["State"] == "done", a
-    assert b["engine"]["max_model_len"] is None and b["last_operation"]["State"] == "rolled-back", b
-    assert "max_position_embeddings" in b["last_operation"]["Error"], b
+    assert a["engine"]["max_model_len"] == 384 and a["last_operation"]["state"] == "done", a
+    assert b["engine"]["max_model_len"] is None and b["last_operation"]["state"] == "rolled-back", b
+    assert "max_position_embeddings" in b["last_operation"]["error"], b
     assert c["engine"]["max_model_len"] is None and c["last_operation"] is None, c
     for name in HOSTS:
         assert fleet.http_status(name) == 200, name
@@ -228,7 +228,7 @@ def test_site_prunes_the_roles_drop_in_no_longer_listed_and_keeps_an_admins_own(
     assert fleet.files("host-a") == ["tiny.d/40-admin.yaml", "tiny.d/60-seqs.yaml", "tiny.d/90-reload.yaml", "tiny.yaml"], \
         fleet.files("host-a")
     status = fleet.status("host-a")
-    assert status["engine"]["max_num_seqs"] == 5 and status["last_operation"]["State"] == "done", status
+    assert status["engine"]["max_num_seqs"] == 5 and status["last_operation"]["state"] == "done", status
 
 
 def test_site_refuses_a_fixed_key_change_on_a_serving_host_and_writes_nothing(fleet):
