@@ -132,8 +132,7 @@ class AsyncClient:
         return await self._properties(path, api.MODEL)
 
     async def model(self, name: str) -> dict[str, Any]:
-        [path] = await self._call("GetModel", "s", [name])
-        props = await self._properties(path, api.MODEL)
+        props = await self.model_properties(name)
         for key in ("Config", "RunningConfig"):
             props[key] = json.loads(props[key] or "{}")
         return props

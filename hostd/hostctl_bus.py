@@ -406,7 +406,7 @@ def cmd_unit_verb(args: argparse.Namespace) -> int:
         emit_json(args, snake_keys(result), ok=ok)
         return 0 if ok else 1
     line = f"{args.command} {args.name}: {result['State']}{': ' + result['Error'] if result['Error'] else ''}"
-    for note in result.get("Notes", []) if args.command == "revert" else []:
+    for note in result.get("Notes", []):  # revert's says what it removed
         line += f"; {note}"
     print(line, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

@@ -90,19 +90,19 @@ class Controller:
         or another file, change the unit (LoadCredential=): a restart."""
         gateway = self.gateway
         restart = f"systemctl restart model@{gateway.name}"
-        attribute = {keys.API_KEYS: "api_keys", keys.METRICS_TOKEN: "metrics_token"}  # the Gateway's, for each file
-        replaced = [of for of in keys.KEYS_FILES if getattr(gateway, attribute[of]) is not None
+        # Each keys file's keys are the Gateway's attribute of its key's name (api_keys, metrics_token).
+        replaced = [of for of in keys.KEYS_FILES if getattr(gateway, of.key) is not None
                     and of.configured(gateway.cfg.gateway) == request.source]
         if not replaced:
             started = [f"{of.configured(gateway.cfg.gateway)} (gateway.{of.key})" for of in keys.KEYS_FILES
-                       if getattr(gateway, attribute[of]) is not None]
+                       if getattr(gateway, of.key) is not None]
             raise control.ControlError(
                 f"this gateway was started with the keys files {', '.join(started)}, not {request.source}; "
                 f"another keys file, or keys on, take `{restart}`" if started else
                 f"this gateway was started without gateway.api_keys or gateway.metrics_token; keys on take `{restart}`")
         for of in replaced:
-            before = len(getattr(gateway, attribute[of]))
-            setattr(gateway, attribute[of], keys.encoded(request.keys))
+            before = len(getattr(gateway, of.key))
+            setattr(gateway, of.key, keys.encoded(request.keys))
             log.info("%s replaced from %s: %d key(s), %d before; admitted requests run on", of.what,
                      request.source, len(request.keys), before)
         return control.KeysReplaced(keys=len(request.keys))

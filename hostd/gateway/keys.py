@@ -51,7 +51,8 @@ MAX_KEYS_BYTES = 24 << 10  # a keys file's size cap (~480 keys of 51 characters)
 @dataclass(frozen=True)
 class KeysFile:
     """A file of bearer tokens the gateway checks: its key in the model's
-    YAML (gateway.KEY) and the systemd credential that brings it to the unit."""
+    YAML (gateway.KEY, also the name of the Gateway's attribute holding its
+    keys) and the systemd credential that brings it to the unit."""
 
     key: str
     credential: str
