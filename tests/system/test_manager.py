@@ -441,7 +441,7 @@ def test_a_checkpoint_config_json_that_is_a_fifo_a_sparse_file_or_renamed_mid_re
     `hostctl list` answers between them; the manager keeps its PID, was
     not restarted and stays under its MemoryMax=. The seconds are printed,
     not asserted (they are the benchmark's business)."""
-    host = served_restart
+    host = served_restart  # for a serving model; no reload runs here, so the strategy plays no part
     pid = main_pid(host, "hostd.service")
     host.sh(f"rm -rf {HOSTILE} && cp -r /var/lib/hostd/checkpoints/tiny {HOSTILE} && rm {HOSTILE}/config.json"
             f" && mkfifo {HOSTILE}/config.json && chmod -R a+rX {HOSTILE}")
