@@ -612,7 +612,7 @@ def test_manager_killed_mid_overlap_recovers_with_exactly_one_engine(host, resul
         wait_for(lambda: active(host, NEXT) in ("inactive", "failed"), timeout=300, what="the second engine stopped")
     results["recovery_s.manager_mid_overlap"] = took
     assert active(host, ENGINE) == "active"
-    on_disk = json.loads(hostctl(host, "config", MODEL, "--json", check=True).stdout)
+    on_disk = json.loads(hostctl(host, "config", MODEL, "--json", check=True).stdout)["data"]
     assert running_max_num_seqs(host) == on_disk["engine.max_num_seqs"]["value"]  # committed or rolled back
 
 
