@@ -137,6 +137,12 @@ class AsyncClient:
             props[key] = json.loads(props[key] or "{}")
         return props
 
+    async def gpu_memory(self, name: str) -> Any:
+        """Model NAME's GpuMemory(), decoded: a list of its GPUs (index, UUIDs, bytes), or {"unreadable": why}."""
+        [path] = await self._call("GetModel", "s", [name])
+        [text] = await self._call("GpuMemory", path=path, interface=api.MODEL)
+        return json.loads(text)
+
     async def operations(self) -> list[dict]:
         [rows] = await self._call("ListOperations")
         keys = ("id", "model", "kind", "state", "stage", "path")

@@ -96,33 +96,28 @@ def log(message: str) -> None:
         pass
 
 
-class NoSuchGpu(ValueError):
-    """The config's `gpus` names an index that NVML says this host lacks."""
+NoSuchGpu = nvml.NoSuchGpu  # the model's config names a GPU this host lacks: plan() fails its start, saying so
 
 
-def nvml_minor_numbers(indices: list[int]) -> list[int]:
-    """The /dev/nvidiaN minor number of each GPU index, from NVML. NVML counts
-    GPUs in PCI bus order; the units set CUDA_DEVICE_ORDER=PCI_BUS_ID so that
-    CUDA's indices (the config's `gpus`) count the same way. The minor number
-    need not equal the index (it follows the driver's probe order).
-    NoSuchGpu when an index is not one of this host's GPUs: otherwise the
-    model's weights unit would start, import torch for seconds and fail with
-    CUDA's "invalid device ordinal", naming no key."""
-    with nvml.session() as pynvml:
-        count = pynvml.nvmlDeviceGetCount()
-        missing = [i for i in indices if i >= count]
-        if missing:
-            have = f"{count} GPU" + ("" if count == 1 else "s")
-            raise NoSuchGpu(
-                f"gpus: {list(indices)}: this host has {have} (NVML, indices 0 to {count - 1} in PCI bus "
-                f"order), so GPU {', '.join(map(str, missing))} does not exist; name GPUs this host has "
-                "(nvidia-smi -L lists them in the same order)")
-        return [pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+def gpu_devices(gpus: list) -> list[nvml.Gpu]:
+    """The model's `gpus:` (indices, GPU- and MIG- UUIDs) as NVML knows them,
+    read at each daemon-reload: indices and UUIDs change owners across
+    reboots and driver upgrades, and MIG slices are made and destroyed.
+    NVML counts GPUs in PCI bus order; the units set
+    CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA's indices count the same way.
+    A GPU's /dev/nvidiaN minor need not equal its index (it follows the
+    driver's probe order). NoSuchGpu when one is not this host's: otherwise
+    the model's weights unit would start, import torch for seconds and fail
+    with CUDA's "invalid device ordinal", naming no key."""
+    return nvml.describe(gpus)
 
 
-def gpu_lines(name: str, cfg) -> list[str]:
+def gpu_lines(name: str, cfg) -> tuple[list[str], list[str]]:
+    """The lines of the units that open the model's GPUs, and the gateway's
+    (HOSTD_GPUS: each GPU's index and UUIDs, for its metrics; it opens none)."""
     if not backends.for_config(cfg).uses_gpu(cfg):
-        return []
+        return [], []
+    # CUDA takes the config's names as they are: indices, GPU- and MIG- UUIDs.
     lines = [
         "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID",
         f"Environment=CUDA_VISIBLE_DEVICES={','.join(str(g) for g in cfg.gpus)}",
@@ -130,10 +125,9 @@ def gpu_lines(name: str, cfg) -> list[str]:
         "DeviceAllow=/dev/nvidia-uvm rw",
         "DeviceAllow=/dev/nvidia-uvm-tools rw",
         "DeviceAllow=/dev/nvidia-modeset rw",
-        "DeviceAllow=char-nvidia-caps r",
     ]
     try:
-        minors = nvml_minor_numbers(list(cfg.gpus))
+        found = gpu_devices(list(cfg.gpus))
     except NoSuchGpu:
         raise  # the model's config is wrong for this host: plan() makes its start fail, saying so
     except Exception as exc:  # no driver or NVML at generation time
@@ -141,8 +135,25 @@ def gpu_lines(name: str, cfg) -> list[str]:
         # NVIDIA GPU keeps the model working, and the log says so.
         log(f"model {name!r}: cannot read GPU minor numbers from NVML ({exc}); "
             "allowing every NVIDIA GPU device (char-nvidia-frontend)")
-        return lines + ["DeviceAllow=char-nvidia-frontend rw"]
-    return lines + [f"DeviceAllow=/dev/nvidia{m} rw" for m in minors]
+        return lines + ["DeviceAllow=char-nvidia-caps r", "DeviceAllow=char-nvidia-frontend rw"], []
+    lines += [f"DeviceAllow=/dev/nvidia{minor} rw" for minor in dict.fromkeys(g.minor for g in found)]
+    described = ",".join(f"{g.index}/{g.uuid}/{g.mig_uuid}/{g.mig[0] if g.mig else ''}" for g in found)
+    return lines + capability_lines(name, found), [f"Environment=HOSTD_GPUS={described}"]
+
+
+def capability_lines(name: str, found: list[nvml.Gpu]) -> list[str]:
+    """DeviceAllow= for /dev/nvidia-caps: a model on MIG slices alone may
+    open its slices' capability devices and no other slice's; any other
+    model every capability device, for reading (what it had before MIG)."""
+    if not found or any(g.mig is None for g in found):
+        return ["DeviceAllow=char-nvidia-caps r"]
+    try:
+        minors = [minor for g in found for minor in nvml.mig_capability_minors(g)]
+    except OSError as exc:
+        log(f"model {name!r}: cannot read the MIG slices' capability devices ({exc}); "
+            "allowing every one (char-nvidia-caps)")
+        return ["DeviceAllow=char-nvidia-caps r"]
+    return [f"DeviceAllow=/dev/nvidia-caps/nvidia-cap{minor} r" for minor in dict.fromkeys(minors)]
 
 
 def unit_value(value: str) -> str:
@@ -192,11 +203,13 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
     listens on LISTEN (by default the config's `listen:`)."""
     header = _header(name, source or config.model_file(name))
     timeouts = [f"TimeoutStartSec={cfg.timeouts.start}", f"TimeoutStopSec={cfg.timeouts.stop}"]
+    gpu, gateway_gpu = gpu_lines(name, cfg)  # one NVML reading for all of the model's units
     files = {
         f"{units.socket(name)}.d/{DROPIN}": header + socket_text(name, cfg.listen if listen is None else listen),
         **{f"{units.weights_socket(name, slot)}.d/{DROPIN}": header + "[Socket]\n"
            + f"SocketUser={units.user(name)}\nSocketGroup={units.user(name)}\n" for slot in ("main", "next")},
-        f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg) + metrics_listen_lines(cfg)) + "\n",
+        f"{units.umbrella(name)}.d/{DROPIN}": header + "[Service]\n" + "\n".join(timeouts + run_as(name) + credential_lines(cfg) + metrics_listen_lines(cfg)
+                                                         + gateway_gpu) + "\n",
     }
     spare = getattr(cfg, "spare", False)
     for unit in (units.engine(name), units.engine(name, "next"), units.engine(name, "standby"), units.swap_engine(name),
@@ -205,7 +218,7 @@ def dropins(name: str, cfg, source: Optional[Path] = None, listen: Optional[str]
         # a delegated unit (AttachProcessesToUnit), which is how the main
         # engine's process comes from the spare (hostd/engine/handoff.py).
         delegate = ["Delegate=yes"] if spare and unit == units.engine(name) else []
-        body = "\n".join(timeouts + run_as(name) + gpu_lines(name, cfg) + delegate)
+        body = "\n".join(timeouts + run_as(name) + gpu + delegate)
         files[f"{unit}.d/{DROPIN}"] = header + "[Service]\n" + body + "\n"
     if getattr(cfg, "standby", False):
         # The umbrella wants the warm standby as it wants the main engine: a

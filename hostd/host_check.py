@@ -180,14 +180,16 @@ def across_models_problems(root: Path, names: list[str], backend_of: Optional[Ba
                                         f"({model_file(other, root)}): two gateways cannot serve one address"))
     if backend_of is None:
         return problems
-    reserved: dict[int, list[tuple[str, str, float]]] = {}
+    # By the name in `gpus:` (an index or a UUID): without NVML here, index 0
+    # and GPU 0's UUID are not known to be one GPU.
+    reserved: dict[int | str, list[tuple[str, str, float]]] = {}
     for name, cfg in loaded.items():
         backend = backend_of(cfg)
         fraction = backend.memory_fraction(cfg) if backend.uses_gpu(cfg) else None
         if fraction:
             for gpu in cfg.gpus:
                 reserved.setdefault(gpu, []).append((name, backend.memory_fraction_key, fraction))
-    for gpu, shares in sorted(reserved.items()):
+    for gpu, shares in sorted(reserved.items(), key=lambda item: str(item[0])):
         total = sum(fraction for _, _, fraction in shares)
         mine = [name for name, _, _ in shares if name in names]
         if total > 1.0 and mine:

@@ -302,6 +302,8 @@ def model_summary(hostd, name: str) -> dict:
             "Id", "Kind", "State", "Stage", "Strategy", "Error", "WeightsReused", "CreatedUSec", "FinishedUSec",
             "Stages", "Cancellable")}),
         "_last_operation_text": describe_operation(op),
+        # Its GPUs as NVML names them now (Model.GpuMemory): index, UUID, MIG UUID, bytes.
+        "gpus": hostd.gpu_memory(name),
     }
 
 
@@ -338,6 +340,17 @@ def cmd_is_active(args: argparse.Namespace) -> int:
     return 0 if state in SERVING else EXIT_NOT_RUNNING
 
 
+def describe_gpus(gpus) -> str:
+    """Model.GpuMemory's reading as status's GPUs row: a line a GPU."""
+    if isinstance(gpus, dict):
+        return f"unreadable ({gpus.get('unreadable', '')})"
+    if not gpus:
+        return "-"
+    return "\n".join(f"{g['index']} {g.get('mig_uuid') or g.get('uuid') or ''}".rstrip()
+                     + f": engine {g['engine'] >> 20} MiB, weights {g['weights'] >> 20} MiB, "
+                     f"free {g['free'] >> 20} of {g['total'] >> 20} MiB" for g in gpus)
+
+
 def print_detail(m: dict) -> None:
     """`hostctl status NAME`, laid out as systemctl status is."""
     dot = "●" if m["state"] not in NOT_RUNNING else "○"
@@ -353,6 +366,7 @@ def print_detail(m: dict) -> None:
         ("Engine", m["engine_status"] or "-"),
         ("Standby", (f"{m['standby_state'] or 'unknown'}" + (f" (PID {m['standby_pid']})" if m.get("standby_pid") else ""))
          if m.get("standby") else "none (standby: false)"),
+        ("GPUs", describe_gpus(m.get("gpus"))),
         ("Limits", json.dumps(m["engine"], sort_keys=True)),
         ("Editable", ", ".join(m["editable"]) or "-"),
         ("Last op", m["_last_operation_text"]),

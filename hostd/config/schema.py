@@ -27,6 +27,8 @@ from msgspec import Meta
 
 Backend = Literal["builtin", "vllm", "sglang"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+# A GPU's or a MIG slice's UUID as NVML and `nvidia-smi -L` print it.
+GPU_UUID = r"(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 
 # The rules for the strings a config holds live in values.py; re-exported
 # here, where every reader of the schema has found them.
@@ -493,8 +495,11 @@ class _ModelBase(_Strict):
         bool, _doc("Start the model at boot (multi-user.target wants it).")
     ] = False
     gpus: Annotated[
-        list[Annotated[int, Meta(ge=0, le=1023)]],
-        _doc("CUDA device indices the model's units may use."),
+        list[Union[Annotated[int, Meta(ge=0, le=1023)], str]],
+        _doc("The GPUs the model's units may use: CUDA device indices (PCI bus order), or the UUIDs "
+             "`nvidia-smi -L` prints, 'GPU-…' for a whole GPU and 'MIG-…' for a MIG slice (these survive "
+             "reboots and driver upgrades that renumber the indices). Resolved with NVML at each "
+             "daemon-reload; a GPU this host lacks fails the model's start, naming it."),
     ] = msgspec.field(default_factory=lambda: [0])
     env: Annotated[
         dict[str, str], _doc("Extra environment for the weights and engine processes.")
@@ -530,6 +535,10 @@ class _ModelBase(_Strict):
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"env: {key!r} is not a valid variable name")
+        for i, gpu in enumerate(self.gpus):
+            if isinstance(gpu, str) and not re.fullmatch(GPU_UUID, gpu):
+                raise ValueError(f"gpus.{i}: {gpu!r} is neither a GPU index nor a UUID as `nvidia-smi -L` "
+                                 "prints it ('GPU-' or 'MIG-' and 8-4-4-4-12 hex digits)")
 
 
 class BuiltinModel(_ModelBase, kw_only=True):

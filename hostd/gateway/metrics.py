@@ -150,9 +150,11 @@ class ModelFacts:
     they are what runs, and they are absent while no engine answers.
     upstream_version is the last one an engine reported ('' before any)."""
 
-    def __init__(self, model: str, backend: str, upstream: str, gateway_limits: dict[str, float]):
+    def __init__(self, model: str, backend: str, upstream: str, gateway_limits: dict[str, float],
+                 gpus: str = ""):
         self.model, self.backend, self.upstream = model, backend, upstream
         self.gateway_limits = gateway_limits
+        self.gpus = gpu_labels(gpus)
         self.upstream_version = ""
         self.engine_limits: dict[str, float] = {}
         self.weights: Optional[str] = None  # "daemon" | "disk" from the engine's /health
@@ -182,11 +184,27 @@ class ModelFacts:
             for key, value in sorted(values.items()):
                 limits.add_metric([prefix + key], value)
         yield limits
+        if self.gpus:
+            gpus = GaugeMetricFamily(
+                "hostd_gpu_info", "1 for each GPU the model's units may use, as NVML named it at the last "
+                "daemon-reload: gpu its index, UUID its 'GPU-…' and, for a MIG slice, mig_uuid its 'MIG-…' and "
+                "GPU_I_ID its GPU instance (DCGM-exporter's label names, so that `* on(UUID)` joins them)",
+                labels=["gpu", "UUID", "mig_uuid", "GPU_I_ID"])
+            for labels in self.gpus:
+                gpus.add_metric(labels, 1)
+            yield gpus
         if self.weights is not None:
             yield GaugeMetricFamily(
                 "hostd_weights_retained", "1 when the serving engine maps the weight daemon's copy (kept across "
                 "engine restarts), 0 when it loaded the weights from disk (weights_not_retained: hostctl status "
                 "says why)", value=1 if self.weights == "daemon" else 0)
+
+
+def gpu_labels(described: str) -> list[list[str]]:
+    """HOSTD_GPUS as the generator writes it (INDEX/UUID/MIG_UUID/GPU_I_ID,
+    comma-separated) as hostd_gpu_info's label values; [] when it is unset
+    (a model on no GPU, or NVML unreadable at the daemon-reload)."""
+    return [(entry.split("/") + ["", "", "", ""])[:4] for entry in described.split(",") if entry]
 
 
 def numeric_fields(section) -> dict[str, float]:

@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import uuid
@@ -112,7 +113,8 @@ def gateway_metrics(gateway: "Gateway") -> Metrics:
                                       lambda: len(gateway.connections.open) if gateway.connections else 0),
         "hostd_gateway_body_bytes_held": ("Bytes of request bodies the gateway holds", lambda: gateway.budget.used),
     }, ModelFacts(gateway.name, gateway.cfg.backend, gateway.backend.upstream_package,
-                  numeric_fields(msgspec.to_builtins(gateway.cfg.gateway))))
+                  numeric_fields(msgspec.to_builtins(gateway.cfg.gateway)),
+                  os.environ.get("HOSTD_GPUS", "")))  # the generator's, from NVML (hostd/generator.py)
 
 
 async def once_more_if_closed(send: Callable[[], Awaitable[web.StreamResponse]], slot: str, method: str, path: str,

@@ -327,13 +327,12 @@ class ModelInterface(ServiceInterface):
     @replies
     async def GpuMemory(self) -> "s":
         """NVML's view of the model's GPUs, JSON (read-only; what the reload's
-        preflight weighs): a list of {index, total, free, engine, weights} in
-        bytes, [] for a model on no GPU, or {"unreadable": why} when NVML
-        cannot be read here. With `standby: true` each entry also has
-        `standby` (the standby engine's bytes by NVML, null where NVML does
-        not list its PID) and, from the standby's /health, `standby_kv_bytes`
-        and `standby_kv_budget` ("idle" while it waits, "full" while it
-        serves; docs/builtin.md)."""
+        preflight weighs): a list of {index, uuid ('GPU-…'), mig_uuid ('MIG-…'
+        or null), total, free, engine, weights} (bytes, a MIG slice's its own),
+        [] for a model on no GPU, or {"unreadable": why}. With `standby: true`
+        each entry also has `standby` (the standby's bytes by NVML, null where
+        NVML does not list its PID), `standby_kv_bytes` and `standby_kv_budget`
+        (its /health: "idle" while it waits, "full" while it serves)."""
         loaded = self.loaded()
         if loaded is None:
             return json.dumps([])
@@ -346,7 +345,8 @@ class ModelInterface(ServiceInterface):
             health = await self.handles.probe.engine_health("standby")
             standby = {"standby_kv_bytes": _known(getattr(health, "kv_cache_bytes", None)),
                        "standby_kv_budget": _known(getattr(health, "kv_budget", None))}
-        return json.dumps([{"index": g.index, "total": g.total, "free": g.free, "engine": g.engine,
+        return json.dumps([{"index": g.index, "uuid": g.uuid, "mig_uuid": g.mig_uuid or None,
+                            "total": g.total, "free": g.free, "engine": g.engine,
                             "weights": g.daemon, **({"standby": g.standby, **standby} if self.standby() else {})}
                            for g in memory.gpus])
 

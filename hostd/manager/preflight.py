@@ -245,9 +245,9 @@ def _kv_words(cfg, backend, device_total: Optional[int], swap: bool = False) -> 
     return f", with the new config's KV cache of {target >> 20} MiB"
 
 
-def daemon_bytes_per_gpu(bytes_by_device: dict[str, int], gpus: list[int]) -> dict[int, int]:
+def daemon_bytes_per_gpu(bytes_by_device: dict[str, int], gpus: list[nvml.GpuName]) -> dict[nvml.GpuName, int]:
     """The weight daemon's bytes on each of GPUS (the config's `gpus:`, host
-    indices), from its status's bytes_by_device. The daemon counts its own
+    indices or UUIDs), from its status's bytes_by_device. The daemon counts its own
     CUDA devices: its "cuda:N" is the Nth GPU of GPUS (CUDA_VISIBLE_DEVICES
     lists them in that order), so a model on `gpus: [1]` holds its weights on
     GPU 1, and a daemon that holds everything on its first GPU charges
@@ -266,35 +266,38 @@ def daemon_bytes_per_gpu(bytes_by_device: dict[str, int], gpus: list[int]) -> di
     return out
 
 
-def _nvml_gpu_memory(gpus: list[int], engine_pid: int, held: dict[int, int],
+def _nvml_gpu_memory(gpus: list[nvml.GpuName], engine_pid: int, held: dict[nvml.GpuName, int],
                      standby_pid: int = 0) -> list["GpuMemory"]:
     """Preflight.gpu_memory's NVML reading of GPUS, and of no other GPU
     (blocking: run it in a thread). HELD: the weight daemon's bytes on each
-    of them (daemon_bytes_per_gpu)."""
+    of them (daemon_bytes_per_gpu). A MIG slice's figures are the slice's."""
     with nvml.session() as pynvml:
         out = []
-        for index in gpus:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for gpu in gpus:
+            handle = nvml.handle(pynvml, gpu)
+            index, uuid, mig_uuid, _ = nvml.identify(pynvml, gpu, handle)
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            daemon = held.get(index, 0)
+            daemon = held.get(gpu, 0)
             processes = {p.pid: p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
             engine = processes.get(engine_pid)
             if engine is None:
                 engine = max(0, info.used - daemon)
             standby = processes.get(standby_pid) if standby_pid else None
-            out.append(GpuMemory(index, info.total, info.free, engine, daemon, standby))
+            out.append(GpuMemory(index, info.total, info.free, engine, daemon, standby, uuid, mig_uuid))
         return out
 
 
 class GpuMemory(NamedTuple):
     """Bytes on one GPU, as NVML reports them (Preflight.gpu_memory)."""
 
-    index: int
+    index: int  # NVML's index of the GPU (of a MIG slice: its parent's)
     total: int
     free: int
     engine: int  # the serving engine's share
     daemon: int  # the weight daemon's share
     standby: Optional[int] = None  # the warm standby's share; None: no standby, or NVML does not list its PID
+    uuid: str = ""  # the GPU's 'GPU-…', as DCGM-exporter's UUID label has it
+    mig_uuid: str = ""  # the MIG slice's 'MIG-…', "" for a whole GPU
 
 
 class Memory(NamedTuple):

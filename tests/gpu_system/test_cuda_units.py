@@ -82,6 +82,10 @@ class Gpu:
     def count(self) -> int:
         return self.nvml.nvmlDeviceGetCount()
 
+    def uuid(self) -> str:
+        uuid = self.nvml.nvmlDeviceGetUUID(self.handle)
+        return uuid.decode() if isinstance(uuid, bytes) else uuid
+
 
 def host_pid(c: SystemdContainer, pid: int) -> int:
     """The host's PID of the container's process PID (NSpid's last field)."""
@@ -345,6 +349,37 @@ def test_a_model_on_a_gpu_this_host_lacks_fails_at_once_saying_so(host, gpu, res
         assert completes(host)  # the other model is untouched
     finally:
         host.run(["rm", "-f", "/etc/hostd/models/absent.yaml"])
+        host.systemctl("reset-failed", check=False)
+        host.systemctl("daemon-reload")
+
+
+def test_a_model_may_name_its_gpu_by_uuid_and_an_absent_uuid_fails_at_once(host, gpu, results):
+    """Issue 55, item 3: `gpus: ["GPU-…"]` gets the same GPU's /dev node as
+    its index and CUDA_VISIBLE_DEVICES with the UUID (CUDA takes it as it is);
+    a UUID this host lacks fails the start at once, naming it. No engine
+    starts: the generator's lines and the refused start are the check."""
+    if gpu is None:
+        pytest.skip("CUDA only: the UUID comes from NVML")
+    uuid, absent = gpu.uuid(), "GPU-00000000-0000-0000-0000-000000000000"
+    for name, named in (("byuuid", uuid), ("absentuuid", absent)):
+        host.write_file(f"/etc/hostd/models/{name}.yaml",
+                        f"backend: builtin\nmodel: /srv/hostd/{MODEL}\ndevice: cuda\ngpus: [{named}]\n"
+                        f"listen: 127.0.0.1:{reserved_port()}\n")
+    try:
+        host.systemctl("daemon-reload")
+        for unit in ("model-weights@byuuid.service", "model-engine@byuuid.service"):
+            allowed = host.systemctl("show", "-p", "DeviceAllow", "--value", unit).stdout
+            env = host.systemctl("show", "-p", "Environment", "--value", unit).stdout
+            assert f"/dev/nvidia{gpu.minor()} rw" in allowed and "char-nvidia-frontend" not in allowed, (unit, allowed)
+            assert f"CUDA_VISIBLE_DEVICES={uuid}" in env, (unit, env)
+        start = host.systemctl("start", "model@absentuuid.service", check=False, timeout=300)
+        assert start.returncode != 0
+        said = journal(host, "model@absentuuid.socket")
+        assert f"NVML knows no GPU or MIG device {absent} on this host" in said, said
+        assert active(host, "model-weights@absentuuid.service") == "inactive"  # never started
+        results["gpu_by_uuid"] = {"uuid": uuid, "minor": gpu.minor()}
+    finally:
+        host.run(["rm", "-f", "/etc/hostd/models/byuuid.yaml", "/etc/hostd/models/absentuuid.yaml"])
         host.systemctl("reset-failed", check=False)
         host.systemctl("daemon-reload")
 

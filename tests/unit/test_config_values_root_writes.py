@@ -511,6 +511,7 @@ def fake_nvml(monkeypatch):
         nvmlDeviceGetCount=lambda: len(minors),
         nvmlDeviceGetHandleByIndex=lambda i: ("handle", i),
         nvmlDeviceGetMinorNumber=lambda handle: minors[handle[1]],
+        nvmlDeviceGetUUID=lambda handle: f"GPU-{handle[1]}",  # the gateway's HOSTD_GPUS
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     return calls

@@ -22,7 +22,7 @@ def model(root: Path, name: str, text: str) -> None:
 
 
 def test_generator_writes_dropins_for_good_models_and_failing_ones_for_broken_ones(tmp_path: Path, capsys, monkeypatch):
-    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(MinorIsIndex))
     etc, out = tmp_path / "etc", tmp_path / "out"
     model(etc, "good", "backend: builtin\nmodel: /m\nlisten: '[::1]:8001'\ntimeouts: {start: 60, stop: 30}\n"
                        "gateway: {api_keys: /etc/hostd/keys/good}\n")
@@ -57,8 +57,21 @@ def test_generator_writes_dropins_for_good_models_and_failing_ones_for_broken_on
     assert not (out / "multi-user.target.wants/model@good.service").exists()
 
 
+class MinorIsIndex:
+    """pynvml on a host with 8 GPUs, each GPU's /dev node its index's."""
+
+    nvmlDeviceGetCount = staticmethod(lambda: 8)
+    nvmlDeviceGetHandleByIndex = staticmethod(lambda index: index)
+    nvmlDeviceGetMinorNumber = staticmethod(lambda handle: handle)
+    nvmlDeviceGetUUID = staticmethod(lambda handle: f"GPU-{handle}")
+
+
 class OneGpu:
     """pynvml on a host with one GPU, whose /dev node is /dev/nvidia3."""
+
+    @staticmethod
+    def nvmlDeviceGetUUID(handle):
+        return b"GPU-8f3e0000-0000-4000-8000-000000000000"
 
     @staticmethod
     def nvmlDeviceGetCount():
@@ -371,7 +384,7 @@ def test_a_running_models_socket_address_survives_a_broken_dropin_and_a_changed_
 
 def test_standby_true_makes_the_umbrella_want_the_standby_engine_with_the_models_user_and_gpus(tmp_path: Path,
                                                                                                monkeypatch):
-    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(MinorIsIndex))
     etc, out = tmp_path / "etc", tmp_path / "out"
     model(etc, "warm", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [1]\nstandby: true\n")
     model(etc, "cold", "backend: builtin\nmodel: /m\n")
@@ -397,7 +410,7 @@ def test_spare_true_wants_the_spare_with_the_engines_user_environment_and_a_dele
     """The forked engine keeps the spare's environment: both units get the
     same generated lines; the engine alone is delegated (AttachProcessesToUnit
     needs it), and only with spare: true."""
-    monkeypatch.setattr(generator, "nvml_minor_numbers", lambda indices: list(indices))
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(MinorIsIndex))
     etc, out = tmp_path / "etc", tmp_path / "out"
     model(etc, "quick", "backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [1]\nspare: true\n")
     model(etc, "plain", "backend: builtin\nmodel: /m\n")
@@ -471,6 +484,7 @@ def test_models_pinned_to_different_gpus_each_allow_only_their_own_gpus_minor(tm
         nvmlDeviceGetCount = staticmethod(lambda: 2)
         nvmlDeviceGetHandleByIndex = staticmethod(lambda index: ("handle", index))
         nvmlDeviceGetMinorNumber = staticmethod(lambda handle: minors[handle[1]])
+        nvmlDeviceGetUUID = staticmethod(lambda handle: f"GPU-{handle[1]}")
 
     monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(TwoGpus))
     etc, out = tmp_path / "etc", tmp_path / "out"
@@ -491,3 +505,107 @@ def test_models_pinned_to_different_gpus_each_allow_only_their_own_gpus_minor(tm
             assert f"Environment=CUDA_VISIBLE_DEVICES={index}\n" in text, (unit, text)
         # The gateway opens no GPU at all.
         assert "DeviceAllow" not in (out / f"model@{name}.service.d/50-hostd.conf").read_text()
+
+
+WHOLE = "GPU-8f3e1a2b-0000-4000-8000-000000000001"  # GPU 1, /dev/nvidia5
+SLICE = "MIG-5a1b2c3d-0000-4000-8000-00000000abcd"  # a slice of GPU 1: GPU instance 3, compute instance 0
+
+
+class MigHost:
+    """pynvml on a host with GPUs 0 and 1 (/dev/nvidia4 and /dev/nvidia5),
+    GPU 1 in MIG mode with one slice, SLICE."""
+
+    class NVMLError(Exception):
+        pass
+
+    nvmlDeviceGetCount = staticmethod(lambda: 2)
+    nvmlDeviceGetHandleByIndex = staticmethod(lambda index: f"gpu{index}")
+    nvmlDeviceGetMinorNumber = staticmethod(lambda handle: {"gpu0": 4, "gpu1": 5}[handle])
+    nvmlDeviceGetIndex = staticmethod(lambda handle: int(handle[-1]))
+    nvmlDeviceGetUUID = staticmethod(lambda handle: {"gpu0": "GPU-0", "gpu1": WHOLE, "slice": SLICE}[handle].encode())
+    nvmlDeviceGetDeviceHandleFromMigDeviceHandle = staticmethod(lambda handle: "gpu1")
+    nvmlDeviceGetGpuInstanceId = staticmethod(lambda handle: 3)
+    nvmlDeviceGetComputeInstanceId = staticmethod(lambda handle: 0)
+
+    @classmethod
+    def nvmlDeviceGetHandleByUUID(cls, uuid: bytes):
+        known = {WHOLE: "gpu1", SLICE: "slice"}
+        if uuid.decode() not in known:
+            raise cls.NVMLError("Not Found")
+        return known[uuid.decode()]
+
+
+def mig_capabilities(root: Path) -> Path:
+    """The driver's /proc/driver/nvidia/capabilities for SLICE: its GPU
+    instance's device is nvidia-cap39, its compute instance's nvidia-cap40."""
+    for path, minor in (("gpu5/mig/gi3/access", 39), ("gpu5/mig/gi3/ci0/access", 40)):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    return root
+
+
+def test_gpus_by_uuid_and_mig_slice_get_their_gpus_node_and_the_slices_capabilities(tmp_path: Path, monkeypatch):
+    """Issue 55, item 3: a whole GPU by its UUID allows its /dev node as its
+    index would; a MIG slice allows its parent's node and its own two
+    capability devices and no other (no char-nvidia-caps); CUDA gets the
+    names as written. Without the driver's capability files the slice's
+    model keeps every capability device readable, and the log says so."""
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(MigHost))
+    monkeypatch.setattr(generator.nvml, "MIG_CAPABILITIES", mig_capabilities(tmp_path / "caps"))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "whole", f"backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [{WHOLE}]\nlisten: 127.0.0.1:8001\n")
+    model(etc, "slice", f"backend: builtin\nmodel: /m\ndevice: cuda\ngpus: ['{SLICE}']\nlisten: 127.0.0.1:8002\n")
+    model(etc, "vllm", f"backend: vllm\nmodel: /m\ngpus: [{WHOLE}]\nlisten: 127.0.0.1:8003\n")
+
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["slice", "vllm", "whole"]
+
+    def lines(unit: str) -> list[str]:
+        return (out / f"{unit}.service.d/50-hostd.conf").read_text().splitlines()
+
+    for unit in ("model-weights@whole", "model-engine@whole", "model-engine-standby@whole", "model-engine@vllm"):
+        assert "DeviceAllow=/dev/nvidia5 rw" in lines(unit) and "DeviceAllow=/dev/nvidia4 rw" not in lines(unit)
+        assert f"Environment=CUDA_VISIBLE_DEVICES={WHOLE}" in lines(unit)
+        assert "DeviceAllow=char-nvidia-caps r" in lines(unit)
+    for unit in ("model-weights@slice", "model-engine@slice", "model-engine-next@slice"):
+        allowed = [line for line in lines(unit) if line.startswith("DeviceAllow=")]
+        assert "DeviceAllow=/dev/nvidia5 rw" in allowed and "DeviceAllow=/dev/nvidia4 rw" not in allowed
+        assert [line for line in allowed if "caps" in line] == [
+            "DeviceAllow=/dev/nvidia-caps/nvidia-cap39 r", "DeviceAllow=/dev/nvidia-caps/nvidia-cap40 r"]
+        assert f"Environment=CUDA_VISIBLE_DEVICES={SLICE}" in lines(unit)
+        assert "DeviceAllow=char-nvidia-frontend rw" not in allowed
+
+    # The gateway opens no GPU; its metrics name them (hostd_gpu_info).
+    gateway = lines("model@whole")
+    assert f"Environment=HOSTD_GPUS=1/{WHOLE}//" in gateway and not [x for x in gateway if "DeviceAllow" in x]
+    assert f"Environment=HOSTD_GPUS=1/{WHOLE}/{SLICE}/3" in lines("model@slice")
+
+    monkeypatch.setattr(generator.nvml, "MIG_CAPABILITIES", tmp_path / "absent")
+    generator.generate(out, Path("/etc/systemd/system"), etc)
+    assert "DeviceAllow=char-nvidia-caps r" in lines("model-engine@slice")
+
+
+def test_a_uuid_the_host_lacks_fails_the_start_naming_it(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(MigHost))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    gone = "GPU-00000000-0000-4000-8000-000000000000"
+    model(etc, "gone", f"backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [1, {gone}]\n")
+
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == []
+
+    socket = (out / "model@gone.socket.d/50-hostd.conf").read_text()
+    assert f"gpus: [1, '{gone}']: NVML knows no GPU or MIG device {gone} on this host" in socket, socket
+    assert "ExecStartPre=/bin/false" in socket
+    assert not (out / "model-weights@gone.service.d").exists()
+    assert "skipping model 'gone'" in capsys.readouterr().err
+
+
+def test_gpus_refuses_what_is_neither_an_index_nor_a_uuid(tmp_path: Path):
+    from hostd import config
+
+    for bad, said in (("[GPU-1234]", "gpus.0: 'GPU-1234' is neither a GPU index nor a UUID"),
+                      ("[-1]", "gpus.0: expected `int` >= 0"),
+                      ("[0, 'MIG-xyz']", "gpus.1: 'MIG-xyz' is neither")):
+        model(tmp_path, "bad", f"backend: builtin\nmodel: /m\ngpus: {bad}\n")
+        with pytest.raises(Exception) as err:
+            config.load_model("bad", tmp_path)
+        assert said in str(err.value) and "bad.yaml" in str(err.value), str(err.value)

@@ -33,6 +33,9 @@ class FakeClient:
         return [{"name": "bad", "state": "stopped", "path": "/org/hostd1/model/bad"},
                 {"name": "tiny", "state": "serving", "path": "/org/hostd1/model/tiny"}]
 
+    def gpu_memory(self, name: str):
+        return []  # a model on no GPU (Model.GpuMemory)
+
     def config_problem(self, path: str) -> str:
         self.calls.append(f"config_problem {path}")
         if path.endswith("/bad"):
@@ -391,3 +394,24 @@ def test_start_shows_the_engines_status_lines_while_it_waits(monkeypatch, capsys
                    "start m: engine: serving tiny (vllm)"]
     assert hostctl.main(["start", "m", "--json=short"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_status_names_each_gpu_by_its_uuid_as_dcgm_exporter_does(monkeypatch, capsys):
+    """Issue 55, item 3: status's GPUs row and --json carry Model.GpuMemory's
+    index, UUID and MIG UUID (the slice's, when the model is on one)."""
+    gib = 1 << 30
+    gpus = [{"index": 1, "uuid": "GPU-8f3e0000-0000-4000-8000-000000000001",
+             "mig_uuid": "MIG-5a1b2c3d-0000-4000-8000-00000000abcd",
+             "total": 20 * gib, "free": 5 * gib, "engine": 3 * gib, "weights": 2 * gib}]
+
+    class OnMig(StateClient):
+        def gpu_memory(self, name: str):
+            return gpus
+
+    monkeypatch.setattr(hostctl_bus, "_client", lambda: OnMig("serving"))
+    assert hostctl.main(["status", "m"]) == 0
+    out = capsys.readouterr().out
+    assert "      GPUs: 1 MIG-5a1b2c3d-0000-4000-8000-00000000abcd: engine 3072 MiB, weights 2048 MiB, " \
+           "free 5120 of 20480 MiB" in out, out
+    assert hostctl.main(["status", "m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"]["gpus"] == gpus

@@ -354,15 +354,16 @@ def test_gpu_memory_is_nvmls_view_of_the_models_gpus_as_the_preflight_reads_it(w
         monkeypatch.setattr(model_bus, "GPU_MEMORY_CACHE_S", -1)  # every call reads again (the cache: below)
         manager = await manager_of(world)
         model = manager.models["tiny"]
-        readings = iter([Memory([GpuMemory(0, 100, 40, 30, 20)], ""), Memory(None, "NVML unavailable (x)"),
-                         Memory(None, "")])
+        uuid = "GPU-8f3e0000-0000-4000-8000-000000000000"
+        readings = iter([Memory([GpuMemory(0, 100, 40, 30, 20, None, uuid)], ""),
+                         Memory(None, "NVML unavailable (x)"), Memory(None, "")])
 
         async def read_memory(cfg, pid, standby_pid=0):
             return next(readings)
 
         world.probe.read_memory = read_memory
         assert json.loads(await call(model.GpuMemory)) == [
-            {"index": 0, "total": 100, "free": 40, "engine": 30, "weights": 20}]
+            {"index": 0, "uuid": uuid, "mig_uuid": None, "total": 100, "free": 40, "engine": 30, "weights": 20}]
         assert json.loads(await call(model.GpuMemory)) == {"unreadable": "NVML unavailable (x)"}
         assert json.loads(await call(model.GpuMemory)) == []  # a model on no GPU
 
@@ -408,6 +409,7 @@ def test_gpu_memory_asks_nvml_from_a_thread_one_session_at_a_time(monkeypatch, t
         nvmlInit=lambda: threads.append(threading.current_thread()),
         nvmlShutdown=lambda: None,
         nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=100, free=40, used=60),
         nvmlDeviceGetComputeRunningProcesses=lambda h: [],
     )

@@ -124,3 +124,16 @@ def test_the_engines_clock_observes_one_ttft_a_tpot_per_later_token_and_the_fini
 def test_token_buckets_are_vllms_1_2_5_steps_up_to_max_model_len():
     assert token_buckets(64) == (1, 2, 5, 10, 20, 50)
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+def test_the_gpus_the_generator_resolved_are_series_that_join_with_dcgm_exporters_uuid_label():
+    """Issue 55, item 3: HOSTD_GPUS (the generator's NVML reading, in the
+    gateway's environment) becomes hostd_gpu_info, one series a GPU, with
+    DCGM-exporter's label names; none without it (no GPU, no NVML)."""
+    whole, parent, mig = ("GPU-8f3e0000-0000-4000-8000-000000000000", "GPU-8f3e0000-0000-4000-8000-000000000001",
+                          "MIG-5a1b2c3d-0000-4000-8000-00000000abcd")
+    facts = ModelFacts("m", "vllm", "vllm", {}, f"0/{whole}//,1/{parent}/{mig}/3")
+    shown = samples(Metrics({}, facts))
+    assert shown['hostd_gpu_info{"GPU_I_ID": "", "UUID": "%s", "gpu": "0", "mig_uuid": ""}' % whole] == 1
+    assert shown['hostd_gpu_info{"GPU_I_ID": "3", "UUID": "%s", "gpu": "1", "mig_uuid": "%s"}' % (parent, mig)] == 1
+    assert not [k for k in samples(Metrics({}, ModelFacts("m", "vllm", "vllm", {}))) if "gpu_info" in k]

@@ -18,6 +18,11 @@ from hostd.manager import preflight
 from hostd.manager.preflight import GpuMemory, Memory, Preflight
 
 GiB = 1 << 30
+MIG_UUID = "MIG-5a1b2c3d-0000-4000-8000-00000000abcd"
+
+
+def gpu_uuid(index: int) -> str:
+    return f"GPU-8f3e0000-0000-4000-8000-00000000000{index}"
 
 
 class Host:
@@ -34,11 +39,25 @@ class Host:
             self.asked.append(index)
             return index
 
+        def by_uuid(uuid: bytes):
+            # GPU N's UUID ends in N; MIG_UUID names a slice of GPU 1 (its handle "mig").
+            if uuid.decode() == MIG_UUID:
+                return "mig"
+            return handle(int(uuid.decode()[-1]))
+
         return types.SimpleNamespace(
             nvmlInit=lambda: None,
             nvmlShutdown=lambda: None,
-            nvmlDeviceGetCount=lambda: len(self.free),
+            NVMLError=RuntimeError,
+            nvmlDeviceGetCount=lambda: len([g for g in self.free if g != "mig"]),
             nvmlDeviceGetHandleByIndex=handle,
+            nvmlDeviceGetHandleByUUID=by_uuid,
+            nvmlDeviceGetUUID=lambda h: (MIG_UUID if h == "mig" else gpu_uuid(h)).encode(),
+            nvmlDeviceGetIndex=lambda h: h,
+            nvmlDeviceGetMinorNumber=lambda h: h,
+            nvmlDeviceGetDeviceHandleFromMigDeviceHandle=lambda h: 1,
+            nvmlDeviceGetGpuInstanceId=lambda h: 3,
+            nvmlDeviceGetComputeInstanceId=lambda h: 0,
             nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(
                 total=80 * GiB, free=self.free[h], used=80 * GiB - self.free[h]),
             nvmlDeviceGetComputeRunningProcesses=lambda h: [
@@ -70,8 +89,23 @@ def test_a_model_pinned_to_gpu_1_reads_gpu_1_only_and_its_daemon_bytes_land_ther
     fake = host(free={0: 1 * GiB, 1: 50 * GiB}, processes={7: {1: 4 * GiB}, 99: {0: 70 * GiB}},
                 daemon_bytes_by_device={"cuda:0": 14 * GiB})  # the daemon's own first GPU: host GPU 1
     [gpu] = asyncio.run(Preflight("right").gpu_memory(builtin([1]), 7))
-    assert fake.asked == [1]
+    assert set(fake.asked) == {1}
     assert (gpu.index, gpu.free, gpu.engine, gpu.daemon) == (1, 50 * GiB, 4 * GiB, 14 * GiB)
+    assert (gpu.uuid, gpu.mig_uuid) == (gpu_uuid(1), "")
+
+
+def test_gpus_named_by_uuid_and_mig_slice_are_read_by_their_handles_and_carry_their_uuids(host):
+    """Issue 55, item 3: `gpus: ["GPU-…"]` reads the same GPU as its index
+    would; a MIG slice is read by its own handle (its memory is the slice's),
+    with its parent's index and UUID beside its own, as DCGM-exporter labels them."""
+    fake = host(free={0: 1 * GiB, 1: 50 * GiB, "mig": 9 * GiB}, processes={7: {"mig": 3 * GiB}},
+                daemon_bytes_by_device={"cuda:0": 2 * GiB})
+    [gpu] = asyncio.run(Preflight("byuuid").gpu_memory(builtin([gpu_uuid(1)]), 8))
+    assert (gpu.index, gpu.uuid, gpu.mig_uuid, gpu.free, gpu.daemon) == (1, gpu_uuid(1), "", 50 * GiB, 2 * GiB)
+    assert set(fake.asked) == {1}
+    [slice_] = asyncio.run(Preflight("mig").gpu_memory(builtin([MIG_UUID]), 7))
+    assert (slice_.index, slice_.uuid, slice_.mig_uuid) == (1, gpu_uuid(1), MIG_UUID)
+    assert (slice_.free, slice_.engine, slice_.daemon) == (9 * GiB, 3 * GiB, 2 * GiB)
 
 
 def test_the_overlap_preflight_of_one_model_ignores_the_other_models_full_gpu(host):

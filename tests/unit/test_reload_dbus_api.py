@@ -164,6 +164,7 @@ def fake_nvml(monkeypatch, *, total: int, free: int, engine_pid: int, engine_byt
     monkeypatch.setattr(pynvml, "nvmlInit", lambda *a, **k: None)
     monkeypatch.setattr(pynvml, "nvmlShutdown", lambda *a, **k: None)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: f"gpu{index}")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda handle: f"GPU-{handle}".encode())
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo",
                         lambda handle: SimpleNamespace(total=total, free=free, used=total - free))
     monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses",
