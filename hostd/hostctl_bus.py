@@ -280,8 +280,9 @@ def describe_operation(op: Optional[dict]) -> str:
     return text
 
 
-def model_summary(hostd, name: str) -> dict:
-    """A model's facts as hostctl status shows them (and --json prints them)."""
+def model_summary(hostd, name: str, gpus: bool = True) -> dict:
+    """A model's facts as hostctl status shows them (and --json prints them);
+    GPUS: with its GPUs' NVML reading (status's table has no room for it)."""
     props = hostd.model(name)
     op = last_operation(hostd, props)
     return {
@@ -303,8 +304,17 @@ def model_summary(hostd, name: str) -> dict:
             "Stages", "Cancellable")}),
         "_last_operation_text": describe_operation(op),
         # Its GPUs as NVML names them now (Model.GpuMemory): index, UUID, MIG UUID, bytes.
-        "gpus": hostd.gpu_memory(name),
+        **({"gpus": gpu_memory(hostd, name)} if gpus else {}),
     }
+
+
+def gpu_memory(hostd, name: str):
+    """Model.GpuMemory's reading, or {"unreadable": why} when the call fails:
+    status shows the rest of the model either way."""
+    try:
+        return hostd.gpu_memory(name)
+    except DBusError as exc:  # the manager says why
+        return {"unreadable": exc.text}
 
 
 def _pid(pid: int) -> str:
@@ -314,7 +324,7 @@ def _pid(pid: int) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     with _client() as hostd:
         names = [args.name] if args.name else [m["name"] for m in hostd.list_models()]
-        models = [model_summary(hostd, name) for name in names]
+        models = [model_summary(hostd, name, gpus=bool(args.name or args.json)) for name in names]
     if args.json:
         data = [{k: v for k, v in m.items() if not k.startswith("_")} for m in models]
         emit_json(args, data[0] if args.name else data,

@@ -90,8 +90,10 @@ def describe(gpus: list[GpuName]) -> list[Gpu]:
                 continue
             try:
                 device = handle(pynvml, gpu)
-            except getattr(pynvml, "NVMLError", Exception):  # NVML_ERROR_NOT_FOUND, for a UUID
-                if isinstance(gpu, int):
+            except Exception as exc:
+                # For a UUID, NVML_ERROR_NOT_FOUND: not this host's. Any other
+                # error is NVML's own (the generator then allows every GPU).
+                if isinstance(gpu, int) or type(exc).__name__ != "NVMLError_NotFound":
                     raise
                 missing.append(gpu)
                 continue

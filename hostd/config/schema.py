@@ -539,6 +539,12 @@ class _ModelBase(_Strict):
             if isinstance(gpu, str) and not re.fullmatch(GPU_UUID, gpu):
                 raise ValueError(f"gpus.{i}: {gpu!r} is neither a GPU index nor a UUID as `nvidia-smi -L` "
                                  "prints it ('GPU-' or 'MIG-' and 8-4-4-4-12 hex digits)")
+        # NVML and CUDA know a UUID by its lower-case hex, as nvidia-smi prints it.
+        self.gpus = [gpu[:4] + gpu[4:].lower() if isinstance(gpu, str) else gpu for gpu in self.gpus]
+        slices = [gpu for gpu in self.gpus if isinstance(gpu, str) and gpu.startswith("MIG-")]
+        if slices and len(self.gpus) > 1:
+            raise ValueError(f"gpus: {self.gpus}: a CUDA process uses one MIG slice and nothing besides "
+                             "(CUDA_VISIBLE_DEVICES enumerates the first slice only); name one MIG- UUID alone")
 
 
 class BuiltinModel(_ModelBase, kw_only=True):

@@ -38,8 +38,8 @@ class Preflight:
             return Memory(None, "")
         try:
             return Memory(await self.gpu_memory(cfg, engine_pid, standby_pid), "")
-        except RuntimeError as exc:  # no driver library here
-            return Memory(None, str(exc))
+        except Exception as exc:  # no driver library here (Unavailable), or NVML's own error (a GPU gone)
+            return Memory(None, str(exc) or type(exc).__name__)
 
     def memory_problem(self, cfg, memory: "Memory", standby_grows: bool = False) -> Optional[str]:
         """Why the new engine would not fit on its GPUs (MEMORY, read_memory),
@@ -191,7 +191,7 @@ class Preflight:
         if gpu:
             if memory.unreadable:
                 return f"cannot read GPU memory: {memory.unreadable}"
-            return backend.room_problem(cfg, "bridge engine", None, {g.index: g.free for g in memory.gpus or ()},
+            return backend.room_problem(cfg, "bridge engine", None, {g.mig_uuid or g.index: g.free for g in memory.gpus or ()},
                                         weights)
         available = ((health.memory if health is not None else None) or {}).get("host_available")
         if available is None:

@@ -515,7 +515,7 @@ class MigHost:
     """pynvml on a host with GPUs 0 and 1 (/dev/nvidia4 and /dev/nvidia5),
     GPU 1 in MIG mode with one slice, SLICE."""
 
-    class NVMLError(Exception):
+    class NVMLError_NotFound(Exception):  # pynvml's name for NVML_ERROR_NOT_FOUND
         pass
 
     nvmlDeviceGetCount = staticmethod(lambda: 2)
@@ -531,7 +531,7 @@ class MigHost:
     def nvmlDeviceGetHandleByUUID(cls, uuid: bytes):
         known = {WHOLE: "gpu1", SLICE: "slice"}
         if uuid.decode() not in known:
-            raise cls.NVMLError("Not Found")
+            raise cls.NVMLError_NotFound("Not Found")
         return known[uuid.decode()]
 
 
@@ -609,3 +609,35 @@ def test_gpus_refuses_what_is_neither_an_index_nor_a_uuid(tmp_path: Path):
         with pytest.raises(Exception) as err:
             config.load_model("bad", tmp_path)
         assert said in str(err.value) and "bad.yaml" in str(err.value), str(err.value)
+
+
+def test_uuids_are_kept_in_nvmls_lower_case_and_a_mig_slice_stands_alone(tmp_path: Path):
+    """NVML and CUDA know a UUID by its lower-case hex (nvidia-smi prints it
+    so); a CUDA process uses one MIG slice and nothing besides."""
+    from hostd import config
+
+    model(tmp_path, "upper", f"backend: builtin\nmodel: /m\ngpus: [{WHOLE.upper().replace('GPU-', 'GPU-')}]\n")
+    assert config.load_model("upper", tmp_path).config.gpus == [WHOLE]
+    for mixed in (f"[0, '{SLICE}']", f"['{SLICE}', '{SLICE[:-1]}e']"):
+        model(tmp_path, "mixed", f"backend: builtin\nmodel: /m\ngpus: {mixed}\n")
+        with pytest.raises(Exception) as err:
+            config.load_model("mixed", tmp_path)
+        assert "a CUDA process uses one MIG slice and nothing besides" in str(err.value), str(err.value)
+
+
+def test_an_nvml_error_other_than_not_found_is_no_missing_gpu_the_generator_allows_every_gpu(
+        tmp_path: Path, monkeypatch, capsys):
+    """Only NVML_ERROR_NOT_FOUND means the host lacks the UUID; any other
+    NVML error (a driver that lost the GPU, no permission) is NVML's own:
+    the model keeps working on every NVIDIA device, and the log says why."""
+    class Broken(MigHost):
+        @classmethod
+        def nvmlDeviceGetHandleByUUID(cls, uuid: bytes):
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    monkeypatch.setattr(generator.nvml, "session", lambda: contextlib.nullcontext(Broken))
+    etc, out = tmp_path / "etc", tmp_path / "out"
+    model(etc, "lost", f"backend: builtin\nmodel: /m\ndevice: cuda\ngpus: [{WHOLE}]\n")
+    assert generator.generate(out, Path("/etc/systemd/system"), etc) == ["lost"]
+    assert "DeviceAllow=char-nvidia-frontend rw" in (out / "model-engine@lost.service.d/50-hostd.conf").read_text()
+    assert "NVML_ERROR_GPU_IS_LOST" in capsys.readouterr().err
