@@ -35,4 +35,53 @@ if [ "${CI:-}" = "true" ]; then
     export HOSTD_SYSTEM_ORDER=${HOSTD_SYSTEM_ORDER:-reversed}
 fi
 # --durations: the slowest tests of the run, in its report (issue 54: where the time goes).
-exec .venv/bin/python -m pytest tests --durations=25 "$@"
+if [ "$#" -gt 0 ] || [ "${HOSTD_TEST_LANES:-2}" = 1 ]; then
+    exec .venv/bin/python -m pytest tests --durations=25 "$@"
+fi
+# Three lanes at once (issue 54). Much of the suite waits (a container's
+# boot, systemd, an engine's start in another process), and the rest is
+# CPU-bound on one core at a time, so three pytest runs share the two
+# cores: real vLLM under systemd with the fresh-container quickstart and
+# Ansible's two hosts (the longest system modules); the integration, unit
+# and upstream tiers (hostd's processes on this machine); and the rest of
+# the system tier. Each lane is a whole pytest run of its own: its own
+# containers, ports (tests/system/ports.py holds them per process),
+# temporary directories and summary; no module is in two lanes, and none
+# writes what another lane reads (the upstream environments and the real
+# model's cache are built before, or by the integration lane alone). The
+# system modules import tests/system/conftest.py by name, so a lane's
+# system modules come last on its command line (pytest imports the
+# conftest.py of each argument at its start, the last one wins the name).
+# HOSTD_TEST_LANES=1 runs the one pytest of before.
+lanes=(
+    "tests/system/test_real_vllm.py tests/system/test_quickstart.py tests/system/test_ansible.py"
+    "tests/integration tests/unit tests/upstream"
+)
+ignores=()
+for lane in "${lanes[@]}"; do
+    for path in $lane; do ignores+=("--ignore=$path"); done
+done
+pids=() logs=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+for lane in "${lanes[@]}"; do
+    log=$(mktemp)
+    # shellcheck disable=SC2086  # a lane is a list of paths
+    .venv/bin/python -m pytest $lane --durations=10 > "$log" 2>&1 &
+    pids+=("$!") logs+=("$log")
+done
+statuses=()
+status=0
+.venv/bin/python -m pytest tests "${ignores[@]}" --durations=25 || status=$?
+statuses+=("the rest of the system tier $status")
+for i in "${!lanes[@]}"; do
+    lane_status=0
+    wait "${pids[$i]}" || lane_status=$?
+    echo "=================== lane: ${lanes[$i]} (exit status $lane_status) ==================="
+    cat "${logs[$i]}"
+    rm -f "${logs[$i]}"
+    statuses+=("${lanes[$i]%% *}... $lane_status")
+    [ "$lane_status" -eq 0 ] || status=$lane_status
+done
+trap - EXIT
+echo "run-tests: exit status by lane: $(IFS=';'; echo "${statuses[*]}"); $(( $(date +%s) - HOSTD_RUN_STARTED )) s since the run started"
+exit "$status"
