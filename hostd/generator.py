@@ -96,22 +96,6 @@ def log(message: str) -> None:
         pass
 
 
-NoSuchGpu = nvml.NoSuchGpu  # the model's config names a GPU this host lacks: plan() fails its start, saying so
-
-
-def gpu_devices(gpus: list) -> list[nvml.Gpu]:
-    """The model's `gpus:` (indices, GPU- and MIG- UUIDs) as NVML knows them,
-    read at each daemon-reload: indices and UUIDs change owners across
-    reboots and driver upgrades, and MIG slices are made and destroyed.
-    NVML counts GPUs in PCI bus order; the units set
-    CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA's indices count the same way.
-    A GPU's /dev/nvidiaN minor need not equal its index (it follows the
-    driver's probe order). NoSuchGpu when one is not this host's: otherwise
-    the model's weights unit would start, import torch for seconds and fail
-    with CUDA's "invalid device ordinal", naming no key."""
-    return nvml.describe(gpus)
-
-
 def gpu_lines(name: str, cfg) -> tuple[list[str], list[str]]:
     """The lines of the units that open the model's GPUs, and the gateway's
     (HOSTD_GPUS: each GPU's index and UUIDs, for its metrics; it opens none)."""
@@ -127,8 +111,8 @@ def gpu_lines(name: str, cfg) -> tuple[list[str], list[str]]:
         "DeviceAllow=/dev/nvidia-modeset rw",
     ]
     try:
-        found = gpu_devices(list(cfg.gpus))
-    except NoSuchGpu:
+        found = nvml.describe(list(cfg.gpus))  # at each daemon-reload: indices, UUIDs and slices change
+    except nvml.NoSuchGpu:
         raise  # the model's config is wrong for this host: plan() makes its start fail, saying so
     except Exception as exc:  # no driver or NVML at generation time
         # Without the minor numbers no single GPU can be named; allowing every
@@ -352,7 +336,7 @@ def plan(root: Optional[Path] = None, state: Optional[Path] = None) -> tuple[dic
             listen = kept
         try:
             generated = dropins(name, cfg, source, listen)
-        except NoSuchGpu as exc:
+        except nvml.NoSuchGpu as exc:
             skip(f"{source}: {exc}")
             continue
         files.update(generated)

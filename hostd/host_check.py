@@ -189,6 +189,7 @@ def across_models_problems(root: Path, names: list[str], backend_of: Optional[Ba
         if fraction:
             for gpu in cfg.gpus:
                 reserved.setdefault(gpu, []).append((name, backend.memory_fraction_key, fraction))
+    # Indices in their order, then UUIDs.
     for gpu, shares in sorted(reserved.items(), key=lambda item: (isinstance(item[0], str), str(item[0]).zfill(4))):
         total = sum(fraction for _, _, fraction in shares)
         mine = [name for name, _, _ in shares if name in names]

@@ -80,7 +80,12 @@ def _text(value) -> str:
 
 def describe(gpus: list[GpuName]) -> list[Gpu]:
     """What NVML says of each of GPUS; NoSuchGpu naming those this host
-    lacks, Unavailable without NVML."""
+    lacks, Unavailable without NVML. NVML counts GPUs in PCI bus order (the
+    units set CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA's indices count the
+    same way); a GPU's /dev/nvidiaN minor need not equal its index (it
+    follows the driver's probe order). NoSuchGpu lets the generator fail the
+    model's start at once, naming the key, rather than after the weights
+    unit imported torch and CUDA refused the device."""
     with session() as pynvml:
         count = pynvml.nvmlDeviceGetCount()
         missing = [g for g in gpus if isinstance(g, int) and g >= count]

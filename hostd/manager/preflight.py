@@ -191,7 +191,7 @@ class Preflight:
         if gpu:
             if memory.unreadable:
                 return f"cannot read GPU memory: {memory.unreadable}"
-            return backend.room_problem(cfg, "bridge engine", None, {g.mig_uuid or g.index: g.free for g in memory.gpus or ()},
+            return backend.room_problem(cfg, "bridge engine", None, {g.index: g.free for g in memory.gpus or ()},
                                         weights)
         available = ((health.memory if health is not None else None) or {}).get("host_available")
         if available is None:
