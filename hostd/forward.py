@@ -1,9 +1,10 @@
 """Streaming HTTP forwarding from an aiohttp server request to an engine.
 
 One job: pass one request on and its response back, chunk by chunk, for the
-gateway (public socket -> engine.sock) and for the upstream engine proxy
-(engine.sock -> vLLM's Unix socket or SGLang's loopback port). Both hops
-behave the same way:
+gateway (public socket -> engine.sock, or vLLM's own Unix socket) and for the
+upstream engine proxy (engine.sock -> SGLang's loopback port, or vLLM's
+socket for what the gateway does not send there itself). Both hops behave
+the same way:
 
 - Headers: the hop-by-hop fields of RFC 9110 section 7.6.1 (and any field the
   Connection header names) are dropped in both directions, as are the fields

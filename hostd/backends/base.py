@@ -56,6 +56,14 @@ class Backend(abc.ABC):
     # standby serves the config it started with (strategies.UpstreamStandby).
     rebuilds_in_place: ClassVar[bool] = False
 
+    def engine_socket(self, model: str, slot: str = "main") -> Optional[Path]:
+        """The Unix socket upstream's server of SLOT listens on (vLLM's
+        --uds), to which the gateway sends that slot's public requests: one
+        proxy less on every token; hostd's engine supervisor keeps /health and
+        /metrics. None: hostd's engine socket serves them (the builtin engine;
+        SGLang, on the private loopback port passed to its engine_command())."""
+        return None
+
     # ------------------------------------------------------------ entry points
 
     # hostd/dispatch.py calls these once it has checked CFG; a daemon that

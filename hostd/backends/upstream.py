@@ -473,10 +473,6 @@ class UpstreamBackend(Backend):
         """/run/hostd/MODEL/<dir>: the sockets, ready and lock files of the
         upstream daemon of weight slot SLOT (main; next: a checkpoint swap's)."""
 
-    def engine_socket(self, model: str, slot: str = "main") -> Optional[Path]:
-        """The Unix socket upstream's server of SLOT listens on; None: it
-        listens on the private loopback port passed to engine_command()."""
-        return None
 
     @abc.abstractmethod
     def weights_command(self, model: str, cfg, slot: str = "main") -> Command:

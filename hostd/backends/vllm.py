@@ -240,8 +240,8 @@ class VllmBackend(upstream.UpstreamBackend):
         return paths.upstream_socket_dir(model, paths.VLLM_SOCKET_DIR, slot)
 
     def engine_socket(self, model: str, slot: str = "main") -> Path:
-        """Where `vllm serve --uds` of SLOT listens; engine.sock (engine-next.sock)
-        is hostd's proxy in front of it."""
+        """Where `vllm serve --uds` of SLOT listens: the gateway's target for
+        public requests; engine.sock (engine-next.sock) beside it answers /health."""
         return paths.vllm_engine_socket(model, slot)
 
     def weights_command(self, model: str, cfg, slot: str = "main") -> Command:

@@ -2,8 +2,11 @@
 
 One job: run `vllm serve` (on a private Unix socket) or SGLang's
 `launch_server` (on a private loopback port) as this process's child, and
-serve /run/hostd/NAME/engine.sock in front of it: every request is proxied
-unchanged (streaming included) except GET /health, which answers upstream's
+serve /run/hostd/NAME/engine.sock beside it. The gateway sends vLLM's public
+requests to vLLM's own socket (backend.engine_socket: one proxy per token,
+not two); here every request is proxied unchanged (streaming included: all
+of SGLang's, whose port only this process knows, and vLLM's /metrics)
+except GET /health, which answers upstream's
 health plus hostd's contract (engine/health.py's EngineHealth) for the manager: {"engine_config", "weights",
 "weights_not_retained", "weights_pid", "weights_socket_inode"} and for the
 gateway's /metrics ("upstream_version").

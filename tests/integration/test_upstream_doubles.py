@@ -233,6 +233,40 @@ def test_the_gateways_metrics_name_upstreams_version_and_weights_loaded_from_dis
     assert f'hostd_limit{{key="engine.{key}",model="m"}} 5.0' in text.splitlines()
 
 
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_the_gateway_sends_vllms_requests_to_its_socket_and_sglangs_through_the_supervisor(
+        backend, short_root, checkpoint, trees):
+    """Issue 55, item 7: one proxy per token on the vLLM path. With the engine
+    supervisor stopped (SIGSTOP), a completion through the gateway still
+    reaches vLLM on its own socket; SGLang's loopback port is the
+    supervisor's to know, so its requests wait for the supervisor."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tree = tree_for(short_root, checkpoint, backend, device="cpu", listen=f"127.0.0.1:{port}")
+    trees.append(tree)
+    tree.start_weights(timeout=60)
+    engine = tree.start_engine(timeout=60)
+    tree.start_gateway()
+    wait_for(lambda: tree.control("status")["state"] == "serving", 30, "gateway serving")
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 1}
+    engine.proc.send_signal(signal.SIGSTOP)
+    try:
+        if backend == "vllm":
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == " from the test double"
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=3)
+    finally:
+        engine.proc.send_signal(signal.SIGCONT)
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+
+
 def engine_client(tree: ModelTree, slot: str, timeout: float = 30) -> httpx.Client:
     from hostd import paths
 
