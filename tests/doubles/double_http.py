@@ -55,10 +55,12 @@ class State:
 
 class _Unix(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = 2048  # uvicorn's default backlog (socketserver's 5 refuses a burst of streams)
 
 
 class _Tcp(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
+    request_queue_size = 2048
     allow_reuse_address = True
 
 
@@ -82,6 +84,29 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _stream(self, request: dict) -> None:
+            """SSE as upstream's OpenAI server streams a completion: one event
+            per token (max_tokens of them, HOSTD_TEST_TOKEN_SECONDS apart),
+            then `data: [DONE]`, in HTTP/1.1 chunks."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            pause = float(os.environ.get("HOSTD_TEST_TOKEN_SECONDS", "0"))
+            tokens = int(request.get("max_tokens") or 16)
+            for index in range(tokens + 1):
+                if index < tokens:
+                    time.sleep(pause)
+                    event = {"id": "cmpl-double", "object": "text_completion", "model": served_name,
+                             "choices": [{"index": 0, "text": " tok",
+                                          "finish_reason": "length" if index == tokens - 1 else None}]}
+                    data = f"data: {json.dumps(event)}\n\n".encode()
+                else:
+                    data = b"data: [DONE]\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def do_GET(self) -> None:
             if self.path == "/health" and flavour == "vllm":
@@ -118,6 +143,9 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
                     self._send(404, {"error": {"message": f"model {request.get('model')!r} does not exist"}})
                     return
                 time.sleep(delay)
+                if request.get("stream"):
+                    self._stream(request)
+                    return
                 self._send(200, {
                     "id": "cmpl-double", "object": "text_completion", "model": served_name,
                     "choices": [{"index": 0, "text": " from the test double", "finish_reason": "length"}],
