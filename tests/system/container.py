@@ -551,7 +551,14 @@ class SystemdContainer:
         return self.run(["sh", "-ec", script], **kwargs)
 
     def systemctl(self, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-        return self.run(["systemctl", *args], **kwargs)
+        """A failed start/restart/reload shows the journal's end: the container is gone when a report is read."""
+        try:
+            return self.run(["systemctl", *args], **kwargs)
+        except ContainerError as exc:
+            if not {"start", "restart", "reload", "reload-or-restart"} & set(args):
+                raise
+            journal = self.run(["journalctl", "-n", "80", "-o", "short-monotonic", "--no-pager"], check=False).stdout
+            raise ContainerError(f"{exc}\n--- the journal's last 80 lines ---\n{journal}") from None
 
     def write_file(self, path: str, text: str, *, mode: int = 0o644) -> None:
         """Create or replace ``path`` inside the container (parents created)."""
