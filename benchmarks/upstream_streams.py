@@ -77,7 +77,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int) -> i
     async with session.post(url, json=body) as response:
         response.raise_for_status()
         async for line in response.content:
-            if line.startswith(b"data: {"):
+            if line.startswith(b'data: {"id"'):  # a token's event, not an error event
                 got += 1
     if got != tokens:
         raise RuntimeError(f"a stream ended after {got} of {tokens} tokens")

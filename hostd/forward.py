@@ -105,6 +105,22 @@ def session(connector: aiohttp.BaseConnector, connect_timeout: float) -> aiohttp
     )
 
 
+# Upstream's servers (uvicorn) close a keep-alive connection idle for 5 s
+# (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, vllm/envs.py:1143; SGLang's
+# SGLANG_TIMEOUT_KEEP_ALIVE, sglang/srt/environ.py:337). A POST sent on one
+# as they close it fails as taken (aiohttp resends only idempotent methods),
+# which the gateway counts as the engine lost: hostd drops idle ones first.
+UPSTREAM_KEEPALIVE_S = 2.0
+
+
+def upstream_connector(path: Optional[str] = None) -> aiohttp.BaseConnector:
+    """A connection pool to upstream's server: on its Unix socket PATH, else
+    over TCP; unlimited, idle connections closed before upstream closes them."""
+    if path:
+        return aiohttp.UnixConnector(path=path, limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+
+
 async def forward(
     session: aiohttp.ClientSession,
     url: str,

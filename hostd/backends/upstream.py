@@ -473,7 +473,6 @@ class UpstreamBackend(Backend):
         """/run/hostd/MODEL/<dir>: the sockets, ready and lock files of the
         upstream daemon of weight slot SLOT (main; next: a checkpoint swap's)."""
 
-
     @abc.abstractmethod
     def weights_command(self, model: str, cfg, slot: str = "main") -> Command:
         """What hostd's weights supervisor of weight slot SLOT runs as its

@@ -189,11 +189,7 @@ class EngineSupervisor:
     # ------------------------------------------------------------ upstream
 
     def _session(self) -> aiohttp.ClientSession:
-        connector = (
-            aiohttp.UnixConnector(path=str(self.upstream_socket)) if self.upstream_socket
-            else aiohttp.TCPConnector()
-        )
-        return forward.session(connector, 10)
+        return forward.session(forward.upstream_connector(str(self.upstream_socket or "")), 10)
 
     async def start(self) -> None:
         if self.upstream_socket:

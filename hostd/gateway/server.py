@@ -184,7 +184,7 @@ class Gateway:
         for slot, path in self.engine_sockets.items():
             self.sessions[slot] = forward.session(aiohttp.UnixConnector(path=str(path), limit=0), 5)
             upstream = self.backend.engine_socket(self.name, slot)
-            self.request_sessions[slot] = (forward.session(aiohttp.UnixConnector(path=str(upstream), limit=0), 5)
+            self.request_sessions[slot] = (forward.session(forward.upstream_connector(str(upstream)), 5)
                                            if upstream else self.sessions[slot])
         app["monitor"] = asyncio.create_task(self.monitor())
         self.watch.start()

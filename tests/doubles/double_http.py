@@ -94,7 +94,13 @@ def serve(address, served_name: str, health: dict, shutdown_timeout: Optional[fl
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             pause = float(os.environ.get("HOSTD_TEST_TOKEN_SECONDS", "0"))
-            tokens = int(request.get("max_tokens") or 16)
+            tokens = int(request.get("max_tokens", 16))
+            try:
+                self._events(served_name, tokens, pause)
+            except (BrokenPipeError, ConnectionResetError):  # the client left mid-stream
+                self.close_connection = True
+
+        def _events(self, served_name: str, tokens: int, pause: float) -> None:
             for index in range(tokens + 1):
                 if index < tokens:
                     time.sleep(pause)

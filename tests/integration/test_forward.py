@@ -206,3 +206,35 @@ def test_forwarded_headers_drop_fields_named_by_connection():
     headers = CIMultiDict([("Connection", "close, X-A"), ("Connection", "x-b"), ("X-A", "1"), ("X-B", "2"),
                            ("Keep-Alive", "timeout=5"), ("Host", "h"), ("Content-Length", "3"), ("Accept", "*/*")])
     assert list(forward.forwarded_headers(headers).items()) == [("Accept", "*/*")]
+
+
+def test_upstream_connections_idle_longer_than_hostds_keepalive_are_dropped_before_upstream_drops_them(tmp_path: Path):
+    """vLLM's and SGLang's uvicorn close a connection idle for 5 s; a POST
+    sent on one as it closes fails as taken, which the gateway would count as
+    the engine lost (forward.UPSTREAM_KEEPALIVE_S). A request after hostd's
+    keep-alive and before upstream's goes out on a new connection."""
+    assert forward.UPSTREAM_KEEPALIVE_S < 5
+
+    async def main():
+        peers: list[object] = []
+
+        async def echo(request: web.Request) -> web.Response:
+            if request.transport not in peers:
+                peers.append(request.transport)
+            return web.Response(body=await request.read())
+
+        app = web.Application()
+        app.router.add_post("/v1/echo", echo)
+        runner = await start(app, tmp_path / "vllm.sock")
+        session = forward.session(forward.upstream_connector(str(tmp_path / "vllm.sock")), 5)
+        try:
+            for pause in (0.0, 0.2, forward.UPSTREAM_KEEPALIVE_S + 0.8):
+                await asyncio.sleep(pause)
+                async with session.post("http://engine/v1/echo", data=b"{}") as response:
+                    assert response.status == 200
+            assert len(peers) == 2  # the second request reused the first connection, the third did not
+        finally:
+            await session.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
