@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Callable, Optional
 
 import aiohttp
@@ -113,11 +114,11 @@ def session(connector: aiohttp.BaseConnector, connect_timeout: float) -> aiohttp
 UPSTREAM_KEEPALIVE_S = 2.0
 
 
-def upstream_connector(path: Optional[str] = None) -> aiohttp.BaseConnector:
+def upstream_connector(path: Optional[Path] = None) -> aiohttp.BaseConnector:
     """A connection pool to upstream's server: on its Unix socket PATH, else
     over TCP; unlimited, idle connections closed before upstream closes them."""
-    if path:
-        return aiohttp.UnixConnector(path=path, limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+    if path is not None:
+        return aiohttp.UnixConnector(path=str(path), limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
     return aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
 
 

@@ -189,7 +189,7 @@ class EngineSupervisor:
     # ------------------------------------------------------------ upstream
 
     def _session(self) -> aiohttp.ClientSession:
-        return forward.session(forward.upstream_connector(str(self.upstream_socket or "")), 10)
+        return forward.session(forward.upstream_connector(self.upstream_socket), 10)
 
     async def start(self) -> None:
         if self.upstream_socket:

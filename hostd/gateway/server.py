@@ -143,7 +143,7 @@ class Gateway:
         # Where new requests go (slots.py); set up once the metrics exist.
         self.slots = Slots(engine_sockets, self.engine_ok, on_failover=lambda: self.metrics.failovers.inc())
         self.sessions: dict[str, aiohttp.ClientSession] = {}  # each slot's engine socket: /health, /metrics
-        self.request_sessions: dict[str, aiohttp.ClientSession] = {}  # its public requests (backend.engine_socket)
+        self.upstream_sessions: dict[str, aiohttp.ClientSession] = {}  # public requests to vLLM's own socket
         # The engines' deaths, seen from a connection held to each (watch.py).
         self.watch = EngineWatch(engine_sockets, on_lost=self._engine_lost, on_up=self._engine_up)
         self.control_socket = control_socket
@@ -183,16 +183,16 @@ class Gateway:
     async def _startup(self, app: web.Application) -> None:
         for slot, path in self.engine_sockets.items():
             self.sessions[slot] = forward.session(aiohttp.UnixConnector(path=str(path), limit=0), 5)
-            upstream = self.backend.engine_socket(self.name, slot)
-            self.request_sessions[slot] = (forward.session(forward.upstream_connector(str(upstream)), 5)
-                                           if upstream else self.sessions[slot])
+            upstream = self.backend.engine_socket(self.name, slot)  # vLLM's: one proxy less per token
+            if upstream is not None:
+                self.upstream_sessions[slot] = forward.session(forward.upstream_connector(upstream), 5)
         app["monitor"] = asyncio.create_task(self.monitor())
         self.watch.start()
 
     async def _cleanup(self, app: web.Application) -> None:
         app["monitor"].cancel()
         await self.watch.stop()
-        for session in {id(s): s for s in [*self.sessions.values(), *self.request_sessions.values()]}.values():
+        for session in [*self.sessions.values(), *self.upstream_sessions.values()]:
             await session.close()
 
     # ------------------------------------------------------------ routing
@@ -340,7 +340,7 @@ class Gateway:
 
         async def send() -> web.StreamResponse:
             return await forward.forward(
-                self.request_sessions[slot], target, request, body, drop=self.drop_headers,
+                self.upstream_sessions.get(slot, self.sessions[slot]), target, request, body, drop=self.drop_headers,
                 add={"X-Request-Id": uuid.uuid4().hex},
                 on_start=first_byte, on_chunk=chunk, stream_error=self.stream_error,
             )

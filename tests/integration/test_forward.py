@@ -226,7 +226,7 @@ def test_upstream_connections_idle_longer_than_hostds_keepalive_are_dropped_befo
         app = web.Application()
         app.router.add_post("/v1/echo", echo)
         runner = await start(app, tmp_path / "vllm.sock")
-        session = forward.session(forward.upstream_connector(str(tmp_path / "vllm.sock")), 5)
+        session = forward.session(forward.upstream_connector(tmp_path / "vllm.sock"), 5)
         try:
             for pause in (0.0, 0.2, forward.UPSTREAM_KEEPALIVE_S + 0.8):
                 await asyncio.sleep(pause)
