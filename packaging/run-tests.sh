@@ -34,6 +34,7 @@ fi
 wait_upstream() {
     local status=0
     wait "$upstream" || status=$?
+    upstream=  # waited for: the EXIT trap leaves its pid alone
     if [ "$status" -ne 0 ]; then
         cat "$upstream_log"
         echo "run-tests: packaging/setup-upstream.sh failed (exit status $status)" >&2
@@ -83,6 +84,7 @@ ignores=()
 for lane in "${lanes[@]}"; do
     for path in $lane; do ignores+=("--ignore=$path"); done
 done
+lane_statuses=()
 start_lane() {
     local log
     log=$(mktemp)
@@ -90,21 +92,25 @@ start_lane() {
     .venv/bin/python -m pytest $1 --durations=10 > "$log" 2>&1 &
     pids+=("$!") logs+=("$log")
 }
+wait_lane() {
+    local status=0
+    wait "${pids[$1]}" || status=$?
+    lane_statuses[$1]=$status
+}
 .venv/bin/python -m pytest tests "${ignores[@]}" --durations=25 &
 rest=$!
 start_lane "${lanes[0]}"
 start_lane "${lanes[1]}"
 wait_upstream
-quickstart_status=0
-wait "${pids[1]}" || quickstart_status=$?
+wait_lane 1  # the quickstart's lane: the upstream lane runs in its place
 start_lane "${lanes[2]}"
 statuses=()
 status=0
 wait "$rest" || status=$?
 statuses+=("the rest of the system tier $status")
 for i in "${!lanes[@]}"; do
-    lane_status=$quickstart_status
-    [ "$i" -eq 1 ] || { lane_status=0; wait "${pids[$i]}" || lane_status=$?; }
+    [ -n "${lane_statuses[$i]:-}" ] || wait_lane "$i"
+    lane_status=${lane_statuses[$i]}
     echo "=================== lane: ${lanes[$i]} (exit status $lane_status) ==================="
     cat "${logs[$i]}"
     rm -f "${logs[$i]}"
