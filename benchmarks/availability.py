@@ -102,7 +102,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -121,7 +120,7 @@ from hostd.checkpoints.random_model import write_checkpoint
 # The harness that runs a model's daemons by hand lives beside the tests
 # (harness/local.py): put the checkout on the path to import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.local import Daemon, ModelTree, wait_for  # noqa: E402
+from harness.local import Daemon, ModelTree, free_port, wait_for  # noqa: E402
 from harness.upstream_envs import VLLM_ENV  # noqa: E402
 
 # The tiny Llama's positions (harness/tiny_llama.py): vLLM's max_model_len.
@@ -522,12 +521,6 @@ def gateway_knows(tree: ModelTree, verb: str, **request) -> bool:
 
 def gateway_has_switch(tree: ModelTree) -> bool:
     return gateway_knows(tree, "switch", slot="main")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ---------------------------------------------------------------- load and measurements

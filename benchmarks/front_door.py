@@ -46,7 +46,7 @@ import httpx
 # (harness/local.py): put the checkout on the path to import it.
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from harness.local import ModelTree, wait_for  # noqa: E402
+from harness.local import ModelTree, cpu_seconds, free_port, wait_for  # noqa: E402
 
 MiB = 1 << 20
 DOUBLE = HERE / "tests" / "doubles" / "engine_double.py"
@@ -54,22 +54,11 @@ LEGIT = "127.0.0.2"
 COMPLETION = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Gateway:

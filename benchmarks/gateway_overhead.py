@@ -21,9 +21,7 @@ do not.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +36,7 @@ from hostd.checkpoints.random_model import write_checkpoint
 # The harness that runs a model's daemons by hand lives beside the tests
 # (harness/local.py): put the checkout on the path to import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.local import ModelTree, wait_for  # noqa: E402
+from harness.local import ModelTree, cpu_seconds, free_port, wait_for  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,18 +60,6 @@ def stream_rate(client: httpx.Client, tokens: int) -> float:
             if line.startswith("data: {"):
                 chunks += 1
     return chunks / (time.perf_counter() - started)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process PID so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_baseline(tree: ModelTree, checkout: Path, port: int) -> subprocess.Popen:

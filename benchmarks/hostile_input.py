@@ -50,17 +50,11 @@ import httpx
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from harness.local import ModelTree  # noqa: E402
+from harness.local import ModelTree, free_port  # noqa: E402
 
 MiB = 1 << 20
 LEGIT = "127.0.0.2"
 SMALL_CHAT = {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Watch:

@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -38,22 +37,10 @@ import yaml
 # (harness/local.py): put the checkout on the path to import it.
 CHECKOUT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CHECKOUT))
-from harness.local import ModelTree, wait_for  # noqa: E402
+from harness.local import ModelTree, cpu_seconds, free_port, wait_for  # noqa: E402
 
 DOUBLE = CHECKOUT / "tests" / "doubles" / "vllm"  # run as a program, as HOSTD_VLLM
 NAME = "m"
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process PID so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def model_tree(root: Path, port: int, token_seconds: float) -> ModelTree:

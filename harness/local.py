@@ -27,6 +27,20 @@ import httpx
 import yaml
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the benchmarks' own daemons; the
+    system tests hold theirs: tests/system/ports.py)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process PID so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_for(probe: Callable[[], object], timeout: float, what: str, proc: Optional[subprocess.Popen] = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
