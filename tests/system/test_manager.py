@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -242,35 +241,42 @@ def test_a_reload_drains_16_streams_and_loses_none(served_restart):
     hostctl(host, "reload", "tiny", "max_num_seqs=16", check=True)
 
     def stream(_):
-        chunks = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=64,
-            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        # 480 tokens, most of the tiny model's 512 positions: a batch of 16
+        # makes a token every ~5 ms here (benchmarks/engine_step.py), so the
+        # 64 this test once asked for (0.3 s) were over before the 16th
+        # stream was admitted on a loaded CI machine (stop 63).
         usage = None
-        for chunk in chunks:
+        for chunk in client.completions.create(
+                model="tiny", prompt="Tell me a story", max_tokens=480, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
             if chunk.usage:
                 usage = chunk.usage.completion_tokens
-        return usage
+        return usage, time.monotonic()
 
     refused: list[httpx.Response] = []
     with ThreadPoolExecutor(16) as pool:
         streams = [pool.submit(stream, i) for i in range(16)]
-        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running") >= 16, timeout=60, what="16 streaming")
-        reload = threading.Thread(target=hostctl, args=(host, "reload", "tiny", "max_num_seqs=8"))
-        reload.start()
-        wait_for(lambda: model_state(host) == "reloading", timeout=30, what="reloading")
-        while reload.is_alive() and len(refused) < 20:
+        # The engine's high-water mark, which a poll cannot miss between two reads.
+        wait_for(lambda: engine_metric(host, "hostd_engine_requests_running_max") >= 16, timeout=60,
+                 what="16 streaming at once")
+        asked = time.monotonic()
+        out = busctl(host, "call", "org.hostd1", "/org/hostd1", "org.hostd1.Manager", "Reload",
+                     "sa{sv}", "tiny", "1", "max_num_seqs", "u", "8").stdout
+        path = out.split('"')[1]
+        while op_property(host, path, "State") == "running" and len(refused) < 20:
             response = httpx.post(host.base_url + "/v1/completions",
                                   json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
             if response.status_code == 503:
                 refused.append(response)
             time.sleep(0.2)
-        reload.join(300)
+        wait_operation(host, path)
         results = [s.result(300) for s in streams]
 
-    assert results == [64] * 16  # every admitted stream finished, in full
+    assert [tokens for tokens, _ in results] == [480] * 16  # every admitted stream finished, in full
+    assert all(ended > asked for _, ended in results), "a stream ended before the reload was asked: nothing drained it"
     assert refused, "no request arrived while the model was unavailable"
     assert all(r.headers["Retry-After"] and r.json()["error"]["type"] == "service_unavailable" for r in refused)
-    assert op_property(host, last_operation(host), "State") == "done"
+    assert op_property(host, path, "State") == "done"
     assert status_code(host) == 200
 
 
