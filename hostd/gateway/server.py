@@ -548,5 +548,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="model name (/etc/hostd/models/NAME.yaml)")
     parser.add_argument("--listen", metavar="ADDRESS", help="public address when not socket-activated (default: the model's listen:)")
     parser.add_argument("--engine", metavar="PATH", help="engine socket (default /run/hostd/NAME/engine.sock; "
-                        "the overlap slot's is engine-next.sock beside it)")
+                        "the overlap slot's is engine-next.sock beside it; a vLLM model's public "
+                        "requests go to vLLM's own socket, /run/hostd/NAME/vllm-engine.sock, wherever this is)")
     parser.add_argument("--control", metavar="PATH", help="control socket (default /run/hostd/NAME/control.sock)")
