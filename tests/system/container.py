@@ -526,9 +526,16 @@ class SystemdContainer:
     ) -> subprocess.CompletedProcess[str]:
         """Run ``args`` inside the container (all its namespaces) and return
         the completed process with text stdout/stderr.  With ``check`` a
-        non-zero exit raises :class:`ContainerError` showing both streams."""
+        non-zero exit raises :class:`ContainerError` showing both streams.
+        A ``journalctl`` read sees all that was logged before it (below)."""
         if self.pid1 is None or not self.running:
             raise ContainerError("container is not running")
+        if list(args[:1]) == ["journalctl"] and "--sync" not in args:
+            # journald reads what units wrote on its own time: a read made as
+            # soon as a unit failed once lacked both its refusal and systemd's
+            # own lines about it (stop 64, a local run). --sync returns once
+            # journald has taken in everything queued to it before.
+            self.run(["journalctl", "--sync"], check=False, timeout=timeout)
         command = ["nsenter", "-t", str(self.pid1), "-a", "--", *args]
         proc = subprocess.run(
             command,
