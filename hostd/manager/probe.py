@@ -294,6 +294,10 @@ class Probe:
             invocation = shown.stdout.strip()
             if not re.fullmatch(r"[0-9a-f]{32}", invocation):
                 return default
+            # journald takes in a unit's output on its own time: read just as
+            # the engine failed, its last lines may not be there yet. --sync
+            # returns once everything queued to journald before it is in.
+            await asyncio.to_thread(subprocess.run, ["journalctl", "--sync"], capture_output=True, timeout=10)
             result = await asyncio.to_thread(
                 subprocess.run,
                 ["journalctl", f"_SYSTEMD_INVOCATION_ID={invocation}", "-p", "err", "-n", "3",

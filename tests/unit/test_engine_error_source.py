@@ -21,6 +21,8 @@ def fake_run(argv, **kwargs):
     if argv[:2] == ["systemctl", "show"]:
         return subprocess.CompletedProcess(argv, 0, NEW + "\n", "")
     assert argv[0] == "journalctl"
+    if argv[1:] == ["--sync"]:
+        return subprocess.CompletedProcess(argv, 0, "", "")
     match = [a.split("=", 1)[1] for a in argv if a.startswith("_SYSTEMD_INVOCATION_ID=")]
     lines = [m for inv, _, m in JOURNAL if not match or inv == match[0]]  # "-u UNIT": every invocation
     return subprocess.CompletedProcess(argv, 0, "\n".join(lines) + "\n", "")
@@ -30,3 +32,22 @@ def test_a_reload_cause_is_the_failing_invocations_error_never_a_clients_planted
     monkeypatch.setattr(probe.subprocess, "run", fake_run)
     cause = asyncio.run(Probe("tiny").engine_error("the engine failed to start"))
     assert "CUDA out of memory" in cause and "evil.example" not in cause
+
+
+def test_the_cause_is_read_after_journald_has_taken_in_the_engines_last_lines(monkeypatch):
+    # journald reads a unit's output on its own time: until a sync, the
+    # failed engine's last line is not in the journal (stop 64 saw a unit's
+    # journal lag its failure under load).
+    synced = []
+
+    def lagging_journal(argv, **kwargs):
+        if argv[1:] == ["--sync"]:
+            synced.append(True)
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        if argv[0] == "journalctl" and not synced:
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return fake_run(argv, **kwargs)
+
+    monkeypatch.setattr(probe.subprocess, "run", lagging_journal)
+    cause = asyncio.run(Probe("tiny").engine_error("the engine failed to start"))
+    assert "CUDA out of memory" in cause, cause
