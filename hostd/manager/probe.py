@@ -37,6 +37,7 @@ log = logging.getLogger("hostd.manager.probe")
 CONTROL_TIMEOUT = 10.0  # s for a control answer, beyond what the request may take (a drain's timeout)
 HEALTH_MAX = engine_health.MAX_BYTES  # bytes of an engine's /health answer (and of a rebuild's)
 SMOKE_ERROR_BYTES = 300  # bytes of a failed smoke request's answer shown: enough for the reason, never the whole
+JOURNAL_SYNC_S = 3.0  # s for journald to take in what a failed engine wrote, before its lines are read
 
 
 class VerifyFailed(Exception):
@@ -294,10 +295,7 @@ class Probe:
             invocation = shown.stdout.strip()
             if not re.fullmatch(r"[0-9a-f]{32}", invocation):
                 return default
-            # journald takes in a unit's output on its own time: read just as
-            # the engine failed, its last lines may not be there yet. --sync
-            # returns once everything queued to journald before it is in.
-            await asyncio.to_thread(subprocess.run, ["journalctl", "--sync"], capture_output=True, timeout=10)
+            await self._journal_sync()
             result = await asyncio.to_thread(
                 subprocess.run,
                 ["journalctl", f"_SYSTEMD_INVOCATION_ID={invocation}", "-p", "err", "-n", "3",
@@ -308,6 +306,18 @@ class Probe:
             return default
         lines = [l for l in result.stdout.splitlines() if l.strip()]
         return f"{default}: {' | '.join(lines[-2:])}" if lines else default
+
+    @staticmethod
+    async def _journal_sync() -> None:
+        """journald takes in a unit's output on its own time: read just as the
+        engine failed, its last lines may not be there yet. --sync returns once
+        everything queued to journald before it is in; a slow or failed one
+        (journald busy) still leaves the read to find what it can."""
+        try:
+            await asyncio.to_thread(subprocess.run, ["journalctl", "--sync"], capture_output=True,
+                                    timeout=JOURNAL_SYNC_S)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
     # ------------------------------------------------------------ preflight (preflight.py's)
 

@@ -51,3 +51,14 @@ def test_the_cause_is_read_after_journald_has_taken_in_the_engines_last_lines(mo
     monkeypatch.setattr(probe.subprocess, "run", lagging_journal)
     cause = asyncio.run(Probe("tiny").engine_error("the engine failed to start"))
     assert "CUDA out of memory" in cause, cause
+
+
+def test_a_journal_sync_that_times_out_still_leaves_the_read(monkeypatch):
+    def slow_sync(argv, **kwargs):
+        if argv[1:] == ["--sync"]:
+            raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
+        return fake_run(argv, **kwargs)
+
+    monkeypatch.setattr(probe.subprocess, "run", slow_sync)
+    cause = asyncio.run(Probe("tiny").engine_error("the engine failed to start"))
+    assert "CUDA out of memory" in cause, cause
