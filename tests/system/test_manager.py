@@ -153,6 +153,14 @@ def read_file(host: SystemdContainer, path: str) -> str:
     return result.stdout if result.returncode == 0 else "<absent>"
 
 
+# Streams that hold a drain open: more than any max_num_seqs these tests run
+# (other_values: at most 7), so the engine runs them in rounds and a drain
+# lasts several streams' time. Four streams of 480 tokens (about 2 s) were
+# once over before a loaded machine's `hostctl reload --no-wait` reached the
+# drain (a local run at 4380b3e: "timed out after 30s waiting for draining").
+DRAIN_STREAMS = 16
+
+
 def long_streams(host: SystemdContainer, pool: ThreadPoolExecutor, count: int, admitted: int = 0) -> list:
     """COUNT streams of 480 tokens each (long enough to hold a drain open),
     submitted to POOL; returns their futures (the token count, or -1 for a
@@ -531,8 +539,8 @@ def test_manager_killed_during_a_drain_leaves_the_engine_alone_and_loses_no_stre
     engine_pid = main_pid(host, "model-engine@tiny.service")
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
 
-    with ThreadPoolExecutor(4) as pool:
-        streaming = long_streams(host, pool, 4, admitted=4)
+    with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+        streaming = long_streams(host, pool, DRAIN_STREAMS, admitted=DRAIN_STREAMS)
         [value] = other_values(host)
         path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
@@ -560,9 +568,9 @@ def test_cancel_during_drain_restores_and_resumes_without_restart(served_restart
     engine_pid = main_pid(host, "model-engine@tiny.service")
     dropin = read_file(host, f"{DROPINS}/90-reload.yaml")
 
-    # Four long streams keep the drain waiting long enough to cancel it.
-    with ThreadPoolExecutor(4) as pool:
-        streaming = long_streams(host, pool, 4)
+    # Long streams, queued beyond max_num_seqs, keep the drain waiting long enough to cancel it.
+    with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+        streaming = long_streams(host, pool, DRAIN_STREAMS)
         [value] = other_values(host)
         path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
@@ -591,8 +599,8 @@ def test_stopping_the_model_interrupts_a_reload_and_restores_its_dropin(served_r
     everything = ("model@tiny.service", "model-engine@tiny.service", "model-weights@tiny.service")
     before = {unit: invocation(host, unit) for unit in everything}
 
-    with ThreadPoolExecutor(4) as pool:
-        long_streams(host, pool, 4)  # cut off by the stop: expected here
+    with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+        long_streams(host, pool, DRAIN_STREAMS)  # cut off by the stop: expected here
         [value] = other_values(host)
         path = hostctl(host, "reload", "tiny", f"max_num_seqs={value}", "--no-wait", check=True).stdout.strip()
         wait_for(lambda: op_property(host, path, "Stage") == "drain", timeout=30, what="draining")
