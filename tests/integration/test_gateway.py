@@ -19,13 +19,7 @@ import msgspec
 import pytest
 
 from hostd.gateway import control
-from harness.local import ModelTree, as_other_user, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness.local import ModelTree, as_other_user, free_port, wait_for
 
 
 def serve(directory: Path, checkpoint: Path):

@@ -22,13 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hostd.gateway import control
-from harness.local import Daemon, ModelTree, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness.local import Daemon, ModelTree, free_port, wait_for
 
 
 def gateway_tree(tmp_path: Path, checkpoint: Path, **gateway) -> ModelTree:

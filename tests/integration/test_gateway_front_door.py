@@ -22,16 +22,10 @@ import yaml
 
 from hostd import sockets
 from hostd.gateway import control
-from harness.local import ModelTree, wait_for
+from harness.local import ModelTree, free_port, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "doubles" / "engine_double.py"
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FrontDoor:

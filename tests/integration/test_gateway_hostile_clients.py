@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from test_gateway_front_door import COMPLETION, FrontDoor, door, free_port, front_door, still_open  # noqa: F401 (door: a fixture)
-from harness.local import ModelTree, wait_for
+from test_gateway_front_door import COMPLETION, FrontDoor, door, front_door, still_open  # noqa: F401 (door: a fixture)
+from harness.local import ModelTree, free_port, wait_for
 
 MiB = 1 << 20
 LEGIT, WATCHER = "127.0.0.2", "127.0.0.3"  # the other clients' source addresses

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from hostd import logs
-from harness.local import ModelTree, wait_for
-from test_overlap import completion, free_port
+from harness.local import ModelTree, free_port, wait_for
+from test_overlap import completion
 
 
 def debug_lines(text: str, component: str) -> list[str]:

@@ -20,10 +20,9 @@ import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 import hostd
-from harness.local import ModelTree, wait_for
+from harness.local import ModelTree, free_port, wait_for
 from tests.promql_names import (SYNTHETIC, dashboard_exprs, equality_matchers, exposed_names, names_in, rule_exprs,
                                 upstream_kind)
-from test_overlap import free_port  # as test_standby.py
 
 # Matchers on label values that only an event this test cannot cause cheaply
 # makes: the reason says which.

@@ -4,7 +4,6 @@ tests/system covers that)."""
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,13 +13,7 @@ import pytest
 
 from hostd import paths
 from hostd.gateway import control
-from harness.local import ModelTree, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness.local import ModelTree, free_port, wait_for
 
 
 def healthy(path: Path) -> bool:

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from hostd import paths
-from harness.local import ModelTree, wait_for
-from test_overlap import completion, free_port, healthy
+from harness.local import ModelTree, free_port, wait_for
+from test_overlap import completion, healthy
 
 
 def standby_http(tree: ModelTree, timeout: float = 120) -> httpx.Client:

@@ -20,8 +20,7 @@ import pytest
 
 from hostd import paths
 from hostd.gateway import watch
-from harness.local import ModelTree, wait_for
-from test_overlap import free_port
+from harness.local import ModelTree, free_port, wait_for
 from test_standby import start_standby
 
 MAX_TOKENS = 240  # the tiny model's context is 256: about a second on CPU, long enough to be killed under
